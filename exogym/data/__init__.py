@@ -1,0 +1,1 @@
+"""Data: per-node sharding and loaders for real data sets."""
