@@ -1,0 +1,64 @@
+"""Argument checks shared by every public constructor: one place for the wording of errors."""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from typing import Any, Iterable
+
+
+def reject_unknown_kwargs(owner: str, unknown: dict[str, Any], accepted: Iterable[str]) -> None:
+    """Raise a TypeError naming the unknown keywords, close matches and every accepted keyword.
+
+    The original project turned unknown keywords into attributes, so a typo silently changed
+    the experiment; here a typo stops it before anything runs.
+    """
+    if not unknown:
+        return
+    accepted = sorted(set(accepted))
+    parts = []
+    for name in sorted(unknown):
+        close = difflib.get_close_matches(name, accepted, n=1)
+        parts.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise TypeError(
+        f"{owner} got unexpected keyword argument(s) {', '.join(parts)}; "
+        f"accepted keywords are: {', '.join(accepted)}"
+    )
+
+
+def init_keywords(cls: type) -> list[str]:
+    """Every named keyword the constructors along cls's MRO accept (what a user may pass)."""
+    names: list[str] = []
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        for p in inspect.signature(init).parameters.values():
+            if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+                names.append(p.name)
+    return names
+
+
+def check_int(name: str, value: Any, *, minimum: int, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+
+
+def check_number(name: str, value: Any, *, minimum: float | None = None, positive: bool = False,
+                 maximum: float | None = None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    if value != value:  # NaN
+        raise ValueError(f"{name} must be a number, got nan")
+    if positive and value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value!r}")

@@ -1,0 +1,38 @@
+"""The global model: the strategy's own entries, the rest averaged across nodes.
+
+Used for "global" validation and for the model `fit` returns. This traffic is a measurement,
+not part of the algorithm, so it goes straight to the backend and is not counted as bytes sent.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from exogym.comm import Communicator, ReduceOp
+
+__all__ = ["global_state_dict"]
+
+
+@torch.no_grad()
+def global_state_dict(model: torch.nn.Module, strategy, comm: Communicator) -> dict[str, torch.Tensor]:
+    """Every node must call this together. Float entries are averaged (one all-reduce per dtype),
+    non-float buffers (BatchNorm's num_batches_tracked) are this node's own; meaningful on node 0."""
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    overrides = dict(strategy.global_state() or {})
+    unknown = set(overrides) - set(state)
+    if unknown:
+        raise KeyError(f"{type(strategy).__name__}.global_state() returned keys not in the model: {sorted(unknown)}")
+    by_dtype: dict[torch.dtype, list[str]] = defaultdict(list)
+    for k, v in state.items():
+        if k not in overrides and v.is_floating_point():
+            by_dtype[v.dtype].append(k)
+    for keys in by_dtype.values():
+        flat = torch.cat([state[k].reshape(-1) for k in keys])
+        comm.all_reduce(flat, ReduceOp.AVG, comm.world)
+        for k, chunk in zip(keys, flat.split([state[k].numel() for k in keys])):
+            state[k] = chunk.view_as(state[k])
+    for k, v in overrides.items():
+        state[k] = v.detach().to(state[k].device, state[k].dtype).clone()
+    return state

@@ -1,0 +1,121 @@
+"""The sim backend: every node is a thread of this process, collectives are tensor ops.
+
+Collectives are computed once, by the last member to arrive, in rank order, and written
+into every member's tensors; nodes on different devices meet on the first member's device.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from exogym.backends.scheduler import CollectiveCall, CollectiveError, Scheduler
+from exogym.comm import CommStats, Group, ReduceOp, make_group
+from exogym.rng import NodeRNG
+
+__all__ = ["SimCommunicator", "run_sim", "CollectiveError"]
+
+
+def _sig(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), str(t.dtype).removeprefix("torch."))
+
+
+def _reduce_into(acc: torch.Tensor, others: Sequence[torch.Tensor], op: ReduceOp, group_size: int) -> None:
+    """acc <- op(acc, others...), applied left to right (rank order), so the result is deterministic."""
+    for t in others:
+        t = t.to(acc.device)
+        if op in (ReduceOp.SUM, ReduceOp.AVG):
+            acc.add_(t)
+        elif op is ReduceOp.MAX:
+            torch.maximum(acc, t, out=acc)
+        elif op is ReduceOp.MIN:
+            torch.minimum(acc, t, out=acc)
+        else:
+            acc.mul_(t)
+    if op is ReduceOp.AVG:
+        acc.div_(group_size)
+
+
+def _complete_all_reduce(calls: list[CollectiveCall]) -> None:
+    tensors = [c.args["tensor"] for c in calls]
+    op = calls[0].args["op"]
+    # Reduce into the first member's tensor (no temporary), then copy the result to the others.
+    _reduce_into(tensors[0], tensors[1:], op, len(tensors))
+    for t in tensors[1:]:
+        t.copy_(tensors[0])
+
+
+def _complete_broadcast(calls: list[CollectiveCall]) -> None:
+    src = calls[0].args["src"]
+    source = next(c.args["tensor"] for c in calls if c.args["rank"] == src)
+    for c in calls:
+        if c.args["rank"] != src:
+            c.args["tensor"].copy_(source)
+
+
+def _complete_all_gather(calls: list[CollectiveCall]) -> None:
+    for c in calls:
+        for out, other in zip(c.args["tensor_list"], calls):
+            out.copy_(other.args["tensor"])
+
+
+def _complete_reduce_scatter(calls: list[CollectiveCall]) -> None:
+    op = calls[0].args["op"]
+    for i, c in enumerate(calls):
+        out = c.args["output"]
+        out.copy_(calls[0].args["input_list"][i])
+        _reduce_into(out, [other.args["input_list"][i] for other in calls[1:]], op, len(calls))
+
+
+_COMPLETE: dict[str, Callable[[list[CollectiveCall]], None]] = {
+    "all_reduce": _complete_all_reduce,
+    "broadcast": _complete_broadcast,
+    "all_gather": _complete_all_gather,
+    "reduce_scatter": _complete_reduce_scatter,
+    "barrier": lambda calls: None,
+}
+
+
+class SimCommunicator:
+    """Node `rank`'s side of the sim backend (implements `exogym.comm.Communicator`)."""
+
+    def __init__(self, scheduler: Scheduler, rank: int, num_nodes: int):
+        self.scheduler, self.rank, self.num_nodes = scheduler, rank, num_nodes
+        self.stats = CommStats()
+        self.world = Group(tuple(range(num_nodes)))
+        self.step: int | None = None  # the node's current step, for error messages
+
+    def _meet(self, name: str, group: Group, signature: tuple, **args: Any) -> None:
+        call = CollectiveCall(name, (name, *signature), dict(args, rank=self.rank), self.step)
+        self.scheduler.rendezvous(self.rank, group.ranks, call, _COMPLETE[name])
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, group: Group) -> None:
+        if op is ReduceOp.AVG and not (tensor.is_floating_point() or tensor.is_complex()):
+            raise TypeError(f"all_reduce with op=AVG needs a floating-point tensor, got {tensor.dtype}; "
+                            "use SUM and divide")
+        self._meet("all_reduce", group, (*_sig(tensor), op.value), tensor=tensor, op=op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Group) -> None:
+        self._meet("broadcast", group, (*_sig(tensor), f"src={src}"), tensor=tensor, src=src)
+
+    def all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Group) -> None:
+        self._meet("all_gather", group, _sig(tensor), tensor_list=tensor_list, tensor=tensor)
+
+    def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp,
+                       group: Group) -> None:
+        self._meet("reduce_scatter", group, (*_sig(output), op.value), output=output, input_list=input_list, op=op)
+
+    def barrier(self, group: Group) -> None:
+        self._meet("barrier", group, ())
+
+    def new_group(self, ranks: Sequence[int]) -> Group:
+        return make_group(ranks, self.num_nodes)
+
+
+def run_sim(node_fns: list[Callable[[SimCommunicator], Any]], rngs: list[NodeRNG]) -> list[Any]:
+    """Run node_fns[r](comm_r) for every node under one scheduler; return their results in rank order."""
+    scheduler = Scheduler(len(node_fns), on_resume=lambda r: rngs[r].activate(),
+                          on_pause=lambda r: rngs[r].deactivate())
+    comms = [SimCommunicator(scheduler, r, len(node_fns)) for r in range(len(node_fns))]
+    return scheduler.run([lambda r=r: node_fns[r](comms[r]) for r in range(len(node_fns))])

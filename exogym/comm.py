@@ -1,0 +1,149 @@
+"""The comm layer's core: groups, reduce ops, byte formulas, and which node is calling.
+
+Strategies call the module-level functions in `exogym.strategy.communicate`; those look up
+the calling node's `Communicator` here (bound per thread by the backend), count the bytes
+that node sends, and hand the call to the backend. A strategy never sees the backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import threading
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol, Sequence
+
+import torch
+
+__all__ = ["Group", "ReduceOp", "Communicator", "CommStats", "current_communicator", "bind_communicator"]
+
+
+class ReduceOp(str, enum.Enum):
+    SUM = "sum"
+    AVG = "avg"
+    MAX = "max"
+    MIN = "min"
+    PRODUCT = "product"
+
+    @classmethod
+    def of(cls, op: object) -> "ReduceOp":
+        """Accept our enum, its string value, or torch.distributed.ReduceOp (strategies from the original use it)."""
+        if isinstance(op, cls):
+            return op
+        name = op if isinstance(op, str) else getattr(op, "name", None)
+        if isinstance(name, str):
+            try:
+                return cls(name.lower())
+            except ValueError:
+                pass
+        raise ValueError(f"unsupported reduce op {op!r}; use one of {[o.value for o in cls]} "
+                         "or torch.distributed.ReduceOp.SUM/AVG/MAX/MIN/PRODUCT")
+
+
+@dataclass(frozen=True)
+class Group:
+    """An ordered set of node ranks taking part in a collective (the world, an island, a pair)."""
+
+    ranks: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def __contains__(self, rank: object) -> bool:
+        return rank in self.ranks
+
+
+def make_group(ranks: Sequence[int], num_nodes: int) -> Group:
+    ranks = tuple(int(r) for r in ranks)
+    if not ranks:
+        raise ValueError("a group needs at least one rank, got an empty list")
+    bad = [r for r in ranks if not 0 <= r < num_nodes]
+    if bad:
+        raise ValueError(f"group ranks must lie in 0..{num_nodes - 1} (num_nodes={num_nodes}), got {bad}")
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"group ranks must be distinct, got {list(ranks)}")
+    return Group(tuple(sorted(ranks)))
+
+
+# Bytes each member sends, for the bandwidth-optimal (ring / pipelined chain) algorithm of each op.
+# N is the payload in bytes, R the group size. These are what NCCL and gloo move for large tensors.
+
+def all_reduce_bytes(nbytes: int, group_size: int) -> int:
+    """Ring all-reduce = reduce-scatter + all-gather: each member sends 2 N (R-1)/R."""
+    return 2 * nbytes * (group_size - 1) // group_size
+
+
+def reduce_scatter_bytes(input_nbytes: int, group_size: int) -> int:
+    """Ring reduce-scatter of an N-byte input: each member sends N (R-1)/R."""
+    return input_nbytes * (group_size - 1) // group_size
+
+
+def all_gather_bytes(chunk_nbytes: int, group_size: int) -> int:
+    """Ring all-gather: each member's n-byte chunk travels R-1 hops, so each sends n (R-1)."""
+    return chunk_nbytes * (group_size - 1)
+
+
+def broadcast_bytes(nbytes: int, group: Group, src: int, rank: int) -> int:
+    """Pipelined chain from src around the group: every member but the chain's last sends N."""
+    pos = (group.ranks.index(rank) - group.ranks.index(src)) % group.size
+    return nbytes if pos < group.size - 1 else 0
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass
+class CommStats:
+    """What one node has sent so far: total bytes, bytes and calls per op."""
+
+    bytes_sent: int = 0
+    bytes_by_op: dict[str, int] = field(default_factory=dict)
+    calls_by_op: dict[str, int] = field(default_factory=dict)
+
+    def add(self, op: str, nbytes: int) -> None:
+        self.bytes_sent += nbytes
+        self.bytes_by_op[op] = self.bytes_by_op.get(op, 0) + nbytes
+        self.calls_by_op[op] = self.calls_by_op.get(op, 0) + 1
+
+
+class Communicator(Protocol):
+    """One node's view of a backend. Arguments arrive validated and normalised; no byte counting here."""
+
+    rank: int
+    num_nodes: int
+    stats: CommStats
+    world: Group
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, group: Group) -> None: ...
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Group) -> None: ...
+    def all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Group) -> None: ...
+    def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp,
+                       group: Group) -> None: ...
+    def barrier(self, group: Group) -> None: ...
+    def new_group(self, ranks: Sequence[int]) -> Group: ...
+
+
+_bound = threading.local()
+
+
+@contextlib.contextmanager
+def bind_communicator(comm: Communicator) -> Iterator[Communicator]:
+    """Make `comm` the calling thread's communicator (a sim node thread, or a torch process's main thread)."""
+    previous = getattr(_bound, "comm", None)
+    _bound.comm = comm
+    try:
+        yield comm
+    finally:
+        _bound.comm = previous
+
+
+def current_communicator() -> Communicator:
+    comm = getattr(_bound, "comm", None)
+    if comm is None:
+        raise RuntimeError(
+            "exogym.strategy.communicate was called outside a running node; collectives work inside "
+            "Strategy.step() (or anything it calls) while Trainer.fit is running"
+        )
+    return comm

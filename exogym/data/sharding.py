@@ -1,0 +1,111 @@
+"""Which examples each node sees, batch by batch.
+
+A plain Dataset is split into disjoint per-node shards with DistributedSampler semantics
+(one seeded permutation per epoch, padded to a multiple of num_nodes, node r takes every
+num_nodes-th index from r). A factory f(rank, num_nodes, is_val) -> Dataset gives each node
+a dataset of its own instead, which is shuffled but not split.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Union
+
+import torch
+from torch.utils.data import Dataset, DistributedSampler, IterableDataset, TensorDataset
+from torch.utils.data import default_collate
+
+__all__ = ["DatasetOrFactory", "node_dataset", "NodeBatches", "fixed_batches", "split_batch", "batch_size_of",
+           "move_to_device"]
+
+DatasetOrFactory = Union[Dataset, Callable[[int, int, bool], Dataset]]
+
+
+def is_factory(data: object) -> bool:
+    return callable(data) and not isinstance(data, Dataset)
+
+
+def node_dataset(data: DatasetOrFactory, rank: int, num_nodes: int, is_val: bool) -> Dataset:
+    """The dataset node `rank` draws from (the whole dataset when it is to be sharded)."""
+    ds = data(rank, num_nodes, is_val) if is_factory(data) else data
+    kind = "validation" if is_val else "training"
+    if isinstance(ds, IterableDataset) or not hasattr(ds, "__len__") or not hasattr(ds, "__getitem__"):
+        source = f"the dataset factory returned for node {rank}" if is_factory(data) else "the dataset"
+        raise TypeError(f"the {kind} data must be a map-style Dataset (with __len__ and __getitem__); "
+                        f"{source} is {type(ds).__name__}")
+    return ds
+
+
+def _collate(ds: Dataset, indices: list[int]) -> Any:
+    if isinstance(ds, TensorDataset):  # fast path: one gather per tensor instead of one item at a time
+        idx = torch.as_tensor(indices)
+        return tuple(t[idx] for t in ds.tensors)
+    return default_collate([ds[i] for i in indices])
+
+
+class NodeBatches:
+    """Node `rank`'s training batches, epoch after epoch; incomplete final batches are dropped so
+    every step has the same global batch."""
+
+    def __init__(self, ds: Dataset, *, rank: int, num_nodes: int, batch_size: int, shuffle: bool, seed: int,
+                 shard: bool):
+        self.ds, self.batch_size = ds, batch_size
+        self.sampler = DistributedSampler(ds, num_replicas=num_nodes if shard else 1, rank=rank if shard else 0,
+                                          shuffle=shuffle, seed=seed)
+        self.steps_per_epoch = self.sampler.num_samples // batch_size
+        self.epoch = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            self.sampler.set_epoch(self.epoch)  # a new permutation each epoch, the same on every node
+            indices = list(self.sampler)
+            for i in range(self.steps_per_epoch):
+                yield _collate(self.ds, indices[i * self.batch_size:(i + 1) * self.batch_size])
+            self.epoch += 1
+
+
+def fixed_batches(ds: Dataset, *, size: int, batch_size: int, seed: int) -> list[Any]:
+    """The same `size` examples for every evaluation (a seeded choice), in batches of `batch_size`."""
+    gen = torch.Generator().manual_seed(seed)
+    indices = torch.randperm(len(ds), generator=gen)[:size].tolist()
+    return [_collate(ds, indices[i:i + batch_size]) for i in range(0, len(indices), batch_size)]
+
+
+def move_to_device(batch: Any, device: torch.device) -> Any:
+    """Move tensors inside tensors, tuples, lists and dicts to `device`; leave anything else as it is."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: move_to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        moved = [move_to_device(v, device) for v in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    return batch
+
+
+def batch_size_of(batch: Any) -> int:
+    """Examples in a batch: the leading dimension of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for v in values:
+        try:
+            return batch_size_of(v)
+        except TypeError:
+            continue
+    raise TypeError(f"cannot find a tensor in the batch to take its size from: {type(batch).__name__}")
+
+
+def split_batch(batch: Any, size: int) -> list[Any]:
+    """Split every tensor in the batch along dim 0 into chunks of `size` (gradient accumulation)."""
+    if isinstance(batch, torch.Tensor):
+        return list(batch.split(size))
+    if isinstance(batch, dict):
+        parts = {k: split_batch(v, size) for k, v in batch.items()}
+        n = max(len(p) for p in parts.values())
+        return [{k: (p[i] if len(p) == n else batch[k]) for k, p in parts.items()} for i in range(n)]
+    if isinstance(batch, (list, tuple)):
+        parts = [split_batch(v, size) for v in batch]
+        n = max(len(p) for p in parts)
+        rows = [[p[i] if len(p) == n else v for p, v in zip(parts, batch)] for i in range(n)]
+        return [type(batch)(*r) if hasattr(batch, "_fields") else type(batch)(r) for r in rows]
+    return [batch]

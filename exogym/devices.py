@@ -1,0 +1,60 @@
+"""Which device each node runs on."""
+
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+import torch
+
+__all__ = ["DeviceLike", "resolve_node_devices", "default_device"]
+
+DeviceLike = Union[str, int, torch.device]
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def _to_device(spec: DeviceLike) -> torch.device:
+    if isinstance(spec, torch.device):
+        dev = spec
+    elif isinstance(spec, bool) or not isinstance(spec, (str, int)):
+        raise TypeError(f"a device must be a string like 'cpu' or 'cuda:1', an int (a CUDA index) or a "
+                        f"torch.device; got {spec!r}")
+    else:
+        try:
+            dev = torch.device(f"cuda:{spec}" if isinstance(spec, int) else spec)
+        except RuntimeError as e:
+            raise ValueError(f"invalid device {spec!r}: {e}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {spec!r} needs CUDA, but torch.cuda.is_available() is False here; "
+                             "use device='cpu'")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {spec!r} does not exist: this machine has {torch.cuda.device_count()} "
+                             "CUDA device(s)")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise ValueError(f"device {spec!r} needs Apple MPS, which is not available here; use device='cpu'")
+    elif dev.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"device type {dev.type!r} is not supported; use 'cpu', 'cuda' or 'mps'")
+    return dev
+
+
+def resolve_node_devices(num_nodes: int, device: DeviceLike | None,
+                         devices: Sequence[DeviceLike] | None) -> list[torch.device]:
+    """Node r runs on devices[r % len(devices)] (round-robin), else on `device`, else the best available."""
+    if devices is not None:
+        if device is not None:
+            raise TypeError(f"give either device ({device!r}) or devices ({devices!r}), not both")
+        if isinstance(devices, (str, torch.device)) or len(devices) == 0:
+            raise TypeError(f"devices must be a non-empty list of devices, got {devices!r}")
+        resolved = [_to_device(d) for d in devices]
+        return [resolved[r % len(resolved)] for r in range(num_nodes)]
+    dev = _to_device(device) if device is not None else _to_device(default_device())
+    return [dev] * num_nodes

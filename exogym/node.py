@@ -1,0 +1,214 @@
+"""TrainNode: one node's ordinary training loop (data shard -> forward -> backward -> strategy.step()).
+
+The same loop runs as a thread under the sim backend and as a process under torch.distributed;
+it talks to other nodes only through the strategy and the comm layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from exogym.averaging import global_state_dict
+from exogym.comm import Communicator, bind_communicator
+from exogym.data.sharding import NodeBatches, batch_size_of, move_to_device, split_batch
+from exogym.record import NodeLog
+
+__all__ = ["RunConfig", "TrainNode", "parse_model_output"]
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The numbers every node of one run shares (validated and derived by the trainer)."""
+
+    num_nodes: int
+    max_steps: int
+    batch_size: int
+    minibatch_size: int
+    val_interval: int
+    log_interval: int
+    autocast: bool
+    progress: bool
+    validate: bool  # every node takes part in building the global model, node 0 evaluates it
+
+
+def parse_model_output(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Split model(batch) into the loss and extra scalar metrics, or say what the contract is."""
+    metrics: dict[str, torch.Tensor] = {}
+    if isinstance(out, dict):
+        if "loss" not in out:
+            raise TypeError(f"model(batch) returned a dict without a 'loss' entry (keys: {sorted(out)}); "
+                            "return the scalar loss under 'loss'")
+        for name, value in out.items():
+            if name == "loss":
+                continue
+            value = torch.as_tensor(value.detach() if isinstance(value, torch.Tensor) else value)
+            if value.numel() != 1:
+                raise TypeError(f"model(batch) returned metric {name!r} of shape {tuple(value.shape)}; "
+                                "extra entries must be scalars")
+            metrics[name] = value.reshape(()).float()
+        out = out["loss"]
+    if not isinstance(out, torch.Tensor) or out.numel() != 1 or not out.is_floating_point():
+        shape = f" of shape {tuple(out.shape)} and dtype {out.dtype}" if isinstance(out, torch.Tensor) else ""
+        raise TypeError(f"model(batch) must return a scalar floating-point loss tensor or a dict with 'loss'; "
+                        f"got {type(out).__name__}{shape}")
+    if not out.requires_grad:
+        raise TypeError("the loss returned by model(batch) does not require grad; compute it from the model's "
+                        "parameters, outside torch.no_grad()")
+    return out.reshape(()), metrics
+
+
+class TrainNode:
+    """Node `rank`: owns its model copy, strategy copy, data and log."""
+
+    def __init__(self, rank: int, model: torch.nn.Module, strategy, batches: NodeBatches,
+                 val_batches: list[Any] | None, device: torch.device, cfg: RunConfig, start_time: float):
+        self.rank, self.model, self.strategy = rank, model, strategy
+        self.batches, self.val_batches = batches, val_batches
+        self.device, self.cfg, self.start_time = device, cfg, start_time
+        self.log = NodeLog(rank)
+        self.step = 0
+        self._unflushed: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
+        self._eval_model: torch.nn.Module | None = None
+        self._bar = None
+
+    def run(self, comm: Communicator) -> tuple[NodeLog, dict[str, torch.Tensor] | None]:
+        """Train for cfg.max_steps; return this node's log and (node 0) the global model's state."""
+        with bind_communicator(comm):
+            try:
+                return self._train(comm)
+            except Exception as e:
+                if hasattr(e, "add_note"):
+                    e.add_note(f"(raised in node {self.rank} at step {self.step})")
+                raise
+            finally:
+                if self._bar is not None:
+                    self._bar.close()
+
+    def _train(self, comm: Communicator) -> tuple[NodeLog, dict[str, torch.Tensor] | None]:
+        cfg, s = self.cfg, self.strategy
+        self.model.to(self.device)
+        if self.val_batches is not None and self.rank == 0:
+            self.val_batches = [move_to_device(b, self.device) for b in self.val_batches]
+        s.max_steps = cfg.max_steps
+        s._init_node(self.model, self.rank, cfg.num_nodes)
+        s._finish_init()
+        self.model.train()
+        if self.rank == 0 and cfg.progress:
+            self._bar = tqdm(total=cfg.max_steps, desc="exogym", unit="step", dynamic_ncols=True)
+        batches: Iterator[Any] = iter(self.batches)
+        for self.step in range(cfg.max_steps):
+            comm.step = self.step
+            batch = move_to_device(next(batches), self.device)
+            s.zero_grad()
+            loss, metrics = self._forward_backward(batch)
+            self.log.lr.append(s.lr())
+            s.step()
+            self._unflushed.append((loss, metrics))
+            self.log.bytes_sent.append(comm.stats.bytes_sent)
+            self.log.wall_time_s.append(time.perf_counter() - self.start_time)
+            done = self.step + 1
+            if cfg.validate and (done % cfg.val_interval == 0 or done == cfg.max_steps):
+                self._validate(comm, done)
+            if done % cfg.log_interval == 0 or done == cfg.max_steps:
+                self._flush()
+        final = global_state_dict(self.model, s, comm)
+        self.log.comm = {"bytes_sent": comm.stats.bytes_sent, "bytes_by_op": dict(comm.stats.bytes_by_op),
+                         "calls_by_op": dict(comm.stats.calls_by_op)}
+        return self.log, (final if self.rank == 0 else None)
+
+    def _autocast(self):
+        if not self.cfg.autocast:
+            return contextlib.nullcontext()
+        dtype = torch.float16 if self.device.type == "cuda" and not torch.cuda.is_bf16_supported() else torch.bfloat16
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def _forward_backward(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss (and metrics) of the whole batch, with gradients accumulated over minibatches.
+
+        Each minibatch's mean loss is weighted by its share of the batch, so the gradient equals
+        the full batch's (for a model returning a mean over examples).
+        """
+        n = batch_size_of(batch)
+        if self.cfg.minibatch_size >= n:
+            with self._autocast():
+                loss, metrics = parse_model_output(self.model(batch))
+            loss.backward()
+            return loss.detach(), metrics
+        total, totals = None, {}
+        for part in split_batch(batch, self.cfg.minibatch_size):
+            w = batch_size_of(part) / n
+            with self._autocast():
+                loss, metrics = parse_model_output(self.model(part))
+            (loss * w).backward()
+            total = loss.detach() * w if total is None else total + loss.detach() * w
+            for k, v in metrics.items():
+                totals[k] = v * w + totals.get(k, 0.0)
+        return total, totals
+
+    def _flush(self) -> None:
+        """Move the losses since the last flush to the host (one sync per log interval, not per step)."""
+        losses = torch.stack([l.float() for l, _ in self._unflushed]).tolist()
+        first = self.step + 1 - len(losses)
+        for i, v in enumerate(losses):
+            if not math.isfinite(v):
+                raise FloatingPointError(f"the training loss on node {self.rank} is {v} at step {first + i}; "
+                                         "lower the learning rate, set max_norm, or check the data")
+        self.log.loss.extend(losses)
+        names = self._unflushed[0][1].keys()
+        for name in names:
+            values = torch.stack([m[name].float() for _, m in self._unflushed]).tolist()
+            self.log.metrics.setdefault(name, []).extend(values)
+        self._unflushed.clear()
+        if self._bar is not None:
+            self._bar.update(len(losses))
+            self._bar.set_postfix_str(f"loss {losses[-1]:.4f}, sent {_human_bytes(self.log.bytes_sent[-1])}"
+                                      + (f", val {self.log.val[-1]['global_loss']:.4f}" if self.log.val else ""))
+
+    def _validate(self, comm: Communicator, done: int) -> None:
+        state = global_state_dict(self.model, self.strategy, comm)  # every node takes part
+        if self.rank != 0:
+            return
+        if self._eval_model is None:
+            self._eval_model = copy.deepcopy(self.model)
+        self._eval_model.load_state_dict(state, strict=True)
+        row: dict[str, float] = {"step": done}
+        for prefix, model in (("local", self.model), ("global", self._eval_model)):
+            for name, value in self._evaluate(model).items():
+                row[f"{prefix}_{name}"] = value
+        self.log.val.append(row)
+
+    @torch.no_grad()
+    def _evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        was_training = model.training
+        model.eval()
+        sums: dict[str, torch.Tensor] = {}
+        count = 0
+        for batch in self.val_batches:
+            n = batch_size_of(batch)
+            with self._autocast():
+                out = model(batch)
+            loss = out["loss"] if isinstance(out, dict) else out
+            values = {"loss": loss.detach().float().reshape(())}
+            if isinstance(out, dict):
+                values.update({k: torch.as_tensor(v).detach().float().reshape(()) for k, v in out.items() if k != "loss"})
+            for k, v in values.items():
+                sums[k] = v * n + sums.get(k, 0.0)
+            count += n
+        model.train(was_training)
+        return {k: float(v) / count for k, v in sums.items()}
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1000
+    return f"{n:.1f}TB"

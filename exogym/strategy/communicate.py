@@ -1,0 +1,112 @@
+"""Collectives for strategies: `all_reduce(t)`, `broadcast(t, src)`, ... as in torch.distributed.
+
+Each call goes to the calling node's backend (the in-process sim, or torch.distributed) and
+adds the bytes that node sends to its count (formulas in `exogym.comm`). `group` is None for
+all nodes, a `Group` from `new_group`, or a list of ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from exogym import comm as _comm
+from exogym.comm import Group, ReduceOp
+
+__all__ = [
+    "ReduceOp", "Group", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier",
+    "new_group", "get_rank", "get_world_size",
+]
+
+
+def _group(c: _comm.Communicator, group: Group | Sequence[int] | None) -> Group:
+    if group is None:
+        return c.world
+    g = group if isinstance(group, Group) else _comm.make_group(group, c.num_nodes)
+    if c.rank not in g:
+        raise ValueError(f"node {c.rank} called a collective on group {list(g.ranks)}, which it is not in")
+    return g
+
+
+def _check_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def all_reduce(tensor: torch.Tensor, op: object = ReduceOp.SUM, group: Group | Sequence[int] | None = None) -> torch.Tensor:
+    """Reduce `tensor` across the group in place (summed in rank order, so results are deterministic)."""
+    c = _comm.current_communicator()
+    g, op = _group(c, group), ReduceOp.of(op)
+    _check_tensor("tensor", tensor)
+    c.stats.add("all_reduce", _comm.all_reduce_bytes(_comm.tensor_nbytes(tensor), g.size))
+    c.all_reduce(tensor, op, g)
+    return tensor
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group: Group | Sequence[int] | None = None) -> torch.Tensor:
+    """Copy node `src`'s tensor into every member's `tensor` in place. `src` is a global rank."""
+    c = _comm.current_communicator()
+    g = _group(c, group)
+    _check_tensor("tensor", tensor)
+    if src not in g:
+        raise ValueError(f"broadcast src={src!r} is not in the group {list(g.ranks)}")
+    c.stats.add("broadcast", _comm.broadcast_bytes(_comm.tensor_nbytes(tensor), g, src, c.rank))
+    c.broadcast(tensor, src, g)
+    return tensor
+
+
+def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
+               group: Group | Sequence[int] | None = None) -> list[torch.Tensor]:
+    """Fill `tensor_list[i]` with the tensor of the group's i-th member (members sorted by rank)."""
+    c = _comm.current_communicator()
+    g = _group(c, group)
+    _check_tensor("tensor", tensor)
+    if len(tensor_list) != g.size:
+        raise ValueError(f"all_gather needs one output tensor per group member ({g.size}), got {len(tensor_list)}")
+    for i, t in enumerate(tensor_list):
+        if _check_tensor(f"tensor_list[{i}]", t).shape != tensor.shape:
+            raise ValueError(f"all_gather tensor_list[{i}] has shape {tuple(t.shape)}, "
+                             f"the input has {tuple(tensor.shape)}; they must match")
+    c.stats.add("all_gather", _comm.all_gather_bytes(_comm.tensor_nbytes(tensor), g.size))
+    c.all_gather(tensor_list, tensor, g)
+    return tensor_list
+
+
+def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: object = ReduceOp.SUM,
+                   group: Group | Sequence[int] | None = None) -> torch.Tensor:
+    """`output` on the group's i-th member becomes the reduction over members of their `input_list[i]`."""
+    c = _comm.current_communicator()
+    g, op = _group(c, group), ReduceOp.of(op)
+    _check_tensor("output", output)
+    if len(input_list) != g.size:
+        raise ValueError(f"reduce_scatter needs one input tensor per group member ({g.size}), got {len(input_list)}")
+    for i, t in enumerate(input_list):
+        if _check_tensor(f"input_list[{i}]", t).shape != output.shape:
+            raise ValueError(f"reduce_scatter input_list[{i}] has shape {tuple(t.shape)}, "
+                             f"the output has {tuple(output.shape)}; they must match")
+    c.stats.add("reduce_scatter", _comm.reduce_scatter_bytes(sum(map(_comm.tensor_nbytes, input_list)), g.size))
+    c.reduce_scatter(output, input_list, op, g)
+    return output
+
+
+def barrier(group: Group | Sequence[int] | None = None) -> None:
+    """Wait until every member of the group has reached this call."""
+    c = _comm.current_communicator()
+    g = _group(c, group)
+    c.stats.add("barrier", 0)
+    c.barrier(g)
+
+
+def new_group(ranks: Sequence[int]) -> Group:
+    """A group of the given ranks. As in torch.distributed, every node should create the same groups in the same order."""
+    return _comm.current_communicator().new_group(ranks)
+
+
+def get_rank() -> int:
+    return _comm.current_communicator().rank
+
+
+def get_world_size() -> int:
+    return _comm.current_communicator().num_nodes

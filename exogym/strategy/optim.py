@@ -1,0 +1,104 @@
+"""OptimSpec: an optimizer class and its hyperparameters, built once per node."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Iterable
+
+import torch
+
+from exogym._validation import reject_unknown_kwargs
+
+__all__ = ["OptimSpec", "ensure_optim_spec", "OPTIMIZERS"]
+
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "sgd": torch.optim.SGD,
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+    "rmsprop": torch.optim.RMSprop,
+    "adagrad": torch.optim.Adagrad,
+    "adadelta": torch.optim.Adadelta,
+    "adamax": torch.optim.Adamax,
+    "nadam": torch.optim.NAdam,
+    "radam": torch.optim.RAdam,
+}
+
+
+def _optimizer_keywords(cls: type) -> set[str] | None:
+    """The keywords cls's constructor takes besides `params`; None if it takes **kwargs (anything goes)."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params if p.name not in ("self", "params")}
+
+
+class OptimSpec:
+    """`OptimSpec(torch.optim.AdamW, lr=3e-4, weight_decay=0.1)`; `OptimSpec.from_string("adamw", lr=3e-4)`.
+
+    Keywords are checked against the optimizer's constructor here, so a typo fails before any node starts.
+    """
+
+    def __init__(self, cls: type[torch.optim.Optimizer] | str = torch.optim.AdamW, **kwargs: Any):
+        if isinstance(cls, str):
+            cls = _optimizer_class(cls)
+        if not (inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer)):
+            raise TypeError(f"OptimSpec needs a torch.optim.Optimizer subclass or one of {sorted(OPTIMIZERS)}, "
+                            f"got {cls!r}")
+        accepted = _optimizer_keywords(cls)
+        if accepted is not None:
+            reject_unknown_kwargs(f"OptimSpec({cls.__name__})", {k: v for k, v in kwargs.items() if k not in accepted},
+                                  accepted)
+        self.cls = cls
+        self.kwargs = dict(kwargs)
+
+    @classmethod
+    def from_string(cls, name: str, **kwargs: Any) -> "OptimSpec":
+        return cls(_optimizer_class(name), **kwargs)
+
+    def build(self, model_or_params: torch.nn.Module | Iterable[Any]) -> torch.optim.Optimizer:
+        params = model_or_params.parameters() if isinstance(model_or_params, torch.nn.Module) else model_or_params
+        return self.cls(params, **self.kwargs)
+
+    def with_defaults(self, **defaults: Any) -> "OptimSpec":
+        """A copy whose missing hyperparameters take `defaults` (explicit settings win)."""
+        return OptimSpec(self.cls, **{**defaults, **self.kwargs})
+
+    def __repr__(self) -> str:
+        args = "".join(f", {k}={v!r}" for k, v in self.kwargs.items())
+        return f"OptimSpec({self.cls.__name__}{args})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, OptimSpec) and (self.cls, self.kwargs) == (other.cls, other.kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.cls.__name__, **self.kwargs}
+
+
+def _optimizer_class(name: str) -> type[torch.optim.Optimizer]:
+    try:
+        return OPTIMIZERS[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown optimizer name {name!r}; use one of {sorted(OPTIMIZERS)} "
+                         "or pass OptimSpec(YourOptimizerClass, ...)") from None
+
+
+def ensure_optim_spec(optim: OptimSpec | str | type | None, default: OptimSpec | None = None,
+                      **kwargs: Any) -> OptimSpec | None:
+    """Turn what a user passed for an optimizer (spec, name, class or None) into an OptimSpec.
+
+    `kwargs` (e.g. lr=...) set hyperparameters when `optim` is a name or class; with a full
+    OptimSpec they must be empty, or the two would disagree on who sets lr.
+    """
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    if optim is None:
+        if default is None:
+            return None
+        return default.with_defaults() if not kwargs else OptimSpec(default.cls, **{**default.kwargs, **kwargs})
+    if isinstance(optim, OptimSpec):
+        if kwargs:
+            raise TypeError(f"got both an OptimSpec ({optim!r}) and optimizer settings {sorted(kwargs)}; "
+                            "put the settings inside the OptimSpec")
+        return optim
+    if isinstance(optim, str) or inspect.isclass(optim):
+        return OptimSpec(optim, **kwargs)
+    raise TypeError(f"an optimizer must be an OptimSpec, a name such as 'adamw', or an Optimizer class; got {optim!r}")

@@ -1,0 +1,145 @@
+"""The Strategy base class and SimpleReduceStrategy (DDP).
+
+A strategy owns a node's optimizer(s) and decides when and what the nodes communicate.
+Each node gets its own deep copy of the strategy the user passed; `_init_node` binds the
+copy to that node's model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+
+from exogym._validation import check_int, check_number, init_keywords, reject_unknown_kwargs
+from exogym.strategy.communicate import all_reduce
+from exogym.strategy.lr_schedule import SCHEDULE_NAMES, build_lr_scheduler
+from exogym.strategy.optim import OptimSpec, ensure_optim_spec
+
+__all__ = ["Strategy", "SimpleReduceStrategy"]
+
+
+class Strategy:
+    """Base class: LR schedule, gradient clipping, step counting, and the hooks a node calls.
+
+    Subclasses set `self.optim_spec` in `__init__` (then `self.optim` is built for them in
+    `_init_node`) or build their own optimizer in `_init_node`, and implement `step()`,
+    ending with `super().step()`.
+
+    lr_scheduler: None, "lambda_cosine" (linear warmup, then constant or cosine decay to
+        min_lr_factor x lr; setting warmup_steps or cosine_anneal selects it), a torch
+        LRScheduler class built with lr_scheduler_kwargs, or a callable f(optimizer).
+    max_norm: clip the global gradient norm of the node's parameters before each step.
+    """
+
+    max_steps: int  # set by the trainer before _init_node (the schedule needs the run length)
+
+    def __init__(self, lr_scheduler: str | type | Callable[..., Any] | None = None,
+                 lr_scheduler_kwargs: Mapping[str, Any] | None = None, *, warmup_steps: int | None = None,
+                 cosine_anneal: bool | None = None, min_lr_factor: float | None = None,
+                 max_norm: float | None = None, **unknown: Any):
+        reject_unknown_kwargs(type(self).__name__, unknown, init_keywords(type(self)))
+        sched_kwargs = dict(lr_scheduler_kwargs or {})
+        # The original documents these inside lr_scheduler_kwargs; both spellings work, once.
+        for name, value in (("warmup_steps", warmup_steps), ("cosine_anneal", cosine_anneal),
+                            ("min_lr_factor", min_lr_factor)):
+            if value is not None:
+                if name in sched_kwargs:
+                    raise TypeError(f"{name} was given both as an argument and in lr_scheduler_kwargs; give it once")
+                sched_kwargs[name] = value
+        cosine_keys = {"warmup_steps", "cosine_anneal", "min_lr_factor"}
+        if lr_scheduler is None and cosine_keys & sched_kwargs.keys():
+            lr_scheduler = "lambda_cosine"
+        if isinstance(lr_scheduler, str):
+            if lr_scheduler not in SCHEDULE_NAMES:
+                raise ValueError(f"unknown lr_scheduler {lr_scheduler!r}; use one of {list(SCHEDULE_NAMES)}, "
+                                 "a torch.optim.lr_scheduler class, or a callable f(optimizer)")
+            reject_unknown_kwargs("lr_scheduler='lambda_cosine'",
+                                  {k: v for k, v in sched_kwargs.items() if k not in cosine_keys}, cosine_keys)
+            self.warmup_steps = sched_kwargs.pop("warmup_steps", 0)
+            self.cosine_anneal = bool(sched_kwargs.pop("cosine_anneal", False))
+            self.min_lr_factor = sched_kwargs.pop("min_lr_factor", 0.1)
+            check_int("warmup_steps", self.warmup_steps, minimum=0)
+            check_number("min_lr_factor", self.min_lr_factor, minimum=0.0, maximum=1.0)
+        elif lr_scheduler is not None and not callable(lr_scheduler):
+            raise TypeError(f"lr_scheduler must be 'lambda_cosine', a torch LRScheduler class or a callable, "
+                            f"got {lr_scheduler!r}")
+        elif lr_scheduler is None and sched_kwargs:
+            raise TypeError(f"lr_scheduler_kwargs {sorted(sched_kwargs)} were given without an lr_scheduler")
+        else:
+            self.warmup_steps, self.cosine_anneal, self.min_lr_factor = 0, False, 0.1
+        check_number("max_norm", max_norm, positive=True, allow_none=True)
+        self.lr_scheduler = lr_scheduler
+        self.lr_scheduler_kwargs = sched_kwargs
+        self.max_norm = max_norm
+        self.scheduler = None
+
+    # ---- called by the node ------------------------------------------------------------------
+    def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
+        self.model, self.rank, self.num_nodes = model, rank, num_nodes
+        self.local_step = 0
+        if getattr(self, "optim_spec", None) is not None:
+            self.optim_spec = ensure_optim_spec(self.optim_spec)
+            self.optim = self.optim_spec.build(model)
+
+    def _finish_init(self) -> None:
+        """Attach the LR schedule to whatever optimizer `_init_node` left in `self.optim`."""
+        if self.lr_scheduler is not None and self.scheduler is None:
+            if getattr(self, "optim", None) is None:
+                raise TypeError(f"{type(self).__name__} has an lr_scheduler but no self.optim after _init_node; "
+                                "set self.optim_spec in __init__ or build self.optim in _init_node")
+            self.scheduler = build_lr_scheduler(
+                self.lr_scheduler, self.optim, max_steps=getattr(self, "max_steps", 1),
+                warmup_steps=self.warmup_steps, cosine_anneal=self.cosine_anneal,
+                min_lr_factor=self.min_lr_factor, scheduler_kwargs=self.lr_scheduler_kwargs)
+
+    def zero_grad(self) -> None:
+        self.optim.zero_grad()
+
+    def step(self) -> None:
+        """Subclasses communicate and update, then call this: it advances the LR schedule and the step count."""
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.local_step += 1
+
+    def lr(self) -> float:
+        """The learning rate of the node's (inner) optimizer for its next step."""
+        optim = getattr(self, "optim", None)
+        return float(optim.param_groups[0]["lr"]) if optim is not None else float("nan")
+
+    def global_state(self) -> Mapping[str, torch.Tensor] | None:
+        """State-dict entries that define the global model and are equal on every node.
+
+        None (the default): the global model is the average of the nodes' models. A strategy
+        with its own global model (DiLoCo's outer parameters) returns those entries; the rest
+        are still averaged.
+        """
+        return None
+
+    # ---- helpers for subclasses --------------------------------------------------------------
+    def _clip_grads(self) -> None:
+        if self.max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
+
+
+class SimpleReduceStrategy(Strategy):
+    """DDP: every step, gradients are averaged across all nodes (one all-reduce per parameter), then
+    every node takes the same optimizer step, so the nodes' models stay identical.
+    Sends 2·(K-1)/K x the model's gradient bytes per node per step (ring all-reduce).
+    """
+
+    def __init__(self, optim_spec: OptimSpec | str | type | None = None, max_norm: float | None = None, *,
+                 lr: float | None = None, **kwargs: Any):
+        super().__init__(max_norm=max_norm, **kwargs)
+        check_number("lr", lr, positive=True, allow_none=True)
+        self.optim_spec = ensure_optim_spec(optim_spec, OptimSpec(torch.optim.AdamW, lr=1e-3), lr=lr)
+
+    def step(self) -> None:
+        if self.num_nodes > 1:
+            for param in self.model.parameters():
+                if param.grad is not None:
+                    all_reduce(param.grad)
+                    param.grad.div_(self.num_nodes)
+        self._clip_grads()
+        self.optim.step()
+        super().step()

@@ -1,0 +1,143 @@
+"""Trainer.fit: validate everything, assemble the nodes, run them on a backend, return the global model."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import time
+from typing import Any, Sequence
+
+import torch
+
+from exogym._validation import check_int, reject_unknown_kwargs
+from exogym.backends.sim import run_sim
+from exogym.data.sharding import DatasetOrFactory, NodeBatches, fixed_batches, is_factory, node_dataset
+from exogym.devices import DeviceLike, resolve_node_devices
+from exogym.node import RunConfig, TrainNode
+from exogym.record import RunRecord
+from exogym.rng import GlobalRNGState, NodeRNG, node_seed
+from exogym.strategy.strategy import Strategy
+
+__all__ = ["Trainer", "LocalTrainer", "BACKENDS"]
+
+BACKENDS = ("sim",)
+
+
+class Trainer:
+    """Holds the model and data; `fit` trains them with a strategy on `num_nodes` simulated nodes.
+
+    model: an nn.Module whose `model(batch)` returns a scalar loss, or a dict with "loss" and other
+        scalar metrics. It is copied to every node and never modified; `fit` returns a new model.
+    train_dataset / val_dataset: a map-style Dataset (sharded across nodes), or a factory
+        f(rank, num_nodes, is_val) -> Dataset that builds each node's own. val_dataset may be None.
+    device / devices: defaults for `fit` (see there).
+    """
+
+    def __init__(self, model: torch.nn.Module, train_dataset: DatasetOrFactory,
+                 val_dataset: DatasetOrFactory | None = None, *, device: DeviceLike | None = None,
+                 devices: Sequence[DeviceLike] | None = None):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        for name, data in (("train_dataset", train_dataset), ("val_dataset", val_dataset)):
+            if data is None and name == "val_dataset":
+                continue
+            if not (is_factory(data) or hasattr(data, "__getitem__")):
+                raise TypeError(f"{name} must be a Dataset or a callable f(rank, num_nodes, is_val) -> Dataset, "
+                                f"got {type(data).__name__}")
+        self.model, self.train_dataset, self.val_dataset = model, train_dataset, val_dataset
+        self.device, self.devices = device, devices
+        self.record: RunRecord | None = None
+
+    def fit(self, strategy: Strategy, num_nodes: int, *, num_epochs: int = 1, max_steps: int | None = None,
+            batch_size: int = 16, minibatch_size: int | None = None, shuffle: bool = True, val_size: int = 64,
+            val_interval: int = 100, autocast: bool = False, seed: int = 42, backend: str = "sim",
+            device: DeviceLike | None = None, devices: Sequence[DeviceLike] | None = None,
+            log_interval: int = 10, progress: bool = True, **unknown: Any) -> torch.nn.Module:
+        """Train with `strategy` on `num_nodes` nodes; return the global model (by default the nodes' average).
+
+        batch_size is per node (the global batch is num_nodes x batch_size); minibatch_size splits it
+        for gradient accumulation. The run lasts max_steps optimizer steps, or num_epochs passes over
+        each node's shard. Validation ("local": node 0's model, "global": the global model) runs on the
+        same val_size examples every val_interval steps and at the end. The measurements land in
+        `self.record`.
+        """
+        reject_unknown_kwargs("Trainer.fit", unknown,
+                              [p for p in inspect.signature(Trainer.fit).parameters if p not in ("self", "unknown")])
+        if not isinstance(strategy, Strategy):
+            raise TypeError(f"strategy must be an exogym Strategy instance, got {strategy!r}")
+        check_int("num_nodes", num_nodes, minimum=1)
+        check_int("num_epochs", num_epochs, minimum=1)
+        check_int("max_steps", max_steps, minimum=1, allow_none=True)
+        check_int("batch_size", batch_size, minimum=1)
+        check_int("minibatch_size", minibatch_size, minimum=1, allow_none=True)
+        check_int("val_size", val_size, minimum=1)
+        check_int("val_interval", val_interval, minimum=1)
+        check_int("log_interval", log_interval, minimum=1)
+        check_int("seed", seed, minimum=0)
+        minibatch_size = batch_size if minibatch_size is None else minibatch_size
+        if minibatch_size > batch_size or batch_size % minibatch_size:
+            raise ValueError(f"minibatch_size must divide batch_size={batch_size}, got {minibatch_size}")
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; use one of {list(BACKENDS)}")
+        node_devices = resolve_node_devices(
+            num_nodes, device if device is not None or devices is not None else self.device,
+            devices if devices is not None or device is not None else self.devices)
+
+        # Data: every node's batches and the fixed validation batches, checked before any node starts.
+        shard = not is_factory(self.train_dataset)
+        node_batches = []
+        for r in range(num_nodes):
+            ds = node_dataset(self.train_dataset, r, num_nodes, is_val=False)
+            nb = NodeBatches(ds, rank=r, num_nodes=num_nodes, batch_size=batch_size, shuffle=shuffle, seed=seed,
+                             shard=shard)
+            if nb.steps_per_epoch < 1:
+                need = f"num_nodes={num_nodes} x batch_size={batch_size} = {num_nodes * batch_size}" if shard \
+                    else f"batch_size={batch_size} for node {r}"
+                raise ValueError(f"the training data has {len(ds)} examples, fewer than one step needs "
+                                 f"({need}); use fewer nodes, a smaller batch_size, or more data")
+            node_batches.append(nb)
+        steps_per_epoch = min(nb.steps_per_epoch for nb in node_batches)
+        total_steps = max_steps if max_steps is not None else num_epochs * steps_per_epoch
+        val_batches = None
+        if self.val_dataset is not None:
+            val_ds = node_dataset(self.val_dataset, 0, num_nodes, is_val=True)
+            if len(val_ds) == 0:
+                raise ValueError("the validation dataset is empty; pass val_dataset=None to skip validation")
+            val_size = min(val_size, len(val_ds))
+            val_batches = fixed_batches(val_ds, size=val_size, batch_size=batch_size, seed=seed)
+
+        cfg = RunConfig(num_nodes=num_nodes, max_steps=total_steps, batch_size=batch_size,
+                        minibatch_size=minibatch_size, val_interval=val_interval, log_interval=log_interval,
+                        autocast=autocast, progress=progress, validate=val_batches is not None)
+        n_params = sum(p.numel() for p in self.model.parameters())
+        config = {"strategy": type(strategy).__name__, "num_nodes": num_nodes, "max_steps": total_steps,
+                  "steps_per_epoch": steps_per_epoch, "batch_size": batch_size, "minibatch_size": minibatch_size,
+                  "global_batch": num_nodes * batch_size, "val_size": val_size if val_batches else 0,
+                  "val_interval": val_interval, "seed": seed, "backend": backend, "autocast": autocast,
+                  "devices": [str(d) for d in node_devices], "model": type(self.model).__name__,
+                  "parameters": n_params, "torch": torch.__version__}
+        if progress:
+            print(f"exogym: {type(strategy).__name__} on {num_nodes} node(s) [{backend}, {node_devices[0]}], "
+                  f"{n_params:,} parameters; batch {batch_size}/node = {num_nodes * batch_size} global; "
+                  f"{total_steps} steps ({steps_per_epoch} per epoch); validation on {config['val_size']} examples "
+                  f"every {val_interval} steps", flush=True)
+
+        start = time.perf_counter()
+        nodes = [TrainNode(r, copy.deepcopy(self.model), copy.deepcopy(strategy), node_batches[r],
+                           val_batches if r == 0 else None, node_devices[r], cfg, start)
+                 for r in range(num_nodes)]
+        caller_rng = GlobalRNGState.capture()  # the caller's random streams are theirs: put them back after
+        try:
+            results = run_sim([n.run for n in nodes], [NodeRNG(node_seed(seed, r), node_devices[r])
+                                                       for r in range(num_nodes)])
+        finally:
+            caller_rng.restore()
+        logs, final_state = [log for log, _ in results], results[0][1]
+        self.record = RunRecord.from_nodes(logs, config=config, global_batch=num_nodes * batch_size,
+                                           wall_time_s=time.perf_counter() - start)
+        final_model = copy.deepcopy(self.model).to(node_devices[0])
+        final_model.load_state_dict(final_state, strict=True)
+        return final_model
+
+
+LocalTrainer = Trainer
