@@ -13,14 +13,16 @@ from exogym._validation import check_int, reject_unknown_kwargs
 from exogym.backends.sim import run_sim
 from exogym.data.sharding import DatasetOrFactory, NodeBatches, fixed_batches, is_factory, node_dataset
 from exogym.devices import DeviceLike, resolve_node_devices
-from exogym.node import RunConfig, TrainNode
+from exogym.node import RunConfig
 from exogym.record import RunRecord
-from exogym.rng import GlobalRNGState, NodeRNG, node_seed
+from exogym.plan import RunPlan
+from exogym.rng import GlobalRNGState
 from exogym.strategy.strategy import Strategy
 
 __all__ = ["Trainer", "LocalTrainer", "BACKENDS"]
 
-BACKENDS = ("sim",)
+_RUNNERS = {"sim": run_sim}
+BACKENDS = tuple(_RUNNERS)
 
 
 class Trainer:
@@ -122,14 +124,12 @@ class Trainer:
                   f"{total_steps} steps ({steps_per_epoch} per epoch); validation on {config['val_size']} examples "
                   f"every {val_interval} steps", flush=True)
 
+        plan = RunPlan(model=self.model, strategy=strategy, node_batches=node_batches, val_batches=val_batches,
+                       devices=node_devices, cfg=cfg, seed=seed)
         start = time.perf_counter()
-        nodes = [TrainNode(r, copy.deepcopy(self.model), copy.deepcopy(strategy), node_batches[r],
-                           val_batches if r == 0 else None, node_devices[r], cfg, start)
-                 for r in range(num_nodes)]
         caller_rng = GlobalRNGState.capture()  # the caller's random streams are theirs: put them back after
         try:
-            results = run_sim([n.run for n in nodes], [NodeRNG(node_seed(seed, r), node_devices[r])
-                                                       for r in range(num_nodes)])
+            results = _RUNNERS[backend](plan)
         finally:
             caller_rng.restore()
         logs, final_state = [log for log, _ in results], results[0][1]

@@ -6,13 +6,16 @@ into every member's tensors; nodes on different devices meet on the first member
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import time
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
 from exogym.backends.scheduler import CollectiveCall, CollectiveError, Scheduler
 from exogym.comm import CommStats, Group, ReduceOp, make_group
-from exogym.rng import NodeRNG
+
+if TYPE_CHECKING:
+    from exogym.plan import RunPlan
 
 __all__ = ["SimCommunicator", "run_sim", "CollectiveError"]
 
@@ -113,9 +116,12 @@ class SimCommunicator:
         return make_group(ranks, self.num_nodes)
 
 
-def run_sim(node_fns: list[Callable[[SimCommunicator], Any]], rngs: list[NodeRNG]) -> list[Any]:
-    """Run node_fns[r](comm_r) for every node under one scheduler; return their results in rank order."""
-    scheduler = Scheduler(len(node_fns), on_resume=lambda r: rngs[r].activate(),
-                          on_pause=lambda r: rngs[r].deactivate())
-    comms = [SimCommunicator(scheduler, r, len(node_fns)) for r in range(len(node_fns))]
-    return scheduler.run([lambda r=r: node_fns[r](comms[r]) for r in range(len(node_fns))])
+def run_sim(plan: "RunPlan") -> list[Any]:
+    """Run every node of the plan as a thread under one scheduler; return their results in rank order."""
+    start = time.perf_counter()
+    k = plan.num_nodes
+    nodes = [plan.make_node(r, start) for r in range(k)]
+    rngs = [plan.node_rng(r) for r in range(k)]
+    scheduler = Scheduler(k, on_resume=lambda r: rngs[r].activate(), on_pause=lambda r: rngs[r].deactivate())
+    comms = [SimCommunicator(scheduler, r, k) for r in range(k)]
+    return scheduler.run([lambda r=r: nodes[r].run(comms[r]) for r in range(k)])
