@@ -7,8 +7,9 @@ Words used throughout:
 - round: one outer synchronisation of a strategy that communicates every H steps.
 """
 
+from exogym.comm import CollectiveError
 from exogym.record import RunRecord
 from exogym.trainer import LocalTrainer, Trainer
 
-__all__ = ["Trainer", "LocalTrainer", "RunRecord"]
+__all__ = ["Trainer", "LocalTrainer", "RunRecord", "CollectiveError"]
 __version__ = "0.1.0"

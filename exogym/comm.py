@@ -15,7 +15,11 @@ from typing import Iterator, Protocol, Sequence
 
 import torch
 
-__all__ = ["Group", "ReduceOp", "Communicator", "CommStats", "current_communicator", "bind_communicator"]
+__all__ = ["CollectiveError", "Group", "ReduceOp", "Communicator", "CommStats", "current_communicator", "bind_communicator"]
+
+
+class CollectiveError(RuntimeError):
+    """Nodes used collectives in a way that would hang or corrupt a real cluster (names the nodes and calls)."""
 
 
 class ReduceOp(str, enum.Enum):

@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from exogym.averaging import global_state_dict
-from exogym.comm import Communicator, bind_communicator
+from exogym.comm import CollectiveError, Communicator, bind_communicator
 from exogym.data.sharding import NodeBatches, batch_size_of, move_to_device, split_batch
 from exogym.record import NodeLog
 
@@ -85,7 +85,7 @@ class TrainNode:
             try:
                 return self._train(comm)
             except Exception as e:
-                if hasattr(e, "add_note"):
+                if hasattr(e, "add_note") and not isinstance(e, CollectiveError):  # those name their nodes
                     e.add_note(f"(raised in node {self.rank} at step {self.step})")
                 raise
             finally:
@@ -109,7 +109,7 @@ class TrainNode:
             batch = move_to_device(next(batches), self.device)
             s.zero_grad()
             loss, metrics = self._forward_backward(batch)
-            self.log.lr.append(s.lr())
+            self.log.lr.append(s._current_lr())
             s.step()
             self._unflushed.append((loss, metrics))
             self.log.bytes_sent.append(comm.stats.bytes_sent)

@@ -18,11 +18,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["Scheduler", "CollectiveCall", "CollectiveError"]
+from exogym.comm import CollectiveError
 
-
-class CollectiveError(RuntimeError):
-    """Nodes used collectives in a way that would hang or corrupt a real cluster."""
+__all__ = ["Scheduler", "CollectiveCall"]
 
 
 class _Aborted(BaseException):

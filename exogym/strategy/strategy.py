@@ -102,7 +102,7 @@ class Strategy:
             self.scheduler.step()
         self.local_step += 1
 
-    def lr(self) -> float:
+    def _current_lr(self) -> float:
         """The learning rate of the node's (inner) optimizer for its next step."""
         optim = getattr(self, "optim", None)
         return float(optim.param_groups[0]["lr"]) if optim is not None else float("nan")
