@@ -6,11 +6,10 @@ not part of the algorithm, so it goes straight to the backend and is not counted
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 
 from exogym.comm import Communicator, ReduceOp
+from exogym.flatten import flatten_by_dtype, unflatten_into
 
 __all__ = ["global_state_dict"]
 
@@ -24,15 +23,10 @@ def global_state_dict(model: torch.nn.Module, strategy, comm: Communicator) -> d
     unknown = set(overrides) - set(state)
     if unknown:
         raise KeyError(f"{type(strategy).__name__}.global_state() returned keys not in the model: {sorted(unknown)}")
-    by_dtype: dict[torch.dtype, list[str]] = defaultdict(list)
-    for k, v in state.items():
-        if k not in overrides and v.is_floating_point():
-            by_dtype[v.dtype].append(k)
-    for keys in by_dtype.values():
-        flat = torch.cat([state[k].reshape(-1) for k in keys])
+    averaged = [k for k, v in state.items() if k not in overrides and v.is_floating_point()]
+    for flat, tensors in flatten_by_dtype(state[k] for k in averaged):
         comm.all_reduce(flat, ReduceOp.AVG, comm.world)
-        for k, chunk in zip(keys, flat.split([state[k].numel() for k in keys])):
-            state[k] = chunk.view_as(state[k])
+        unflatten_into(flat, tensors)
     for k, v in overrides.items():
         state[k] = v.detach().to(state[k].device, state[k].dtype).clone()
     return state

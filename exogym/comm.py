@@ -8,8 +8,8 @@ that node sends, and hand the call to the backend. A strategy never sees the bac
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import enum
-import threading
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol, Sequence
 
@@ -129,22 +129,22 @@ class Communicator(Protocol):
     def new_group(self, ranks: Sequence[int]) -> Group: ...
 
 
-_bound = threading.local()
+# A context variable, not a thread-local: sim nodes are greenlets of one thread, each with its own context.
+_bound: contextvars.ContextVar[Communicator | None] = contextvars.ContextVar("exogym_communicator", default=None)
 
 
 @contextlib.contextmanager
 def bind_communicator(comm: Communicator) -> Iterator[Communicator]:
-    """Make `comm` the calling thread's communicator (a sim node thread, or a torch process's main thread)."""
-    previous = getattr(_bound, "comm", None)
-    _bound.comm = comm
+    """Make `comm` the communicator of the running node (a sim greenlet, or a torch process's main thread)."""
+    token = _bound.set(comm)
     try:
         yield comm
     finally:
-        _bound.comm = previous
+        _bound.reset(token)
 
 
 def current_communicator() -> Communicator:
-    comm = getattr(_bound, "comm", None)
+    comm = _bound.get()
     if comm is None:
         raise RuntimeError(
             "exogym.strategy.communicate was called outside a running node; collectives work inside "

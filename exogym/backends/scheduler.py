@@ -1,30 +1,30 @@
-"""The baton: K node threads in one process, exactly one running at a time.
+"""The baton: K nodes as cooperative threads (greenlets) of the caller's thread, one running at a time.
 
-A node runs until it enters a collective, then hands the baton on. When the last member of
-a group arrives, the collective is computed once (by that thread, in rank order) and every
-member becomes runnable again, queued in rank order. Because only the baton holder runs,
-all state here is touched by one thread at a time and needs no lock; the per-node Events
-carry the happens-before edge from one holder to the next.
+A node runs until it enters a collective, then hands the baton back to the hub (the caller's
+greenlet), which starts the next runnable node. When the last member of a group arrives, the
+collective is computed once (by that node, in rank order) and every member becomes runnable
+again, queued in rank order.
 
-Nothing can hang silently: the scheduler sees every node, so a collective that cannot
-complete (mismatched calls, a member that finished or waits elsewhere) is an error the
-moment it becomes certain, naming the nodes, their steps and their calls.
+Why greenlets rather than OS threads: torch's OpenMP pool belongs to the OS thread that opens
+a parallel region, so K OS threads taking turns keep waking K cold pools; measured on 2 cores
+(benchmarks/bench_sim.py), 8 thread-nodes of a small CNN ran 3.4x slower than one loop doing
+the same arithmetic, while greenlets share one warm pool. Everything runs on one OS thread,
+so no state here needs a lock, and nothing can hang: a collective that cannot complete
+(mismatched calls, a member that finished or waits elsewhere) is an error the moment it is
+certain, naming the nodes, their steps and their calls.
 """
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import greenlet
+
 from exogym.comm import CollectiveError
 
 __all__ = ["Scheduler", "CollectiveCall"]
-
-
-class _Aborted(BaseException):
-    """Unwinds a waiting node thread after another node failed."""
 
 
 @dataclass
@@ -48,85 +48,45 @@ class _Pending:
 
 
 class Scheduler:
-    """Runs one function per node under the baton; `rendezvous` is the only blocking point."""
+    """Runs one function per node under the baton; `rendezvous` is the only place a node waits."""
 
     def __init__(self, num_nodes: int, *, on_resume: Callable[[int], None], on_pause: Callable[[int], None]):
         self.num_nodes = num_nodes
-        self._on_resume, self._on_pause = on_resume, on_pause  # swap per-node state (RNG) with the baton
-        self._events = [threading.Event() for _ in range(num_nodes)]
+        self._on_resume, self._on_pause = on_resume, on_pause  # swap per-node state (RNG, grad mode)
         self._ready: deque[int] = deque(range(num_nodes))
         self._blocked: dict[int, tuple] = {}  # rank -> key of the collective it waits in
         self._pending: dict[tuple, _Pending] = {}
         self._seq: list[dict[tuple[int, ...], int]] = [{} for _ in range(num_nodes)]
         self._finished: set[int] = set()
-        self._failure: tuple[int, BaseException] | None = None
-        self._done = threading.Event()
+        self._hub: greenlet.greenlet | None = None
 
-    # ---- running ----------------------------------------------------------------------------
-    def run(self, node_fns: list[Callable[[], Any]], *, thread_name: str = "exogym-node") -> list[Any]:
-        """Run node_fns[r] as node r; return their results, or raise the first node's exception."""
+    def run(self, node_fns: list[Callable[[], Any]]) -> list[Any]:
+        """Run node_fns[r] as node r; return their results, or raise the first exception a node raises."""
         results: list[Any] = [None] * self.num_nodes
-        threads = [threading.Thread(target=self._body, args=(r, fn, results), name=f"{thread_name}-{r}", daemon=True)
-                   for r, fn in enumerate(node_fns)]
-        for t in threads:
-            t.start()
-        self._pass_baton()
-        try:
-            while not self._done.wait(0.2):  # short waits keep Ctrl-C responsive
-                pass
-        except BaseException as e:
-            self._fail(-1, e)
-        for t in threads:
-            t.join(timeout=10.0)
-        if self._failure is not None:
-            raise self._failure[1]
-        return results
+        self._hub = greenlet.getcurrent()
 
-    def _body(self, rank: int, fn: Callable[[], Any], results: list[Any]) -> None:
-        try:
-            self._wait_turn(rank)
-            results[rank] = fn()
+        def body(rank: int) -> None:
+            results[rank] = node_fns[rank]()
             self._finish(rank)
-        except _Aborted:
-            pass
-        except BaseException as e:  # noqa: BLE001 - everything a node raises ends the run
-            self._fail(rank, e)
 
-    def _wait_turn(self, rank: int) -> None:
-        event = self._events[rank]
-        while not event.wait(1.0):
-            if self._failure is not None:
-                raise _Aborted
-        event.clear()
-        if self._failure is not None:
-            raise _Aborted
-        self._on_resume(rank)
-
-    def _pass_baton(self) -> bool:
-        """Wake the next runnable node; False if there is none."""
-        if not self._ready:
-            return False
-        self._events[self._ready.popleft()].set()
-        return True
-
-    def _yield(self, rank: int) -> None:
-        """Give up the baton and sleep until it comes back."""
-        if self._ready and self._ready[0] == rank:
-            self._ready.popleft()  # next in line anyway: keep running, no switch
-            return
-        if not self._ready:
-            raise CollectiveError("deadlock: every unfinished node waits in a collective that cannot complete:\n"
-                                  + self._describe_waiting())
-        self._on_pause(rank)
-        self._pass_baton()
-        self._wait_turn(rank)
-
-    def _fail(self, rank: int, exc: BaseException) -> None:
-        if self._failure is None:
-            self._failure = (rank, exc)
-        for e in self._events:
-            e.set()
-        self._done.set()
+        nodes = [greenlet.greenlet(lambda r=r: body(r)) for r in range(self.num_nodes)]
+        try:
+            while self._ready:
+                rank = self._ready.popleft()
+                self._on_resume(rank)
+                try:
+                    nodes[rank].switch()  # returns when the node waits in a collective or finishes
+                finally:
+                    self._on_pause(rank)
+            if self._blocked:
+                raise CollectiveError("deadlock: every unfinished node waits in a collective that cannot "
+                                      "complete:\n" + self._describe_waiting())
+        except BaseException:
+            for g in nodes:  # unwind the others so their `finally` blocks run now, not at garbage collection
+                if g and not g.dead:
+                    g.throw(greenlet.GreenletExit)
+            raise
+        return results
 
     def _finish(self, rank: int) -> None:
         self._finished.add(rank)
@@ -135,14 +95,14 @@ class Scheduler:
                 raise CollectiveError(
                     f"node {rank} finished while node(s) {sorted(p.calls)} wait for it in a collective on group "
                     f"{list(p.group)}:\n" + self._describe(p))
-        if self._pass_baton():
-            return
-        if self._blocked:
-            raise CollectiveError("deadlock: every unfinished node waits in a collective that cannot complete:\n"
-                                  + self._describe_waiting())
-        self._done.set()
 
-    # ---- collectives ------------------------------------------------------------------------
+    def _yield(self, rank: int) -> None:
+        """Let the hub run the next ready node; returns when this node is resumed."""
+        if self._ready and self._ready[0] == rank:
+            self._ready.popleft()  # next in line anyway: keep running, no switch
+            return
+        self._hub.switch()
+
     def rendezvous(self, rank: int, group: tuple[int, ...], call: CollectiveCall,
                    complete: Callable[[list[CollectiveCall]], None]) -> None:
         """Arrive at the next collective on `group`; return once every member has arrived and it is computed.
@@ -167,29 +127,27 @@ class Scheduler:
         pending.calls[rank] = call
         if len(pending.calls) < len(group):
             self._blocked[rank] = key
-            self._yield(rank)
+            self._hub.switch()  # resumed by the hub once the last member has completed the collective
             return
         del self._pending[key]
         complete([pending.calls[r] for r in group])
-        others = [r for r in group if r != rank]
-        for r in others:
-            del self._blocked[r]
-        # Members resume in rank order, after nodes already queued (who are still before their own
-        # collective). Any fixed order gives the same numbers: each node's work depends only on its data,
-        # its RNG stream (swapped with the baton) and collective results (computed in rank order).
+        for r in group:
+            self._blocked.pop(r, None)
+        # Members resume in rank order, after nodes already queued. Any fixed order gives the same
+        # numbers: a node's work depends only on its data, its RNG stream (swapped with the baton)
+        # and collective results (computed in rank order); the order only has to be deterministic.
         self._ready.extend(group)
         self._yield(rank)
 
-    # ---- error text -------------------------------------------------------------------------
     def _describe(self, p: _Pending) -> str:
         return "\n".join(f"  node {r} (step {c.step}): {c.describe()} #{p.seq} on group {list(p.group)}"
                          for r, c in sorted(p.calls.items()))
 
     def _describe_waiting(self) -> str:
         lines = [self._describe(p) for p in self._pending.values()]
-        missing = sorted(set(range(self.num_nodes)) - set(self._blocked) - self._finished)
+        idle = sorted(set(range(self.num_nodes)) - set(self._blocked) - self._finished)
         if self._finished:
             lines.append(f"  finished: nodes {sorted(self._finished)}")
-        if missing:
-            lines.append(f"  not waiting: nodes {missing}")
+        if idle:
+            lines.append(f"  not waiting: nodes {idle}")
         return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""The sim backend: every node is a thread of this process, collectives are tensor ops.
+"""The sim backend: every node is a cooperative thread of this process, collectives are tensor ops.
 
 Collectives are computed once, by the last member to arrive, in rank order, and written
 into every member's tensors; nodes on different devices meet on the first member's device.
@@ -116,12 +116,48 @@ class SimCommunicator:
         return make_group(ranks, self.num_nodes)
 
 
+class _NodeModes:
+    """A node's share of torch's per-thread state (grad mode, autocast), swapped with the baton
+    because all sim nodes run on the caller's OS thread."""
+
+    def __init__(self, device_types: tuple[str, ...]):
+        self.device_types = device_types
+        self.grad = True
+        self.autocast = {d: (False, torch.get_autocast_dtype(d)) for d in device_types}
+
+    def capture(self) -> None:
+        self.grad = torch.is_grad_enabled()
+        self.autocast = {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in self.device_types}
+
+    def apply(self) -> None:
+        torch.set_grad_enabled(self.grad)
+        for d, (enabled, dtype) in self.autocast.items():
+            torch.set_autocast_enabled(d, enabled)
+            torch.set_autocast_dtype(d, dtype)
+
+
 def run_sim(plan: "RunPlan") -> list[Any]:
-    """Run every node of the plan as a thread under one scheduler; return their results in rank order."""
+    """Run every node of the plan under one scheduler on this thread; return their results in rank order."""
     start = time.perf_counter()
     k = plan.num_nodes
     nodes = [plan.make_node(r, start) for r in range(k)]
     rngs = [plan.node_rng(r) for r in range(k)]
-    scheduler = Scheduler(k, on_resume=lambda r: rngs[r].activate(), on_pause=lambda r: rngs[r].deactivate())
+    device_types = tuple(sorted({"cpu", *(d.type for d in plan.devices)}))
+    modes = [_NodeModes(device_types) for _ in range(k)]
+    caller = _NodeModes(device_types)
+    caller.capture()
+
+    def resume(r: int) -> None:
+        rngs[r].activate()
+        modes[r].apply()
+
+    def pause(r: int) -> None:
+        rngs[r].deactivate()
+        modes[r].capture()
+
+    scheduler = Scheduler(k, on_resume=resume, on_pause=pause)
     comms = [SimCommunicator(scheduler, r, k) for r in range(k)]
-    return scheduler.run([lambda r=r: nodes[r].run(comms[r]) for r in range(k)])
+    try:
+        return scheduler.run([lambda r=r: nodes[r].run(comms[r]) for r in range(k)])
+    finally:
+        caller.apply()

@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from exogym._validation import check_int, check_number, init_keywords, reject_unknown_kwargs
+from exogym.flatten import flatten_by_dtype, unflatten_into
 from exogym.strategy.communicate import all_reduce
 from exogym.strategy.lr_schedule import SCHEDULE_NAMES, build_lr_scheduler
 from exogym.strategy.optim import OptimSpec, ensure_optim_spec
@@ -123,7 +124,7 @@ class Strategy:
 
 
 class SimpleReduceStrategy(Strategy):
-    """DDP: every step, gradients are averaged across all nodes (one all-reduce per parameter), then
+    """DDP: every step, gradients are averaged across all nodes (one all-reduce of all of them), then
     every node takes the same optimizer step, so the nodes' models stay identical.
     Sends 2·(K-1)/K x the model's gradient bytes per node per step (ring all-reduce).
     """
@@ -136,10 +137,11 @@ class SimpleReduceStrategy(Strategy):
 
     def step(self) -> None:
         if self.num_nodes > 1:
-            for param in self.model.parameters():
-                if param.grad is not None:
-                    all_reduce(param.grad)
-                    param.grad.div_(self.num_nodes)
+            # One bucket per dtype: one collective per step instead of one per parameter.
+            for flat, grads in flatten_by_dtype(p.grad for p in self.model.parameters() if p.grad is not None):
+                all_reduce(flat)
+                flat.div_(self.num_nodes)
+                unflatten_into(flat, grads)
         self._clip_grads()
         self.optim.step()
         super().step()

@@ -1,0 +1,119 @@
+"""Sim backend vs a plain single-process PyTorch loop doing the same K-node arithmetic.
+
+For K = 1, 2, 4, 8 nodes: a small CNN on MNIST-shaped data, DDP (gradient all-reduce every
+step), batch 32 per node. The plain loop keeps K model copies and K optimizers, runs each
+node's forward/backward in turn, averages the gradients and steps every optimizer: the
+least any simulator must do. Each configuration runs in a fresh process so peak memory
+(max RSS) is its own. Usage: python benchmarks/bench_sim.py [--steps 200] [--nodes 1 2 4 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DistributedSampler, TensorDataset
+
+
+class SmallCNN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(1, 16, 3, padding=1)
+        self.conv2 = torch.nn.Conv2d(16, 32, 3, padding=1)
+        self.fc = torch.nn.Linear(32 * 7 * 7, 10)
+
+    def forward(self, batch):
+        x, y = batch
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return F.cross_entropy(self.fc(x.flatten(1)), y)
+
+
+def make_data(n: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g))
+
+
+def run_plain(k: int, steps: int, batch: int) -> float:
+    data = make_data(k * batch * steps)
+    torch.manual_seed(0)
+    base = SmallCNN()
+    models = [SmallCNN() for _ in range(k)]
+    for m in models:
+        m.load_state_dict(base.state_dict())
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
+    shards = []
+    for r in range(k):
+        sampler = DistributedSampler(data, num_replicas=k, rank=r, shuffle=True, seed=0)
+        shards.append(torch.as_tensor(list(sampler)))
+    start = time.perf_counter()
+    for s in range(steps):
+        for r in range(k):
+            idx = shards[r][s * batch:(s + 1) * batch]
+            opts[r].zero_grad()
+            models[r]((data.tensors[0][idx], data.tensors[1][idx])).backward()
+        for params in zip(*(m.parameters() for m in models)):
+            avg = params[0].grad.clone()
+            for p in params[1:]:
+                avg.add_(p.grad)
+            avg.div_(k)
+            for p in params:
+                p.grad.copy_(avg)
+        for o in opts:
+            o.step()
+    return time.perf_counter() - start
+
+
+def run_sim(k: int, steps: int, batch: int) -> float:
+    from exogym import Trainer
+    from exogym.strategy import OptimSpec, SimpleReduceStrategy
+
+    trainer = Trainer(SmallCNN(), make_data(k * batch * steps))
+    start = time.perf_counter()
+    trainer.fit(SimpleReduceStrategy(OptimSpec(torch.optim.AdamW, lr=1e-3)), k, batch_size=batch, max_steps=steps,
+                device="cpu", progress=False, log_interval=50)
+    return time.perf_counter() - start
+
+
+def child(mode: str, k: int, steps: int, batch: int) -> None:
+    run = run_sim if mode == "sim" else run_plain
+    run(k, 5, batch)  # warm-up: first-call kernel selection and allocator growth are not what we compare
+    seconds = run(k, steps, batch)
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    print(json.dumps({"seconds": seconds, "peak_mb": peak_mb}))
+
+
+def measure(mode: str, k: int, steps: int, batch: int) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--child", mode, str(k), str(steps), str(batch)],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        mode, k, steps, batch = args.child
+        return child(mode, int(k), int(steps), int(batch))
+    print(f"DDP, small CNN, {args.steps} steps, batch {args.batch}/node, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
+    print(f"{'K':>3} {'plain s':>9} {'sim s':>9} {'sim/plain':>10} {'plain MB':>9} {'sim MB':>9}")
+    for k in args.nodes:
+        plain = measure("plain", k, args.steps, args.batch)
+        sim = measure("sim", k, args.steps, args.batch)
+        print(f"{k:>3} {plain['seconds']:>9.2f} {sim['seconds']:>9.2f} {sim['seconds'] / plain['seconds']:>10.3f} "
+              f"{plain['peak_mb']:>9.0f} {sim['peak_mb']:>9.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
