@@ -77,7 +77,13 @@ def test_strategy_and_optimizer_keywords_are_strict():
     assert SimpleReduceStrategy(torch.optim.Adam).optim_spec.cls is torch.optim.Adam
     assert OptimSpec.from_string("AdamW", lr=3e-4, weight_decay=0.1).kwargs == {"lr": 3e-4, "weight_decay": 0.1}
     s = SimpleReduceStrategy(lr_scheduler="lambda_cosine", lr_scheduler_kwargs={"warmup_steps": 3})
-    assert s.warmup_steps == 3 and s.lr_scheduler == "lambda_cosine"
+    assert s.lr_schedule.warmup_steps == 3 and s.lr_schedule.kind == "lambda_cosine"
+    with pytest.raises(TypeError, match=r"lr_scheduler=StepLR got unexpected keyword argument\(s\) 'warmup_steps'"):
+        SimpleReduceStrategy(lr_scheduler=torch.optim.lr_scheduler.StepLR, warmup_steps=3)
+    with pytest.raises(TypeError, match="given both as an argument and in lr_scheduler_kwargs"):
+        SimpleReduceStrategy(warmup_steps=3, lr_scheduler_kwargs={"warmup_steps": 2})
+    with pytest.raises(TypeError, match="without an lr_scheduler"):
+        SimpleReduceStrategy(lr_scheduler_kwargs={"step_size": 2})
 
 
 def test_model_contract_errors_name_the_fix():

@@ -11,10 +11,10 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from exogym._validation import check_int, check_number, init_keywords, reject_unknown_kwargs
+from exogym._validation import check_number, init_keywords, reject_unknown_kwargs
 from exogym.flatten import flatten_by_dtype, unflatten_into
 from exogym.strategy.communicate import all_reduce
-from exogym.strategy.lr_schedule import SCHEDULE_NAMES, build_lr_scheduler
+from exogym.strategy.lr_schedule import LRSchedule
 from exogym.strategy.optim import OptimSpec, ensure_optim_spec
 
 __all__ = ["Strategy", "SimpleReduceStrategy"]
@@ -40,38 +40,9 @@ class Strategy:
                  cosine_anneal: bool | None = None, min_lr_factor: float | None = None,
                  max_norm: float | None = None, **unknown: Any):
         reject_unknown_kwargs(type(self).__name__, unknown, init_keywords(type(self)))
-        sched_kwargs = dict(lr_scheduler_kwargs or {})
-        # The original documents these inside lr_scheduler_kwargs; both spellings work, once.
-        for name, value in (("warmup_steps", warmup_steps), ("cosine_anneal", cosine_anneal),
-                            ("min_lr_factor", min_lr_factor)):
-            if value is not None:
-                if name in sched_kwargs:
-                    raise TypeError(f"{name} was given both as an argument and in lr_scheduler_kwargs; give it once")
-                sched_kwargs[name] = value
-        cosine_keys = {"warmup_steps", "cosine_anneal", "min_lr_factor"}
-        if lr_scheduler is None and cosine_keys & sched_kwargs.keys():
-            lr_scheduler = "lambda_cosine"
-        if isinstance(lr_scheduler, str):
-            if lr_scheduler not in SCHEDULE_NAMES:
-                raise ValueError(f"unknown lr_scheduler {lr_scheduler!r}; use one of {list(SCHEDULE_NAMES)}, "
-                                 "a torch.optim.lr_scheduler class, or a callable f(optimizer)")
-            reject_unknown_kwargs("lr_scheduler='lambda_cosine'",
-                                  {k: v for k, v in sched_kwargs.items() if k not in cosine_keys}, cosine_keys)
-            self.warmup_steps = sched_kwargs.pop("warmup_steps", 0)
-            self.cosine_anneal = bool(sched_kwargs.pop("cosine_anneal", False))
-            self.min_lr_factor = sched_kwargs.pop("min_lr_factor", 0.1)
-            check_int("warmup_steps", self.warmup_steps, minimum=0)
-            check_number("min_lr_factor", self.min_lr_factor, minimum=0.0, maximum=1.0)
-        elif lr_scheduler is not None and not callable(lr_scheduler):
-            raise TypeError(f"lr_scheduler must be 'lambda_cosine', a torch LRScheduler class or a callable, "
-                            f"got {lr_scheduler!r}")
-        elif lr_scheduler is None and sched_kwargs:
-            raise TypeError(f"lr_scheduler_kwargs {sorted(sched_kwargs)} were given without an lr_scheduler")
-        else:
-            self.warmup_steps, self.cosine_anneal, self.min_lr_factor = 0, False, 0.1
+        self.lr_schedule = LRSchedule.parse(lr_scheduler, lr_scheduler_kwargs, warmup_steps=warmup_steps,
+                                            cosine_anneal=cosine_anneal, min_lr_factor=min_lr_factor)
         check_number("max_norm", max_norm, positive=True, allow_none=True)
-        self.lr_scheduler = lr_scheduler
-        self.lr_scheduler_kwargs = sched_kwargs
         self.max_norm = max_norm
         self.scheduler = None
 
@@ -85,14 +56,11 @@ class Strategy:
 
     def _finish_init(self) -> None:
         """Attach the LR schedule to whatever optimizer `_init_node` left in `self.optim`."""
-        if self.lr_scheduler is not None and self.scheduler is None:
+        if self.lr_schedule is not None and self.scheduler is None:
             if getattr(self, "optim", None) is None:
                 raise TypeError(f"{type(self).__name__} has an lr_scheduler but no self.optim after _init_node; "
                                 "set self.optim_spec in __init__ or build self.optim in _init_node")
-            self.scheduler = build_lr_scheduler(
-                self.lr_scheduler, self.optim, max_steps=getattr(self, "max_steps", 1),
-                warmup_steps=self.warmup_steps, cosine_anneal=self.cosine_anneal,
-                min_lr_factor=self.min_lr_factor, scheduler_kwargs=self.lr_scheduler_kwargs)
+            self.scheduler = self.lr_schedule.build(self.optim, max_steps=getattr(self, "max_steps", 1))
 
     def zero_grad(self) -> None:
         self.optim.zero_grad()
