@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from exogym.averaging import global_state_dict
 from exogym.comm import CollectiveError, Communicator, bind_communicator
 from exogym.data.sharding import NodeBatches, batch_size_of, move_to_device, split_batch
-from exogym.record import NodeLog
+from exogym.record import LiveLog, NodeLog
 
 __all__ = ["RunConfig", "TrainNode", "parse_model_output"]
 
@@ -69,13 +69,14 @@ class TrainNode:
     """Node `rank`: owns its model copy, strategy copy, data and log."""
 
     def __init__(self, rank: int, model: torch.nn.Module, strategy, batches: NodeBatches,
-                 val_batches: list[Any] | None, device: torch.device, cfg: RunConfig, start_time: float):
+                 val_batches: list[Any] | None, device: torch.device, cfg: RunConfig, start_time: float,
+                 live: LiveLog):
         self.rank, self.model, self.strategy = rank, model, strategy
         self.batches, self.val_batches = batches, val_batches
-        self.device, self.cfg, self.start_time = device, cfg, start_time
+        self.device, self.cfg, self.start_time, self.live = device, cfg, start_time, live
         self.log = NodeLog(rank)
         self.step = 0
-        self._unflushed: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
+        self._unflushed: list[tuple[torch.Tensor, dict[str, torch.Tensor], float, int, float]] = []
         self._eval_model: torch.nn.Module | None = None
         self._bar = None
 
@@ -86,7 +87,7 @@ class TrainNode:
                 return self._train(comm)
             except Exception as e:
                 if hasattr(e, "add_note") and not isinstance(e, CollectiveError):  # those name their nodes
-                    e.add_note(f"(raised in node {self.rank} at step {self.step})")
+                    e.add_note(f"(raised in node {self.rank} at step {self.step + 1})")
                 raise
             finally:
                 if self._bar is not None:
@@ -105,15 +106,13 @@ class TrainNode:
             self._bar = tqdm(total=cfg.max_steps, desc="exogym", unit="step", dynamic_ncols=True)
         batches: Iterator[Any] = iter(self.batches)
         for self.step in range(cfg.max_steps):
-            comm.step = self.step
+            comm.step = self.step + 1  # steps count from 1 in records and messages
             batch = move_to_device(next(batches), self.device)
             s.zero_grad()
             loss, metrics = self._forward_backward(batch)
-            self.log.lr.append(s._current_lr())
+            lr = s._current_lr()  # the rate this step uses, before the schedule advances
             s.step()
-            self._unflushed.append((loss, metrics))
-            self.log.bytes_sent.append(comm.stats.bytes_sent)
-            self.log.wall_time_s.append(time.perf_counter() - self.start_time)
+            self._unflushed.append((loss, metrics, lr, comm.stats.bytes_sent, time.perf_counter() - self.start_time))
             done = self.step + 1
             if cfg.validate and (done % cfg.val_interval == 0 or done == cfg.max_steps):
                 self._validate(comm, done)
@@ -155,21 +154,23 @@ class TrainNode:
 
     def _flush(self) -> None:
         """Move the losses since the last flush to the host (one sync per log interval, not per step)."""
-        losses = torch.stack([l.float() for l, _ in self._unflushed]).tolist()
-        first = self.step + 1 - len(losses)
-        for i, v in enumerate(losses):
-            if not math.isfinite(v):
-                raise FloatingPointError(f"the training loss on node {self.rank} is {v} at step {first + i}; "
+        losses = torch.stack([u[0].float() for u in self._unflushed]).tolist()
+        names = list(self._unflushed[0][1])
+        metrics = {n: torch.stack([u[1][n].float() for u in self._unflushed]).tolist() for n in names}
+        first = self.step + 2 - len(losses)  # step number (from 1) of the oldest unflushed step
+        rows = []
+        for i, (loss, (_, _, lr, sent, wall)) in enumerate(zip(losses, self._unflushed)):
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"the training loss on node {self.rank} is {loss} at step {first + i}; "
                                          "lower the learning rate, set max_norm, or check the data")
-        self.log.loss.extend(losses)
-        names = self._unflushed[0][1].keys()
-        for name in names:
-            values = torch.stack([m[name].float() for _, m in self._unflushed]).tolist()
-            self.log.metrics.setdefault(name, []).extend(values)
+            rows.append({"step": first + i, "loss": loss, **{n: metrics[n][i] for n in names},
+                         "lr": lr, "bytes": sent, "wall_time_s": wall})
         self._unflushed.clear()
+        self.log.rows.extend(rows)
+        self.live.add_rows(self.rank, rows)
         if self._bar is not None:
-            self._bar.update(len(losses))
-            self._bar.set_postfix_str(f"loss {losses[-1]:.4f}, sent {_human_bytes(self.log.bytes_sent[-1])}"
+            self._bar.update(len(rows))
+            self._bar.set_postfix_str(f"loss {losses[-1]:.4f}, sent {_human_bytes(rows[-1]['bytes'])}"
                                       + (f", val {self.log.val[-1]['global_loss']:.4f}" if self.log.val else ""))
 
     def _validate(self, comm: Communicator, done: int) -> None:
@@ -184,6 +185,7 @@ class TrainNode:
             for name, value in self._evaluate(model).items():
                 row[f"{prefix}_{name}"] = value
         self.log.val.append(row)
+        self.live.add_val(row)
 
     @torch.no_grad()
     def _evaluate(self, model: torch.nn.Module) -> dict[str, float]:

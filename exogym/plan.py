@@ -10,6 +10,7 @@ import torch
 
 from exogym.data.sharding import NodeBatches
 from exogym.node import RunConfig, TrainNode
+from exogym.record import LiveLog
 from exogym.rng import NodeRNG, node_seed
 
 __all__ = ["RunPlan"]
@@ -30,6 +31,7 @@ class RunPlan:
     devices: list[torch.device]
     cfg: RunConfig
     seed: int
+    live: LiveLog  # the sim shares one across nodes; a torch.distributed process keeps its own
 
     @property
     def num_nodes(self) -> int:
@@ -38,7 +40,7 @@ class RunPlan:
     def make_node(self, rank: int, start_time: float) -> TrainNode:
         # Each node trains its own copy of the model and the strategy; the user's objects stay untouched.
         return TrainNode(rank, copy.deepcopy(self.model), copy.deepcopy(self.strategy), self.node_batches[rank],
-                         self.val_batches if rank == 0 else None, self.devices[rank], self.cfg, start_time)
+                         self.val_batches if rank == 0 else None, self.devices[rank], self.cfg, start_time, self.live)
 
     def node_rng(self, rank: int) -> NodeRNG:
         return NodeRNG(node_seed(self.seed, rank), self.devices[rank])

@@ -1,34 +1,75 @@
-"""The run record: what a run measured, kept on the trainer after `fit` (`trainer.record`)."""
+"""What a run measured: each node's rows, merged into one row per step for the logger and the record."""
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
-__all__ = ["RunRecord", "NodeLog"]
+if TYPE_CHECKING:
+    from exogym.logger import Logger
+
+__all__ = ["RunRecord", "NodeLog", "LiveLog", "merge_step_rows"]
+
+
+def merge_step_rows(rows: Sequence[dict[str, float]], *, global_batch: int) -> dict[str, float]:
+    """One step's rows from several nodes -> one row: loss and metrics averaged over the nodes, bytes summed,
+    lr and wall time from the lowest rank."""
+    first = rows[0]
+    merged: dict[str, float] = {"step": first["step"]}
+    for key in first:
+        if key not in ("step", "lr", "bytes", "wall_time_s"):
+            merged[key] = sum(r[key] for r in rows) / len(rows)
+    merged.update(lr=first["lr"], examples=first["step"] * global_batch, bytes=sum(r["bytes"] for r in rows),
+                  wall_time_s=first["wall_time_s"])
+    return merged
 
 
 @dataclass
 class NodeLog:
-    """What one node measured, returned by its loop (plain Python, so it can cross processes)."""
+    """What one node measured (plain Python, so it can cross processes).
+
+    rows: one per step: step (optimizer steps done, from 1), loss, extra metrics, lr (used in that
+    step), bytes (this node's, cumulative), wall_time_s (since the run started).
+    val: node 0 only: step, local_/global_ loss and metrics.
+    """
 
     rank: int
-    loss: list[float] = field(default_factory=list)            # per step
-    metrics: dict[str, list[float]] = field(default_factory=dict)  # extra scalars the model returned, per step
-    lr: list[float] = field(default_factory=list)
-    bytes_sent: list[int] = field(default_factory=list)        # cumulative, per step
-    wall_time_s: list[float] = field(default_factory=list)     # since the run started, per step
-    val: list[dict[str, float]] = field(default_factory=list)  # node 0 only: rows of validation results
-    comm: dict[str, Any] = field(default_factory=dict)         # CommStats at the end
+    rows: list[dict[str, float]] = field(default_factory=list)
+    val: list[dict[str, float]] = field(default_factory=list)
+    comm: dict[str, Any] = field(default_factory=dict)
+
+
+class LiveLog:
+    """Feeds a logger while the run trains: a step's merged row goes out once every node it hears from has
+    reported that step (in the sim backend all nodes; in a torch.distributed process only its own)."""
+
+    def __init__(self, logger: "Logger | None", ranks: Sequence[int], *, global_batch: int):
+        self.logger, self.global_batch = logger, global_batch
+        self._queues: dict[int, deque] = {r: deque() for r in ranks}
+
+    def add_rows(self, rank: int, rows: list[dict[str, float]]) -> None:
+        if self.logger is None or rank not in self._queues:
+            return
+        self._queues[rank].extend(rows)
+        while all(self._queues.values()):
+            self.logger.log("train", merge_step_rows([q.popleft() for q in self._queues.values()],
+                                                     global_batch=self.global_batch))
+
+    def add_val(self, row: dict[str, float]) -> None:
+        if self.logger is not None:
+            self.logger.log("val", row)
 
 
 @dataclass
 class RunRecord:
-    """Per-step training rows (losses averaged over nodes), validation rows, and bytes per node.
+    """The measurements of a finished run, on `trainer.record`.
 
-    train rows: step (1-based: optimizer steps done), loss, <metric>, lr, examples, bytes (all nodes,
-    cumulative), wall_time_s. val rows: step, local_loss (node 0's model), global_loss (the global
-    model), and local_/global_ versions of every extra metric.
+    train: one row per step: step, loss (mean over nodes), extra metrics (mean), lr, examples (global),
+        bytes (all nodes, cumulative), wall_time_s.
+    val: one row per evaluation: step, local_loss (node 0's model), global_loss (the global model),
+        and local_/global_ versions of every extra metric.
+    node_loss[r][s]: node r's training loss at step s+1. bytes_per_node[r]: what node r sent in total.
     """
 
     config: dict[str, Any]
@@ -42,18 +83,10 @@ class RunRecord:
     @classmethod
     def from_nodes(cls, logs: list[NodeLog], *, config: dict[str, Any], global_batch: int,
                    wall_time_s: float) -> "RunRecord":
-        k = len(logs)
-        steps = len(logs[0].loss)
-        train = []
-        for s in range(steps):
-            row: dict[str, float] = {"step": s + 1, "loss": sum(log.loss[s] for log in logs) / k}
-            for name in logs[0].metrics:
-                row[name] = sum(log.metrics[name][s] for log in logs) / k
-            row.update(lr=logs[0].lr[s], examples=(s + 1) * global_batch,
-                       bytes=sum(log.bytes_sent[s] for log in logs), wall_time_s=logs[0].wall_time_s[s])
-            train.append(row)
-        return cls(config=config, train=train, val=logs[0].val, node_loss=[log.loss for log in logs],
-                   bytes_per_node=[log.bytes_sent[-1] if log.bytes_sent else 0 for log in logs],
+        train = [merge_step_rows(step_rows, global_batch=global_batch) for step_rows in zip(*(l.rows for l in logs))]
+        return cls(config=config, train=train, val=logs[0].val,
+                   node_loss=[[row["loss"] for row in log.rows] for log in logs],
+                   bytes_per_node=[int(log.rows[-1]["bytes"]) if log.rows else 0 for log in logs],
                    comm_per_node=[log.comm for log in logs], wall_time_s=wall_time_s)
 
     def column(self, name: str, table: str = "train") -> list[float]:
@@ -65,3 +98,11 @@ class RunRecord:
     @property
     def total_bytes(self) -> int:
         return sum(self.bytes_per_node)
+
+    def summary(self) -> dict[str, Any]:
+        """The headline numbers (what summary.json holds)."""
+        last_val = self.val[-1] if self.val else {}
+        return {"steps": len(self.train), "final_train_loss": self.train[-1]["loss"] if self.train else None,
+                **{f"final_{k}": v for k, v in last_val.items() if k != "step"},
+                "bytes_per_node": self.bytes_per_node, "total_bytes": self.total_bytes,
+                "wall_time_s": self.wall_time_s, "comm_per_node": self.comm_per_node}

@@ -14,7 +14,8 @@ from exogym.backends.sim import run_sim
 from exogym.data.sharding import DatasetOrFactory, NodeBatches, fixed_batches, is_factory, node_dataset
 from exogym.devices import DeviceLike, resolve_node_devices
 from exogym.node import RunConfig
-from exogym.record import RunRecord
+from exogym.logger import CSVLogger, Logger, MultiLogger
+from exogym.record import LiveLog, RunRecord
 from exogym.plan import RunPlan
 from exogym.rng import GlobalRNGState
 from exogym.strategy.strategy import Strategy
@@ -54,14 +55,16 @@ class Trainer:
             batch_size: int = 16, minibatch_size: int | None = None, shuffle: bool = True, val_size: int = 64,
             val_interval: int = 100, autocast: bool = False, seed: int = 42, backend: str = "sim",
             device: DeviceLike | None = None, devices: Sequence[DeviceLike] | None = None,
-            log_interval: int = 10, progress: bool = True, **unknown: Any) -> torch.nn.Module:
+            log_interval: int = 10, progress: bool = True, logger: Logger | Sequence[Logger] | bool | None = None,
+            run_name: str | None = None, **unknown: Any) -> torch.nn.Module:
         """Train with `strategy` on `num_nodes` nodes; return the global model (by default the nodes' average).
 
         batch_size is per node (the global batch is num_nodes x batch_size); minibatch_size splits it
         for gradient accumulation. The run lasts max_steps optimizer steps, or num_epochs passes over
         each node's shard. Validation ("local": node 0's model, "global": the global model) runs on the
         same val_size examples every val_interval steps and at the end. The measurements land in
-        `self.record`.
+        `self.record`, and go to `logger` every log_interval steps: by default a CSVLogger writing
+        logs/<run_name>/ (config.json, train.csv, val.csv, summary.json); False for none.
         """
         reject_unknown_kwargs("Trainer.fit", unknown,
                               [p for p in inspect.signature(Trainer.fit).parameters if p not in ("self", "unknown")])
@@ -79,6 +82,7 @@ class Trainer:
         minibatch_size = batch_size if minibatch_size is None else minibatch_size
         if minibatch_size > batch_size or batch_size % minibatch_size:
             raise ValueError(f"minibatch_size must divide batch_size={batch_size}, got {minibatch_size}")
+        logger = _resolve_logger(logger, run_name)
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; use one of {list(BACKENDS)}")
         node_devices = resolve_node_devices(
@@ -112,32 +116,62 @@ class Trainer:
                         minibatch_size=minibatch_size, val_interval=val_interval, log_interval=log_interval,
                         autocast=autocast, progress=progress, validate=val_batches is not None)
         n_params = sum(p.numel() for p in self.model.parameters())
-        config = {"strategy": type(strategy).__name__, "num_nodes": num_nodes, "max_steps": total_steps,
-                  "steps_per_epoch": steps_per_epoch, "batch_size": batch_size, "minibatch_size": minibatch_size,
-                  "global_batch": num_nodes * batch_size, "val_size": val_size if val_batches else 0,
-                  "val_interval": val_interval, "seed": seed, "backend": backend, "autocast": autocast,
+        config = {"strategy": type(strategy).__name__, "strategy_config": strategy.config(), "num_nodes": num_nodes,
+                  "max_steps": total_steps, "steps_per_epoch": steps_per_epoch, "num_epochs": num_epochs,
+                  "batch_size": batch_size, "minibatch_size": minibatch_size, "global_batch": num_nodes * batch_size,
+                  "shuffle": shuffle, "val_size": val_size if val_batches else 0, "val_interval": val_interval,
+                  "log_interval": log_interval, "seed": seed, "backend": backend, "autocast": autocast,
                   "devices": [str(d) for d in node_devices], "model": type(self.model).__name__,
-                  "parameters": n_params, "torch": torch.__version__}
+                  "parameters": n_params, "versions": _versions()}
         if progress:
             print(f"exogym: {type(strategy).__name__} on {num_nodes} node(s) [{backend}, {node_devices[0]}], "
                   f"{n_params:,} parameters; batch {batch_size}/node = {num_nodes * batch_size} global; "
                   f"{total_steps} steps ({steps_per_epoch} per epoch); validation on {config['val_size']} examples "
                   f"every {val_interval} steps", flush=True)
 
+        live = LiveLog(logger, range(num_nodes), global_batch=num_nodes * batch_size)
         plan = RunPlan(model=self.model, strategy=strategy, node_batches=node_batches, val_batches=val_batches,
-                       devices=node_devices, cfg=cfg, seed=seed)
+                       devices=node_devices, cfg=cfg, seed=seed, live=live)
+        if logger is not None:
+            logger.start(config)
         start = time.perf_counter()
         caller_rng = GlobalRNGState.capture()  # the caller's random streams are theirs: put them back after
         try:
             results = _RUNNERS[backend](plan)
+        except BaseException as e:
+            if logger is not None:
+                logger.finish({"status": "failed", "error": f"{type(e).__name__}: {e}"})
+            raise
         finally:
             caller_rng.restore()
         logs, final_state = [log for log, _ in results], results[0][1]
         self.record = RunRecord.from_nodes(logs, config=config, global_batch=num_nodes * batch_size,
                                            wall_time_s=time.perf_counter() - start)
+        if logger is not None:
+            logger.finish({"status": "completed", **self.record.summary()})
         final_model = copy.deepcopy(self.model).to(node_devices[0])
         final_model.load_state_dict(final_state, strict=True)
         return final_model
+
+
+def _resolve_logger(logger: Any, run_name: str | None) -> Logger | None:
+    if logger is None or logger is True:
+        return CSVLogger(run_name=run_name)
+    if logger is False:
+        return None
+    if isinstance(logger, Logger):
+        return logger
+    if isinstance(logger, (list, tuple)) and all(isinstance(lg, Logger) for lg in logger):
+        return MultiLogger(logger)
+    raise TypeError(f"logger must be an exogym.logger.Logger (CSVLogger, WandbLogger, TensorBoardLogger), a list "
+                    f"of them, or False for none; got {logger!r}")
+
+
+def _versions() -> dict[str, str]:
+    import platform
+
+    import exogym
+    return {"exogym": exogym.__version__, "torch": torch.__version__, "python": platform.python_version()}
 
 
 LocalTrainer = Trainer

@@ -8,3 +8,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 # One intra-op thread: CI machines have 2 cores, and results must not depend on thread count.
 torch.set_num_threads(1)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _run_in_tmp_dir(tmp_path, monkeypatch):
+    """fit() writes logs/<run_name>/ into the working directory by default: keep it out of the repo."""
+    monkeypatch.chdir(tmp_path)

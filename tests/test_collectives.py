@@ -129,7 +129,7 @@ def test_a_collective_only_some_nodes_call_raises_instead_of_hanging():
         if s.rank == 0:
             comm.all_reduce(torch.zeros(2), group=[0, 1])
     # Node 1 moves on to the end-of-run averaging over all nodes; node 0 still waits for it on [0, 1].
-    _expect_collective_error(action, "deadlock", "node 0 (step 0): all_reduce((2,)", "group [0, 1]")
+    _expect_collective_error(action, "deadlock", "node 0 (step 1): all_reduce((2,)", "group [0, 1]")
 
 
 def test_crossed_groups_deadlock_is_reported():
@@ -150,7 +150,7 @@ def test_a_node_exception_is_reraised_with_its_rank():
         comm.barrier()
     with pytest.raises(KeyError) as info:
         run_on_nodes(action)
-    assert "raised in node 2 at step 0" in "".join(getattr(info.value, "__notes__", []))
+    assert "raised in node 2 at step 1" in "".join(getattr(info.value, "__notes__", []))
 
 
 def test_collectives_outside_a_run_and_bad_groups_are_clear_errors():

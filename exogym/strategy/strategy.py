@@ -7,6 +7,7 @@ copy to that node's model.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Mapping
 
 import torch
@@ -34,6 +35,25 @@ class Strategy:
     """
 
     max_steps: int  # set by the trainer before _init_node (the schedule needs the run length)
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        # Keep the constructor arguments, so a run's config.json can say exactly how the strategy was built.
+        self = super().__new__(cls)
+        self._init_args = (args, kwargs)
+        return self
+
+    def config(self) -> dict[str, Any]:
+        """The constructor arguments (given and default) this strategy was built with."""
+        args, kwargs = getattr(self, "_init_args", ((), {}))
+        bound = inspect.signature(type(self).__init__).bind_partial(self, *args, **kwargs)
+        bound.apply_defaults()
+        out: dict[str, Any] = {"name": type(self).__name__}
+        for name, value in list(bound.arguments.items())[1:]:
+            if isinstance(value, dict) and bound.signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                out.update(value)
+            else:
+                out[name] = value
+        return out
 
     def __init__(self, lr_scheduler: str | type | Callable[..., Any] | None = None,
                  lr_scheduler_kwargs: Mapping[str, Any] | None = None, *, warmup_steps: int | None = None,
