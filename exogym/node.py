@@ -17,9 +17,11 @@ import torch
 from tqdm.auto import tqdm
 
 from exogym.averaging import global_state_dict
+from exogym.checkpoint import CheckpointPlan, NodeState, finalize_checkpoint, save_node_state
 from exogym.comm import CollectiveError, Communicator, bind_communicator
 from exogym.data.sharding import NodeBatches, batch_size_of, move_to_device, split_batch
 from exogym.record import LiveLog, NodeLog
+from exogym.rng import GlobalRNGState
 
 __all__ = ["RunConfig", "TrainNode", "parse_model_output"]
 
@@ -70,11 +72,12 @@ class TrainNode:
 
     def __init__(self, rank: int, model: torch.nn.Module, strategy, batches: NodeBatches,
                  val_batches: list[Any] | None, device: torch.device, cfg: RunConfig, start_time: float,
-                 live: LiveLog):
+                 live: LiveLog, *, resume: NodeState | None = None, checkpoints: CheckpointPlan | None = None):
         self.rank, self.model, self.strategy = rank, model, strategy
         self.batches, self.val_batches = batches, val_batches
         self.device, self.cfg, self.start_time, self.live = device, cfg, start_time, live
-        self.log = NodeLog(rank)
+        self.resume, self.checkpoints = resume, checkpoints
+        self.log = resume.log if resume is not None else NodeLog(rank)
         self.step = 0
         self._unflushed: list[tuple[torch.Tensor, dict[str, torch.Tensor], float, int, float]] = []
         self._eval_model: torch.nn.Module | None = None
@@ -95,17 +98,22 @@ class TrainNode:
 
     def _train(self, comm: Communicator) -> tuple[NodeLog, dict[str, torch.Tensor] | None]:
         cfg, s = self.cfg, self.strategy
-        self.model.to(self.device)
         if self.val_batches is not None and self.rank == 0:
             self.val_batches = [move_to_device(b, self.device) for b in self.val_batches]
         s.max_steps = cfg.max_steps
-        s._init_node(self.model, self.rank, cfg.num_nodes)
-        s._finish_init()
+        if self.resume is None:
+            self.model.to(self.device)
+            s._init_node(self.model, self.rank, cfg.num_nodes)
+            s._finish_init()
+            first_step = 0
+        else:  # model and strategy come back initialised, optimizers and all
+            comm.stats = self.resume.comm_stats
+            first_step = self.resume.step
         self.model.train()
         if self.rank == 0 and cfg.progress:
-            self._bar = tqdm(total=cfg.max_steps, desc="exogym", unit="step", dynamic_ncols=True)
-        batches: Iterator[Any] = iter(self.batches)
-        for self.step in range(cfg.max_steps):
+            self._bar = tqdm(total=cfg.max_steps, initial=first_step, desc="exogym", unit="step", dynamic_ncols=True)
+        batches: Iterator[Any] = self.batches.iterate(from_step=first_step)
+        for self.step in range(first_step, cfg.max_steps):
             comm.step = self.step + 1  # steps count from 1 in records and messages
             batch = move_to_device(next(batches), self.device)
             s.zero_grad()
@@ -116,12 +124,23 @@ class TrainNode:
             done = self.step + 1
             if cfg.validate and (done % cfg.val_interval == 0 or done == cfg.max_steps):
                 self._validate(comm, done)
-            if done % cfg.log_interval == 0 or done == cfg.max_steps:
+            save = self.checkpoints is not None and self.checkpoints.due(done, cfg.max_steps)
+            if done % cfg.log_interval == 0 or done == cfg.max_steps or save:
                 self._flush()
+            if save:
+                self._save_checkpoint(comm, done)
         final = global_state_dict(self.model, s, comm)
         self.log.comm = {"bytes_sent": comm.stats.bytes_sent, "bytes_by_op": dict(comm.stats.bytes_by_op),
                          "calls_by_op": dict(comm.stats.calls_by_op)}
         return self.log, (final if self.rank == 0 else None)
+
+    def _save_checkpoint(self, comm: Communicator, done: int) -> None:
+        # The global random streams are this node's own while it runs (the backend swapped them in).
+        state = NodeState(done, self.model, self.strategy, GlobalRNGState.capture(self.device), comm.stats, self.log)
+        save_node_state(self.checkpoints, self.rank, state)
+        comm.barrier(comm.world)  # every node's file is on disk before node 0 publishes the checkpoint
+        if self.rank == 0:
+            finalize_checkpoint(self.checkpoints, done)
 
     def _autocast(self):
         if not self.cfg.autocast:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from exogym.checkpoint import CheckpointPlan, NodeState
 from exogym.data.sharding import NodeBatches
 from exogym.node import RunConfig, TrainNode
 from exogym.record import LiveLog
@@ -32,15 +33,23 @@ class RunPlan:
     cfg: RunConfig
     seed: int
     live: LiveLog  # the sim shares one across nodes; a torch.distributed process keeps its own
+    checkpoints: CheckpointPlan | None = None
+    resume: list[NodeState] | None = None  # per node, from load_checkpoint
 
     @property
     def num_nodes(self) -> int:
         return self.cfg.num_nodes
 
     def make_node(self, rank: int, start_time: float) -> TrainNode:
-        # Each node trains its own copy of the model and the strategy; the user's objects stay untouched.
-        return TrainNode(rank, copy.deepcopy(self.model), copy.deepcopy(self.strategy), self.node_batches[rank],
-                         self.val_batches if rank == 0 else None, self.devices[rank], self.cfg, start_time, self.live)
+        if self.resume is not None:
+            state = self.resume[rank]
+            model, strategy = state.model, state.strategy
+        else:  # each node trains its own copy of the model and the strategy; the user's objects stay untouched
+            state, model, strategy = None, copy.deepcopy(self.model), copy.deepcopy(self.strategy)
+        return TrainNode(rank, model, strategy, self.node_batches[rank], self.val_batches if rank == 0 else None,
+                         self.devices[rank], self.cfg, start_time, self.live, resume=state,
+                         checkpoints=self.checkpoints)
 
     def node_rng(self, rank: int) -> NodeRNG:
-        return NodeRNG(node_seed(self.seed, rank), self.devices[rank])
+        state = self.resume[rank].rng if self.resume is not None else None
+        return NodeRNG(node_seed(self.seed, rank), self.devices[rank], state)

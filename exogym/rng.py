@@ -49,9 +49,9 @@ class GlobalRNGState:
 class NodeRNG:
     """One node's streams: seeded on first activation, saved and restored with the baton."""
 
-    def __init__(self, seed: int, device: torch.device):
+    def __init__(self, seed: int, device: torch.device, state: GlobalRNGState | None = None):
         self.seed, self.device = seed, device
-        self._state: GlobalRNGState | None = None
+        self._state = state  # a resumed node starts from its checkpointed streams
 
     def activate(self) -> None:
         if self._state is not None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 import inspect
+import os
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -14,7 +16,8 @@ from exogym.backends.sim import run_sim
 from exogym.data.sharding import DatasetOrFactory, NodeBatches, fixed_batches, is_factory, node_dataset
 from exogym.devices import DeviceLike, resolve_node_devices
 from exogym.node import RunConfig
-from exogym.logger import CSVLogger, Logger, MultiLogger
+from exogym.checkpoint import CheckpointPlan, load_checkpoint
+from exogym.logger import CSVLogger, Logger, MultiLogger, default_run_name
 from exogym.record import LiveLog, RunRecord
 from exogym.plan import RunPlan
 from exogym.rng import GlobalRNGState
@@ -56,7 +59,9 @@ class Trainer:
             val_interval: int = 100, autocast: bool = False, seed: int = 42, backend: str = "sim",
             device: DeviceLike | None = None, devices: Sequence[DeviceLike] | None = None,
             log_interval: int = 10, progress: bool = True, logger: Logger | Sequence[Logger] | bool | None = None,
-            run_name: str | None = None, **unknown: Any) -> torch.nn.Module:
+            run_name: str | None = None, checkpoint_interval: int | None = None,
+            checkpoint_dir: str | os.PathLike | None = None, keep_checkpoints: int = 3,
+            resume_from: str | os.PathLike | None = None, **unknown: Any) -> torch.nn.Module:
         """Train with `strategy` on `num_nodes` nodes; return the global model (by default the nodes' average).
 
         batch_size is per node (the global batch is num_nodes x batch_size); minibatch_size splits it
@@ -65,6 +70,10 @@ class Trainer:
         same val_size examples every val_interval steps and at the end. The measurements land in
         `self.record`, and go to `logger` every log_interval steps: by default a CSVLogger writing
         logs/<run_name>/ (config.json, train.csv, val.csv, summary.json); False for none.
+
+        checkpoint_interval=N saves every node's full state every N steps and at the end into
+        checkpoint_dir (default logs/<run_name>/checkpoints), keeping the newest keep_checkpoints;
+        resume_from=<checkpoint folder, or a folder of them> continues such a run exactly.
         """
         reject_unknown_kwargs("Trainer.fit", unknown,
                               [p for p in inspect.signature(Trainer.fit).parameters if p not in ("self", "unknown")])
@@ -79,9 +88,12 @@ class Trainer:
         check_int("val_interval", val_interval, minimum=1)
         check_int("log_interval", log_interval, minimum=1)
         check_int("seed", seed, minimum=0)
+        check_int("checkpoint_interval", checkpoint_interval, minimum=1, allow_none=True)
+        check_int("keep_checkpoints", keep_checkpoints, minimum=1)
         minibatch_size = batch_size if minibatch_size is None else minibatch_size
         if minibatch_size > batch_size or batch_size % minibatch_size:
             raise ValueError(f"minibatch_size must divide batch_size={batch_size}, got {minibatch_size}")
+        run_name = run_name or default_run_name({"strategy": type(strategy).__name__, "num_nodes": num_nodes})
         logger = _resolve_logger(logger, run_name)
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; use one of {list(BACKENDS)}")
@@ -129,9 +141,20 @@ class Trainer:
                   f"{total_steps} steps ({steps_per_epoch} per epoch); validation on {config['val_size']} examples "
                   f"every {val_interval} steps", flush=True)
 
+        config["run_name"] = run_name
+        checkpoints = None
+        if checkpoint_interval is not None:
+            root = Path(checkpoint_dir) if checkpoint_dir is not None else Path("logs") / run_name / "checkpoints"
+            checkpoints = CheckpointPlan(root, checkpoint_interval, keep_checkpoints, config)
+        resume = None
+        if resume_from is not None:
+            resume = load_checkpoint(resume_from, num_nodes=num_nodes, batch_size=batch_size, max_steps=total_steps,
+                                     devices=node_devices)
+            if progress:
+                print(f"exogym: resuming from step {resume[0].step} ({resume_from})", flush=True)
         live = LiveLog(logger, range(num_nodes), global_batch=num_nodes * batch_size)
         plan = RunPlan(model=self.model, strategy=strategy, node_batches=node_batches, val_batches=val_batches,
-                       devices=node_devices, cfg=cfg, seed=seed, live=live)
+                       devices=node_devices, cfg=cfg, seed=seed, live=live, checkpoints=checkpoints, resume=resume)
         if logger is not None:
             logger.start(config)
         start = time.perf_counter()

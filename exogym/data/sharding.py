@@ -52,15 +52,19 @@ class NodeBatches:
         self.sampler = DistributedSampler(ds, num_replicas=num_nodes if shard else 1, rank=rank if shard else 0,
                                           shuffle=shuffle, seed=seed)
         self.steps_per_epoch = self.sampler.num_samples // batch_size
-        self.epoch = 0
 
     def __iter__(self) -> Iterator[Any]:
+        return self.iterate(from_step=0)
+
+    def iterate(self, from_step: int) -> Iterator[Any]:
+        """Batches from step `from_step` on (a resumed run continues mid-epoch on the same permutation)."""
+        epoch, first = divmod(from_step, self.steps_per_epoch)
         while True:
-            self.sampler.set_epoch(self.epoch)  # a new permutation each epoch, the same on every node
+            self.sampler.set_epoch(epoch)  # a new permutation each epoch, the same on every node
             indices = list(self.sampler)
-            for i in range(self.steps_per_epoch):
+            for i in range(first, self.steps_per_epoch):
                 yield _collate(self.ds, indices[i * self.batch_size:(i + 1) * self.batch_size])
-            self.epoch += 1
+            epoch, first = epoch + 1, 0
 
 
 def fixed_batches(ds: Dataset, *, size: int, batch_size: int, seed: int) -> list[Any]:

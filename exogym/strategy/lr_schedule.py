@@ -16,18 +16,22 @@ __all__ = ["lambda_cosine", "LRSchedule"]
 _COSINE_KEYS = ("warmup_steps", "cosine_anneal", "min_lr_factor")
 
 
-def lambda_cosine(*, warmup_steps: int, max_steps: int, cosine_anneal: bool, min_lr_factor: float) -> Callable[[int], float]:
+@dataclass(frozen=True)
+class lambda_cosine:  # noqa: N801 - a function in use; a class so that checkpoints can pickle it
     """LR factor for optimizer step `step` (0-based): linear warmup, then constant or cosine to min_lr_factor."""
 
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps  # the first step already trains (factor 1/warmup, not 0)
-        if not cosine_anneal:
-            return 1.0
-        progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-        return min_lr_factor + (1.0 - min_lr_factor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    warmup_steps: int
+    max_steps: int
+    cosine_anneal: bool
+    min_lr_factor: float
 
-    return factor
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps  # the first step already trains (factor 1/warmup, not 0)
+        if not self.cosine_anneal:
+            return 1.0
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.max_steps - self.warmup_steps))
+        return self.min_lr_factor + (1.0 - self.min_lr_factor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 @dataclass
