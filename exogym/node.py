@@ -19,7 +19,8 @@ from tqdm.auto import tqdm
 from exogym.averaging import global_state_dict
 from exogym.checkpoint import CheckpointPlan, NodeState, finalize_checkpoint, save_node_state
 from exogym.comm import CollectiveError, Communicator, bind_communicator
-from exogym.data.sharding import NodeBatches, batch_size_of, move_to_device, split_batch
+from exogym.data.sharding import NodeBatches, batch_size_of, move_to_device, split_batch, token_count
+from exogym.diagnostics import parameter_divergence
 from exogym.record import LiveLog, NodeLog
 from exogym.rng import GlobalRNGState
 
@@ -39,6 +40,7 @@ class RunConfig:
     autocast: bool
     progress: bool
     validate: bool  # every node takes part in building the global model, node 0 evaluates it
+    diagnostics_interval: int | None = None
 
 
 def parse_model_output(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -79,7 +81,9 @@ class TrainNode:
         self.resume, self.checkpoints = resume, checkpoints
         self.log = resume.log if resume is not None else NodeLog(rank)
         self.step = 0
-        self._unflushed: list[tuple[torch.Tensor, dict[str, torch.Tensor], float, int, float]] = []
+        # per step since the last flush: loss, metrics, lr, bytes sent, wall time, tokens (all cumulative)
+        self._unflushed: list[tuple[torch.Tensor, dict[str, torch.Tensor], float, int, float, int]] = []
+        self._tokens = self.log.rows[-1].get("tokens", 0) if self.log.rows else 0
         self._eval_model: torch.nn.Module | None = None
         self._bar = None
 
@@ -116,14 +120,23 @@ class TrainNode:
         for self.step in range(first_step, cfg.max_steps):
             comm.step = self.step + 1  # steps count from 1 in records and messages
             batch = move_to_device(next(batches), self.device)
+            tokens = token_count(batch)
+            if tokens is not None:
+                self._tokens += tokens
             s.zero_grad()
             loss, metrics = self._forward_backward(batch)
             lr = s._current_lr()  # the rate this step uses, before the schedule advances
             s.step()
-            self._unflushed.append((loss, metrics, lr, comm.stats.bytes_sent, time.perf_counter() - self.start_time))
+            self._unflushed.append((loss, metrics, lr, comm.stats.bytes_sent, time.perf_counter() - self.start_time,
+                                    self._tokens))
             done = self.step + 1
             if cfg.validate and (done % cfg.val_interval == 0 or done == cfg.max_steps):
                 self._validate(comm, done)
+            if cfg.diagnostics_interval and (done % cfg.diagnostics_interval == 0 or done == cfg.max_steps):
+                row = {"step": done, **parameter_divergence(self.model, comm)}
+                if self.rank == 0:
+                    self.log.diagnostics.append(row)
+                    self.live.add_row("diagnostics", row)
             save = self.checkpoints is not None and self.checkpoints.due(done, cfg.max_steps)
             if done % cfg.log_interval == 0 or done == cfg.max_steps or save:
                 self._flush()
@@ -178,12 +191,15 @@ class TrainNode:
         metrics = {n: torch.stack([u[1][n].float() for u in self._unflushed]).tolist() for n in names}
         first = self.step + 2 - len(losses)  # step number (from 1) of the oldest unflushed step
         rows = []
-        for i, (loss, (_, _, lr, sent, wall)) in enumerate(zip(losses, self._unflushed)):
+        tokens_at = [u[5] for u in self._unflushed]
+        for i, (loss, (_, _, lr, sent, wall, _)) in enumerate(zip(losses, self._unflushed)):
             if not math.isfinite(loss):
                 raise FloatingPointError(f"the training loss on node {self.rank} is {loss} at step {first + i}; "
                                          "lower the learning rate, set max_norm, or check the data")
-            rows.append({"step": first + i, "loss": loss, **{n: metrics[n][i] for n in names},
-                         "lr": lr, "bytes": sent, "wall_time_s": wall})
+            row = {"step": first + i, "loss": loss, **{n: metrics[n][i] for n in names}, "lr": lr}
+            if self._tokens:
+                row["tokens"] = tokens_at[i]
+            rows.append({**row, "bytes": sent, "wall_time_s": wall})
         self._unflushed.clear()
         self.log.rows.extend(rows)
         self.live.add_rows(self.rank, rows)
@@ -204,7 +220,7 @@ class TrainNode:
             for name, value in self._evaluate(model).items():
                 row[f"{prefix}_{name}"] = value
         self.log.val.append(row)
-        self.live.add_val(row)
+        self.live.add_row("val", row)
 
     @torch.no_grad()
     def _evaluate(self, model: torch.nn.Module) -> dict[str, float]:

@@ -13,15 +13,17 @@ __all__ = ["RunRecord", "NodeLog", "LiveLog", "merge_step_rows"]
 
 
 def merge_step_rows(rows: Sequence[dict[str, float]], *, global_batch: int) -> dict[str, float]:
-    """One step's rows from several nodes -> one row: loss and metrics averaged over the nodes, bytes summed,
-    lr and wall time from the lowest rank."""
+    """One step's rows from several nodes -> one row: loss and metrics averaged over the nodes, bytes and
+    tokens summed, lr and wall time from the lowest rank."""
     first = rows[0]
     merged: dict[str, float] = {"step": first["step"]}
     for key in first:
-        if key not in ("step", "lr", "bytes", "wall_time_s"):
+        if key not in ("step", "lr", "bytes", "tokens", "wall_time_s"):
             merged[key] = sum(r[key] for r in rows) / len(rows)
-    merged.update(lr=first["lr"], examples=first["step"] * global_batch, bytes=sum(r["bytes"] for r in rows),
-                  wall_time_s=first["wall_time_s"])
+    merged.update(lr=first["lr"], examples=first["step"] * global_batch)
+    if "tokens" in first:
+        merged["tokens"] = sum(r["tokens"] for r in rows)
+    merged.update(bytes=sum(r["bytes"] for r in rows), wall_time_s=first["wall_time_s"])
     return merged
 
 
@@ -30,13 +32,16 @@ class NodeLog:
     """What one node measured (plain Python, so it can cross processes).
 
     rows: one per step: step (optimizer steps done, from 1), loss, extra metrics, lr (used in that
-    step), bytes (this node's, cumulative), wall_time_s (since the run started).
-    val: node 0 only: step, local_/global_ loss and metrics.
+    step), tokens (cumulative, for batches of token ids), bytes (this node's, cumulative), wall_time_s
+    (since the run started).
+    val: node 0 only: step, local_/global_ loss and metrics. diagnostics: node 0 only: step,
+    param_correlation, param_variance.
     """
 
     rank: int
     rows: list[dict[str, float]] = field(default_factory=list)
     val: list[dict[str, float]] = field(default_factory=list)
+    diagnostics: list[dict[str, float]] = field(default_factory=list)
     comm: dict[str, Any] = field(default_factory=dict)
 
 
@@ -56,9 +61,10 @@ class LiveLog:
             self.logger.log("train", merge_step_rows([q.popleft() for q in self._queues.values()],
                                                      global_batch=self.global_batch))
 
-    def add_val(self, row: dict[str, float]) -> None:
+    def add_row(self, table: str, row: dict[str, float]) -> None:
+        """A row only node 0 measures ("val", "diagnostics")."""
         if self.logger is not None:
-            self.logger.log("val", row)
+            self.logger.log(table, row)
 
 
 @dataclass
@@ -66,31 +72,37 @@ class RunRecord:
     """The measurements of a finished run, on `trainer.record`.
 
     train: one row per step: step, loss (mean over nodes), extra metrics (mean), lr, examples (global),
-        bytes (all nodes, cumulative), wall_time_s.
+        tokens (global, when batches hold token ids), bytes (all nodes, cumulative), wall_time_s.
     val: one row per evaluation: step, local_loss (node 0's model), global_loss (the global model),
         and local_/global_ versions of every extra metric.
+    diagnostics: rows of step, param_correlation, param_variance (fit's diagnostics_interval).
     node_loss[r][s]: node r's training loss at step s+1. bytes_per_node[r]: what node r sent in total.
+    peak_memory_mb: the process's peak resident memory (and per CUDA device, its peak allocation).
     """
 
     config: dict[str, Any]
     train: list[dict[str, float]]
     val: list[dict[str, float]]
+    diagnostics: list[dict[str, float]]
     node_loss: list[list[float]]
     bytes_per_node: list[int]
     comm_per_node: list[dict[str, Any]]
     wall_time_s: float
+    peak_memory_mb: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_nodes(cls, logs: list[NodeLog], *, config: dict[str, Any], global_batch: int,
-                   wall_time_s: float) -> "RunRecord":
+                   wall_time_s: float, peak_memory_mb: dict[str, float] | None = None) -> "RunRecord":
         train = [merge_step_rows(step_rows, global_batch=global_batch) for step_rows in zip(*(l.rows for l in logs))]
-        return cls(config=config, train=train, val=logs[0].val,
+        return cls(config=config, train=train, val=logs[0].val, diagnostics=logs[0].diagnostics,
                    node_loss=[[row["loss"] for row in log.rows] for log in logs],
                    bytes_per_node=[int(log.rows[-1]["bytes"]) if log.rows else 0 for log in logs],
-                   comm_per_node=[log.comm for log in logs], wall_time_s=wall_time_s)
+                   comm_per_node=[log.comm for log in logs], wall_time_s=wall_time_s,
+                   peak_memory_mb=peak_memory_mb or {})
 
     def column(self, name: str, table: str = "train") -> list[float]:
-        rows = self.train if table == "train" else self.val
+        """One column of the "train", "val" or "diagnostics" rows."""
+        rows = {"train": self.train, "val": self.val, "diagnostics": self.diagnostics}[table]
         if rows and name not in rows[0]:
             raise KeyError(f"no column {name!r} in the {table} rows; columns are {list(rows[0])}")
         return [row[name] for row in rows]
@@ -105,4 +117,5 @@ class RunRecord:
         return {"steps": len(self.train), "final_train_loss": self.train[-1]["loss"] if self.train else None,
                 **{f"final_{k}": v for k, v in last_val.items() if k != "step"},
                 "bytes_per_node": self.bytes_per_node, "total_bytes": self.total_bytes,
-                "wall_time_s": self.wall_time_s, "comm_per_node": self.comm_per_node}
+                "wall_time_s": self.wall_time_s, "peak_memory_mb": self.peak_memory_mb,
+                "comm_per_node": self.comm_per_node}

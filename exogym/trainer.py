@@ -61,7 +61,8 @@ class Trainer:
             log_interval: int = 10, progress: bool = True, logger: Logger | Sequence[Logger] | bool | None = None,
             run_name: str | None = None, checkpoint_interval: int | None = None,
             checkpoint_dir: str | os.PathLike | None = None, keep_checkpoints: int = 3,
-            resume_from: str | os.PathLike | None = None, **unknown: Any) -> torch.nn.Module:
+            resume_from: str | os.PathLike | None = None, diagnostics_interval: int | None = None,
+            **unknown: Any) -> torch.nn.Module:
         """Train with `strategy` on `num_nodes` nodes; return the global model (by default the nodes' average).
 
         batch_size is per node (the global batch is num_nodes x batch_size); minibatch_size splits it
@@ -74,6 +75,7 @@ class Trainer:
         checkpoint_interval=N saves every node's full state every N steps and at the end into
         checkpoint_dir (default logs/<run_name>/checkpoints), keeping the newest keep_checkpoints;
         resume_from=<checkpoint folder, or a folder of them> continues such a run exactly.
+        diagnostics_interval=N records how far the nodes' parameters drift apart every N steps.
         """
         reject_unknown_kwargs("Trainer.fit", unknown,
                               [p for p in inspect.signature(Trainer.fit).parameters if p not in ("self", "unknown")])
@@ -90,6 +92,7 @@ class Trainer:
         check_int("seed", seed, minimum=0)
         check_int("checkpoint_interval", checkpoint_interval, minimum=1, allow_none=True)
         check_int("keep_checkpoints", keep_checkpoints, minimum=1)
+        check_int("diagnostics_interval", diagnostics_interval, minimum=1, allow_none=True)
         minibatch_size = batch_size if minibatch_size is None else minibatch_size
         if minibatch_size > batch_size or batch_size % minibatch_size:
             raise ValueError(f"minibatch_size must divide batch_size={batch_size}, got {minibatch_size}")
@@ -126,7 +129,8 @@ class Trainer:
 
         cfg = RunConfig(num_nodes=num_nodes, max_steps=total_steps, batch_size=batch_size,
                         minibatch_size=minibatch_size, val_interval=val_interval, log_interval=log_interval,
-                        autocast=autocast, progress=progress, validate=val_batches is not None)
+                        autocast=autocast, progress=progress, validate=val_batches is not None,
+                        diagnostics_interval=diagnostics_interval)
         n_params = sum(p.numel() for p in self.model.parameters())
         config = {"strategy": type(strategy).__name__, "strategy_config": strategy.config(), "num_nodes": num_nodes,
                   "max_steps": total_steps, "steps_per_epoch": steps_per_epoch, "num_epochs": num_epochs,
@@ -169,7 +173,8 @@ class Trainer:
             caller_rng.restore()
         logs, final_state = [log for log, _ in results], results[0][1]
         self.record = RunRecord.from_nodes(logs, config=config, global_batch=num_nodes * batch_size,
-                                           wall_time_s=time.perf_counter() - start)
+                                           wall_time_s=time.perf_counter() - start,
+                                           peak_memory_mb=_peak_memory_mb(node_devices))
         if logger is not None:
             logger.finish({"status": "completed", **self.record.summary()})
         final_model = copy.deepcopy(self.model).to(node_devices[0])
@@ -188,6 +193,21 @@ def _resolve_logger(logger: Any, run_name: str | None) -> Logger | None:
         return MultiLogger(logger)
     raise TypeError(f"logger must be an exogym.logger.Logger (CSVLogger, WandbLogger, TensorBoardLogger), a list "
                     f"of them, or False for none; got {logger!r}")
+
+
+def _peak_memory_mb(devices: list[torch.device]) -> dict[str, float]:
+    """This process's peak resident memory, and each CUDA device's peak allocation, in MB."""
+    peaks: dict[str, float] = {}
+    try:
+        import resource
+        import sys
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peaks["process_rss"] = rss / (2**20 if sys.platform == "darwin" else 2**10)  # bytes on macOS, KiB on Linux
+    except ImportError:  # Windows
+        pass
+    for d in sorted({d for d in devices if d.type == "cuda"}, key=str):
+        peaks[str(d)] = torch.cuda.max_memory_allocated(d) / 2**20
+    return peaks
 
 
 def _versions() -> dict[str, str]:

@@ -14,7 +14,7 @@ from exogym.strategy import OptimSpec, SimpleReduceStrategy, Strategy
 from exogym.strategy.communicate import all_reduce
 from exogym.strategy.lr_schedule import lambda_cosine
 
-FIT = dict(progress=False, device="cpu")
+FIT = dict(progress=False, device="cpu", logger=False)
 
 
 def test_record_rows_bytes_and_validation_schedule():
@@ -132,3 +132,43 @@ def test_readme_custom_strategy_runs_unchanged_and_equals_ddp():
     ddp = Trainer(toy.TinyMLP(), data).fit(SimpleReduceStrategy(spec, warmup_steps=2), 4, batch_size=8,
                                            max_steps=5, **FIT)
     assert_close(toy.params(custom), toy.params(ddp), rtol=0, atol=0)
+
+
+def test_divergence_diagnostics_match_a_direct_computation():
+    data = [toy.make_classification(32, seed=s) for s in range(3)]
+    t = Trainer(toy.TinyMLP(), lambda rank, k, is_val: data[rank])
+    t.fit(toy.LocalOnly(tag="div"), 3, batch_size=8, max_steps=4, diagnostics_interval=2, **FIT)
+    assert [row["step"] for row in t.record.diagnostics] == [2, 4]
+    flat = torch.stack([torch.cat([p.detach().reshape(-1) for p in toy.REGISTRY[("div", r)].parameters()])
+                        for r in range(3)]).double()
+    corr = torch.corrcoef(flat)
+    expected = (corr[0, 1] + corr[0, 2] + corr[1, 2]).item() / 3
+    last = t.record.diagnostics[-1]
+    assert math.isclose(last["param_correlation"], expected, rel_tol=1e-9)
+    assert math.isclose(last["param_variance"], flat.var(0, unbiased=False).mean().item(), rel_tol=1e-9)
+    assert last["param_variance"] > 0 and last["param_correlation"] < 1
+
+    t.fit(SimpleReduceStrategy(lr=0.1), 3, batch_size=8, max_steps=4, diagnostics_interval=4, **FIT)
+    assert t.record.diagnostics[0]["param_variance"] == 0.0  # DDP keeps the nodes identical
+    assert math.isclose(t.record.diagnostics[0]["param_correlation"], 1.0, rel_tol=1e-12)
+
+
+class TokenModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 4)
+
+    def forward(self, batch):
+        (ids,) = batch  # [B, T]
+        return self.emb(ids).pow(2).mean()
+
+
+def test_tokens_are_counted_for_batches_of_token_ids():
+    ids = torch.randint(0, 11, (64, 5))
+    t = Trainer(TokenModel(), torch.utils.data.TensorDataset(ids))
+    t.fit(SimpleReduceStrategy(), 2, batch_size=4, max_steps=3, **FIT)
+    assert t.record.column("tokens") == [s * 2 * 4 * 5 for s in (1, 2, 3)]
+    t2 = Trainer(toy.TinyMLP(), toy.make_classification(64))
+    t2.fit(SimpleReduceStrategy(), 1, batch_size=4, max_steps=1, **FIT)
+    assert "tokens" not in t2.record.train[0]
+    assert t2.record.peak_memory_mb["process_rss"] > 10

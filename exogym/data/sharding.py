@@ -15,7 +15,7 @@ from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Tenso
 from torch.utils.data import default_collate
 
 __all__ = ["DatasetOrFactory", "node_dataset", "NodeBatches", "fixed_batches", "split_batch", "batch_size_of",
-           "move_to_device"]
+           "move_to_device", "token_count"]
 
 DatasetOrFactory = Union[Dataset, Callable[[int, int, bool], Dataset]]
 
@@ -84,6 +84,17 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
         moved = [move_to_device(v, device) for v in batch]
         return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
     return batch
+
+
+def token_count(batch: Any) -> int | None:
+    """Tokens in a batch of token ids (the first integer tensor with a sequence dimension), else None."""
+    if isinstance(batch, torch.Tensor):
+        return batch.numel() if batch.dim() >= 2 and not batch.is_floating_point() else None
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            return token_count(v)
+    return None
 
 
 def batch_size_of(batch: Any) -> int:
