@@ -1,5 +1,6 @@
 """Ready-made models that follow the exogym contract: model(batch) returns the loss (and metrics)."""
 
 from exogym.models.cnn import MnistCNN
+from exogym.models.mlp import MLPClassifier
 
-__all__ = ["MnistCNN"]
+__all__ = ["MnistCNN", "MLPClassifier"]

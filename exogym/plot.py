@@ -1,0 +1,106 @@
+"""Compare runs' curves: loss (or any recorded column) against steps, examples, tokens, bytes or time.
+
+    from exogym.plot import plot_runs
+    plot_runs(["logs/ddp-4n-...", trainer.record], x="bytes", y="global_loss", out="loss_vs_bytes.png")
+
+Needs matplotlib (`pip install 'exogym[plot]'`). Runs are run folders written by CSVLogger or
+RunRecord objects.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence, Union
+
+from exogym.record import RunRecord
+
+__all__ = ["RunCurves", "load_run", "plot_runs", "X_AXES"]
+
+X_AXES = ("step", "examples", "tokens", "bytes", "wall_time_s", "sim_time_s")
+_X_LABELS = {"step": "step", "examples": "examples seen", "tokens": "tokens seen",
+             "bytes": "bytes sent (all nodes)", "wall_time_s": "wall-clock seconds", "sim_time_s": "simulated seconds"}
+
+
+@dataclass
+class RunCurves:
+    """A run's rows, from a run folder or a RunRecord."""
+
+    label: str
+    train: list[dict[str, float]]
+    val: list[dict[str, float]]
+
+
+def _read_rows(path: Path) -> list[dict[str, float]]:
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def load_run(run: Union[str, os.PathLike, RunRecord], label: str | None = None) -> RunCurves:
+    if isinstance(run, RunRecord):
+        name = label or run.config.get("run_name") or run.config.get("strategy", "run")
+        return RunCurves(name, run.train, run.val)
+    folder = Path(run)
+    if not (folder / "train.csv").exists():
+        raise FileNotFoundError(f"{str(folder)!r} is not a run folder: it has no train.csv "
+                                "(CSVLogger writes logs/<run_name>/train.csv)")
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    name = label or config.get("run_name") or folder.name
+    return RunCurves(name, _read_rows(folder / "train.csv"), _read_rows(folder / "val.csv"))
+
+
+def _series(run: RunCurves, x: str, y: str) -> tuple[list[float], list[float]]:
+    """(xs, ys) for column y: validation columns are placed at the train row of the same step."""
+    by_step = {int(row["step"]): row for row in run.train}
+    if run.train and y in run.train[0]:
+        rows = run.train
+    elif run.val and y in run.val[0]:
+        rows = run.val
+    else:
+        columns = sorted(set(run.train[0] if run.train else {}) | set(run.val[0] if run.val else {}))
+        raise KeyError(f"run {run.label!r} has no column {y!r}; it has {columns}")
+    if run.train and x not in run.train[0]:
+        raise KeyError(f"run {run.label!r} has no x column {x!r}; choose one of "
+                       f"{[a for a in X_AXES if a in run.train[0]]}")
+    points = [(by_step[int(r["step"])][x], r[y]) for r in rows if int(r["step"]) in by_step]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def plot_runs(runs: Sequence[Union[str, os.PathLike, RunRecord, RunCurves]], *, x: str = "step",
+              y: str = "global_loss", out: str | os.PathLike = "comparison.png", labels: Sequence[str] | None = None,
+              title: str | None = None, log_x: bool | None = None) -> Path:
+    """Draw y against x for every run on one axes and save a PNG; returns its path."""
+    if x not in X_AXES:
+        raise ValueError(f"x must be one of {list(X_AXES)}, got {x!r}")
+    if labels is not None and len(labels) != len(runs):
+        raise ValueError(f"got {len(labels)} labels for {len(runs)} runs")
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError("plotting needs matplotlib: pip install 'exogym[plot]'") from e
+    curves = [r if isinstance(r, RunCurves) else load_run(r, labels[i] if labels else None)
+              for i, r in enumerate(runs)]
+    fig = Figure(figsize=(7, 4.5), layout="constrained")  # no pyplot: no global state, works headless
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for run in curves:
+        xs, ys = _series(run, x, y)
+        ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=run.label)
+    if log_x if log_x is not None else x == "bytes":
+        ax.set_xscale("symlog" if any(v == 0 for r in curves for v in _series(r, x, y)[0]) else "log")
+    ax.set_xlabel(_X_LABELS[x])
+    ax.set_ylabel(y.replace("_", " "))
+    ax.set_title(title or f"{y.replace('_', ' ')} vs {_X_LABELS[x]}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    return out
