@@ -22,6 +22,7 @@ import torch
 from exogym.comm import CommStats
 from exogym.record import NodeLog
 from exogym.rng import GlobalRNGState
+from exogym.simtime import NodeClock
 
 __all__ = ["NodeState", "CheckpointPlan", "CheckpointError", "save_node_state", "finalize_checkpoint",
            "find_checkpoint", "load_checkpoint"]
@@ -43,6 +44,7 @@ class NodeState:
     rng: GlobalRNGState
     comm_stats: CommStats
     log: NodeLog
+    clock: NodeClock
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,12 @@ import contextlib
 import contextvars
 import enum
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Iterator, Protocol, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from exogym.simtime import NodeClock
 
 __all__ = ["CollectiveError", "Group", "ReduceOp", "Communicator", "CommStats", "current_communicator", "bind_communicator"]
 
@@ -98,6 +101,17 @@ def tensor_nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def payload_nbytes(op: str, tensor: torch.Tensor | None, group_size: int,
+                   input_list: Sequence[torch.Tensor] = ()) -> int:
+    """N in the network model's formulas: the full tensor (all-reduce, broadcast), the gathered output
+    (all-gather), the full input (reduce-scatter)."""
+    if op == "all_gather":
+        return tensor_nbytes(tensor) * group_size
+    if op == "reduce_scatter":
+        return sum(map(tensor_nbytes, input_list))
+    return tensor_nbytes(tensor) if tensor is not None else 0
+
+
 @dataclass
 class CommStats:
     """What one node has sent so far: total bytes, bytes and calls per op."""
@@ -113,19 +127,27 @@ class CommStats:
 
 
 class Communicator(Protocol):
-    """One node's view of a backend. Arguments arrive validated and normalised; no byte counting here."""
+    """One node's view of a backend. Arguments arrive validated and normalised; no byte counting here.
+
+    account=True (the strategy-facing calls in exogym.strategy.communicate) advances the members'
+    virtual clocks when the run has a time model; the trainer's own measurements (global-model
+    averaging, diagnostics, checkpoint barriers) pass False and cost no simulated time.
+    """
 
     rank: int
     num_nodes: int
     stats: CommStats
     world: Group
+    clock: "NodeClock"
+    step: int | None
 
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, group: Group) -> None: ...
-    def broadcast(self, tensor: torch.Tensor, src: int, group: Group) -> None: ...
-    def all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Group) -> None: ...
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, group: Group, *, account: bool = False) -> None: ...
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Group, *, account: bool = False) -> None: ...
+    def all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Group, *,
+                   account: bool = False) -> None: ...
     def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp,
-                       group: Group) -> None: ...
-    def barrier(self, group: Group) -> None: ...
+                       group: Group, *, account: bool = False) -> None: ...
+    def barrier(self, group: Group, *, account: bool = False) -> None: ...
     def new_group(self, ranks: Sequence[int]) -> Group: ...
 
 

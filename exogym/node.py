@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 from tqdm.auto import tqdm
 
 from exogym.averaging import global_state_dict
@@ -23,6 +24,7 @@ from exogym.data.sharding import NodeBatches, batch_size_of, move_to_device, spl
 from exogym.diagnostics import parameter_divergence
 from exogym.record import LiveLog, NodeLog
 from exogym.rng import GlobalRNGState
+from exogym.simtime import TimeModel
 
 __all__ = ["RunConfig", "TrainNode", "parse_model_output"]
 
@@ -41,6 +43,7 @@ class RunConfig:
     progress: bool
     validate: bool  # every node takes part in building the global model, node 0 evaluates it
     diagnostics_interval: int | None = None
+    time_model: TimeModel | None = None  # None: no simulated time
 
 
 def parse_model_output(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -81,8 +84,9 @@ class TrainNode:
         self.resume, self.checkpoints = resume, checkpoints
         self.log = resume.log if resume is not None else NodeLog(rank)
         self.step = 0
-        # per step since the last flush: loss, metrics, lr, bytes sent, wall time, tokens (all cumulative)
-        self._unflushed: list[tuple[torch.Tensor, dict[str, torch.Tensor], float, int, float, int]] = []
+        # per step since the last flush: loss, metrics, lr, then cumulative bytes sent, wall time, tokens, sim time
+        self._unflushed: list[tuple[torch.Tensor, dict[str, torch.Tensor], float, int, float, int, float]] = []
+        self._step_flops: float | None = None
         self._tokens = self.log.rows[-1].get("tokens", 0) if self.log.rows else 0
         self._eval_model: torch.nn.Module | None = None
         self._bar = None
@@ -111,7 +115,7 @@ class TrainNode:
             s._finish_init()
             first_step = 0
         else:  # model and strategy come back initialised, optimizers and all
-            comm.stats = self.resume.comm_stats
+            comm.stats, comm.clock = self.resume.comm_stats, self.resume.clock
             first_step = self.resume.step
         self.model.train()
         if self.rank == 0 and cfg.progress:
@@ -124,11 +128,11 @@ class TrainNode:
             if tokens is not None:
                 self._tokens += tokens
             s.zero_grad()
-            loss, metrics = self._forward_backward(batch)
+            loss, metrics = self._timed_forward_backward(batch, comm)
             lr = s._current_lr()  # the rate this step uses, before the schedule advances
             s.step()
             self._unflushed.append((loss, metrics, lr, comm.stats.bytes_sent, time.perf_counter() - self.start_time,
-                                    self._tokens))
+                                    self._tokens, comm.clock.now))
             done = self.step + 1
             if cfg.validate and (done % cfg.val_interval == 0 or done == cfg.max_steps):
                 self._validate(comm, done)
@@ -145,11 +149,14 @@ class TrainNode:
         final = global_state_dict(self.model, s, comm)
         self.log.comm = {"bytes_sent": comm.stats.bytes_sent, "bytes_by_op": dict(comm.stats.bytes_by_op),
                          "calls_by_op": dict(comm.stats.calls_by_op)}
+        if cfg.time_model is not None:
+            self.log.comm["sim_time"] = comm.clock.as_dict()
         return self.log, (final if self.rank == 0 else None)
 
     def _save_checkpoint(self, comm: Communicator, done: int) -> None:
         # The global random streams are this node's own while it runs (the backend swapped them in).
-        state = NodeState(done, self.model, self.strategy, GlobalRNGState.capture(self.device), comm.stats, self.log)
+        state = NodeState(done, self.model, self.strategy, GlobalRNGState.capture(self.device), comm.stats, self.log,
+                          comm.clock)
         save_node_state(self.checkpoints, self.rank, state)
         comm.barrier(comm.world)  # every node's file is on disk before node 0 publishes the checkpoint
         if self.rank == 0:
@@ -160,6 +167,26 @@ class TrainNode:
             return contextlib.nullcontext()
         dtype = torch.float16 if self.device.type == "cuda" and not torch.cuda.is_bf16_supported() else torch.bfloat16
         return torch.autocast(self.device.type, dtype=dtype)
+
+    def _timed_forward_backward(self, batch: Any, comm: Communicator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Forward/backward, advancing the node's virtual clock by its compute time when time is simulated."""
+        model = self.cfg.time_model
+        if model is None:
+            return self._forward_backward(batch)
+        if not model.measured and self._step_flops is None:
+            # FLOPs are counted once, on the first step: every step of a node does the same arithmetic.
+            with FlopCounterMode(display=False) as counter:
+                out = self._forward_backward(batch)
+            self._step_flops = float(counter.get_total_flops())
+            comm.clock.add_compute(model.compute_seconds(self.rank, flops=self._step_flops, measured_s=0.0))
+            return out
+        started = time.perf_counter()
+        out = self._forward_backward(batch)
+        if model.measured and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        comm.clock.add_compute(model.compute_seconds(self.rank, flops=self._step_flops or 0.0,
+                                                     measured_s=time.perf_counter() - started))
+        return out
 
     def _forward_backward(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Loss (and metrics) of the whole batch, with gradients accumulated over minibatches.
@@ -191,21 +218,24 @@ class TrainNode:
         metrics = {n: torch.stack([u[1][n].float() for u in self._unflushed]).tolist() for n in names}
         first = self.step + 2 - len(losses)  # step number (from 1) of the oldest unflushed step
         rows = []
-        tokens_at = [u[5] for u in self._unflushed]
-        for i, (loss, (_, _, lr, sent, wall, _)) in enumerate(zip(losses, self._unflushed)):
+        for i, (loss, (_, _, lr, sent, wall, tokens, sim_now)) in enumerate(zip(losses, self._unflushed)):
             if not math.isfinite(loss):
                 raise FloatingPointError(f"the training loss on node {self.rank} is {loss} at step {first + i}; "
                                          "lower the learning rate, set max_norm, or check the data")
             row = {"step": first + i, "loss": loss, **{n: metrics[n][i] for n in names}, "lr": lr}
             if self._tokens:
-                row["tokens"] = tokens_at[i]
-            rows.append({**row, "bytes": sent, "wall_time_s": wall})
+                row["tokens"] = tokens
+            row.update(bytes=sent, wall_time_s=wall)
+            if self.cfg.time_model is not None:
+                row["sim_time_s"] = sim_now
+            rows.append(row)
         self._unflushed.clear()
         self.log.rows.extend(rows)
         self.live.add_rows(self.rank, rows)
         if self._bar is not None:
             self._bar.update(len(rows))
             self._bar.set_postfix_str(f"loss {losses[-1]:.4f}, sent {_human_bytes(rows[-1]['bytes'])}"
+                                      + (f", sim {rows[-1]['sim_time_s']:.1f}s" if "sim_time_s" in rows[-1] else "")
                                       + (f", val {self.log.val[-1]['global_loss']:.4f}" if self.log.val else ""))
 
     def _validate(self, comm: Communicator, done: int) -> None:

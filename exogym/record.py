@@ -14,16 +14,18 @@ __all__ = ["RunRecord", "NodeLog", "LiveLog", "merge_step_rows"]
 
 def merge_step_rows(rows: Sequence[dict[str, float]], *, global_batch: int) -> dict[str, float]:
     """One step's rows from several nodes -> one row: loss and metrics averaged over the nodes, bytes and
-    tokens summed, lr and wall time from the lowest rank."""
+    tokens summed, simulated time the latest, lr and wall time from the lowest rank."""
     first = rows[0]
     merged: dict[str, float] = {"step": first["step"]}
     for key in first:
-        if key not in ("step", "lr", "bytes", "tokens", "wall_time_s"):
+        if key not in ("step", "lr", "bytes", "tokens", "wall_time_s", "sim_time_s"):
             merged[key] = sum(r[key] for r in rows) / len(rows)
     merged.update(lr=first["lr"], examples=first["step"] * global_batch)
     if "tokens" in first:
         merged["tokens"] = sum(r["tokens"] for r in rows)
     merged.update(bytes=sum(r["bytes"] for r in rows), wall_time_s=first["wall_time_s"])
+    if "sim_time_s" in first:
+        merged["sim_time_s"] = max(r["sim_time_s"] for r in rows)  # the cluster is as far as its slowest node
     return merged
 
 
@@ -72,7 +74,8 @@ class RunRecord:
     """The measurements of a finished run, on `trainer.record`.
 
     train: one row per step: step, loss (mean over nodes), extra metrics (mean), lr, examples (global),
-        tokens (global, when batches hold token ids), bytes (all nodes, cumulative), wall_time_s.
+        tokens (global, when batches hold token ids), bytes (all nodes, cumulative), wall_time_s, and
+        sim_time_s (the latest node's virtual clock) when the run has a time model.
     val: one row per evaluation: step, local_loss (node 0's model), global_loss (the global model),
         and local_/global_ versions of every extra metric.
     diagnostics: rows of step, param_correlation, param_variance (fit's diagnostics_interval).
@@ -111,11 +114,23 @@ class RunRecord:
     def total_bytes(self) -> int:
         return sum(self.bytes_per_node)
 
+    @property
+    def sim_time_per_node(self) -> list[dict[str, float]]:
+        """Per node: simulated seconds in total (now) and spent computing, communicating and waiting."""
+        return [c["sim_time"] for c in self.comm_per_node if "sim_time" in c]
+
+    @property
+    def sim_time_s(self) -> float | None:
+        """The run's simulated wall-clock: when its last node finished (None without a time model)."""
+        clocks = self.sim_time_per_node
+        return max(c["now"] for c in clocks) if clocks else None
+
     def summary(self) -> dict[str, Any]:
         """The headline numbers (what summary.json holds)."""
         last_val = self.val[-1] if self.val else {}
         return {"steps": len(self.train), "final_train_loss": self.train[-1]["loss"] if self.train else None,
                 **{f"final_{k}": v for k, v in last_val.items() if k != "step"},
                 "bytes_per_node": self.bytes_per_node, "total_bytes": self.total_bytes,
-                "wall_time_s": self.wall_time_s, "peak_memory_mb": self.peak_memory_mb,
+                "wall_time_s": self.wall_time_s, "sim_time_s": self.sim_time_s,
+                "sim_time_per_node": self.sim_time_per_node, "peak_memory_mb": self.peak_memory_mb,
                 "comm_per_node": self.comm_per_node}

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
-from exogym._validation import check_int, reject_unknown_kwargs
+from exogym._validation import check_int, check_number, reject_unknown_kwargs
 from exogym.backends.sim import run_sim
 from exogym.data.sharding import DatasetOrFactory, NodeBatches, fixed_batches, is_factory, node_dataset
 from exogym.devices import DeviceLike, resolve_node_devices
@@ -19,13 +19,16 @@ from exogym.node import RunConfig
 from exogym.checkpoint import CheckpointPlan, load_checkpoint
 from exogym.logger import CSVLogger, Logger, MultiLogger, default_run_name
 from exogym.record import LiveLog, RunRecord
+from exogym.network import Network
 from exogym.plan import RunPlan
 from exogym.rng import GlobalRNGState
+from exogym.simtime import TimeModel
 from exogym.strategy.strategy import Strategy
 
 __all__ = ["Trainer", "LocalTrainer", "BACKENDS"]
 
 _RUNNERS = {"sim": run_sim}
+DEFAULT_DEVICE_FLOPS = 1e12  # a nominal sustained 1 TFLOP/s per node; pass device_flops for your hardware
 BACKENDS = tuple(_RUNNERS)
 
 
@@ -62,6 +65,8 @@ class Trainer:
             run_name: str | None = None, checkpoint_interval: int | None = None,
             checkpoint_dir: str | os.PathLike | None = None, keep_checkpoints: int = 3,
             resume_from: str | os.PathLike | None = None, diagnostics_interval: int | None = None,
+            network: Network | str | None = None, node_speeds: Sequence[float] | None = None,
+            device_flops: float | Sequence[float] | None = None, compute_time: str = "flops",
             **unknown: Any) -> torch.nn.Module:
         """Train with `strategy` on `num_nodes` nodes; return the global model (by default the nodes' average).
 
@@ -76,6 +81,12 @@ class Trainer:
         checkpoint_dir (default logs/<run_name>/checkpoints), keeping the newest keep_checkpoints;
         resume_from=<checkpoint folder, or a folder of them> continues such a run exactly.
         diagnostics_interval=N records how far the nodes' parameters drift apart every N steps.
+
+        Simulated time (on when any of these is given): network (a Network or a preset name: "high",
+        "medium", "low", "home", "ideal"), node_speeds (per-node factors, 0.5 = half as fast),
+        device_flops (FLOP/s per node, default 1e12), compute_time ("flops": each step's counted
+        FLOPs over the node's throughput, deterministic; "measured": its wall time). The record then
+        has sim_time_s per step and compute/communication/waiting seconds per node.
         """
         reject_unknown_kwargs("Trainer.fit", unknown,
                               [p for p in inspect.signature(Trainer.fit).parameters if p not in ("self", "unknown")])
@@ -93,6 +104,7 @@ class Trainer:
         check_int("checkpoint_interval", checkpoint_interval, minimum=1, allow_none=True)
         check_int("keep_checkpoints", keep_checkpoints, minimum=1)
         check_int("diagnostics_interval", diagnostics_interval, minimum=1, allow_none=True)
+        time_model = _time_model(num_nodes, network, node_speeds, device_flops, compute_time)
         minibatch_size = batch_size if minibatch_size is None else minibatch_size
         if minibatch_size > batch_size or batch_size % minibatch_size:
             raise ValueError(f"minibatch_size must divide batch_size={batch_size}, got {minibatch_size}")
@@ -130,7 +142,7 @@ class Trainer:
         cfg = RunConfig(num_nodes=num_nodes, max_steps=total_steps, batch_size=batch_size,
                         minibatch_size=minibatch_size, val_interval=val_interval, log_interval=log_interval,
                         autocast=autocast, progress=progress, validate=val_batches is not None,
-                        diagnostics_interval=diagnostics_interval)
+                        diagnostics_interval=diagnostics_interval, time_model=time_model)
         n_params = sum(p.numel() for p in self.model.parameters())
         config = {"strategy": type(strategy).__name__, "strategy_config": strategy.config(), "num_nodes": num_nodes,
                   "max_steps": total_steps, "steps_per_epoch": steps_per_epoch, "num_epochs": num_epochs,
@@ -139,11 +151,20 @@ class Trainer:
                   "log_interval": log_interval, "seed": seed, "backend": backend, "autocast": autocast,
                   "devices": [str(d) for d in node_devices], "model": type(self.model).__name__,
                   "parameters": n_params, "versions": _versions()}
+        if time_model is not None:
+            config["time_model"] = {"network": repr(time_model.network), "node_speeds": list(time_model.node_speeds),
+                                    "device_flops": list(time_model.device_flops), "compute_time": compute_time}
         if progress:
             print(f"exogym: {type(strategy).__name__} on {num_nodes} node(s) [{backend}, {node_devices[0]}], "
                   f"{n_params:,} parameters; batch {batch_size}/node = {num_nodes * batch_size} global; "
                   f"{total_steps} steps ({steps_per_epoch} per epoch); validation on {config['val_size']} examples "
                   f"every {val_interval} steps", flush=True)
+            if time_model is not None:
+                compute = ("measured wall time" if time_model.measured else
+                           f"counted FLOPs at {', '.join(f'{f:.3g}' for f in sorted(set(time_model.device_flops)))} "
+                           "FLOP/s per node")
+                print(f"exogym: simulated time on {time_model.network}; compute from {compute}; node speeds "
+                      f"{list(time_model.node_speeds)}", flush=True)
 
         config["run_name"] = run_name
         checkpoints = None
@@ -180,6 +201,34 @@ class Trainer:
         final_model = copy.deepcopy(self.model).to(node_devices[0])
         final_model.load_state_dict(final_state, strict=True)
         return final_model
+
+
+def _time_model(num_nodes: int, network: Any, node_speeds: Any, device_flops: Any,
+                compute_time: str) -> TimeModel | None:
+    if compute_time not in ("flops", "measured"):
+        raise ValueError(f"compute_time must be 'flops' or 'measured', got {compute_time!r}")
+    if network is None and node_speeds is None and device_flops is None and compute_time == "flops":
+        return None
+    if network is None:
+        network = Network.preset("ideal")
+    elif isinstance(network, str):
+        network = Network.preset(network)
+    elif not isinstance(network, Network):
+        raise TypeError(f"network must be an exogym.network.Network or a preset name, got {network!r}")
+    network.check_nodes(num_nodes)
+    speeds = _per_node("node_speeds", node_speeds, 1.0, num_nodes)
+    flops = _per_node("device_flops", device_flops, DEFAULT_DEVICE_FLOPS, num_nodes)
+    return TimeModel(network, speeds, flops, measured=compute_time == "measured")
+
+
+def _per_node(name: str, value: Any, default: float, num_nodes: int) -> tuple[float, ...]:
+    values = [default] * num_nodes if value is None else [value] * num_nodes if isinstance(value, (int, float)) \
+        else list(value)
+    if len(values) != num_nodes:
+        raise ValueError(f"{name} needs one value per node (num_nodes={num_nodes}), got {len(values)}")
+    for i, v in enumerate(values):
+        check_number(f"{name}[{i}]", v, positive=True)
+    return tuple(float(v) for v in values)
 
 
 def _resolve_logger(logger: Any, run_name: str | None) -> Logger | None:

@@ -91,3 +91,12 @@ def test_default_checkpoint_folder_is_inside_the_run_folder():
     _trainer().fit(_strategy(), 2, batch_size=8, max_steps=4, checkpoint_interval=4, run_name="r", progress=False,
                    device="cpu")
     assert (Path("logs") / "r" / "checkpoints" / "step_000000004" / "node0.pt").exists()
+
+
+def test_resume_restores_the_virtual_clocks(tmp_path):
+    full_t, resumed_t = _trainer(), _trainer()
+    _fit(full_t, network="low", node_speeds=[1.0, 0.5])
+    _fit(_trainer(), network="low", node_speeds=[1.0, 0.5], checkpoint_interval=5, checkpoint_dir=tmp_path)
+    _fit(resumed_t, network="low", node_speeds=[1.0, 0.5], resume_from=tmp_path / "step_000000005")
+    assert resumed_t.record.sim_time_per_node == full_t.record.sim_time_per_node
+    assert resumed_t.record.column("sim_time_s") == full_t.record.column("sim_time_s")

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from exogym.backends.scheduler import CollectiveCall, CollectiveError, Scheduler
-from exogym.comm import CommStats, Group, ReduceOp, make_group
+from exogym.comm import CommStats, Group, ReduceOp, make_group, payload_nbytes, tensor_nbytes
+from exogym.simtime import NodeClock, TimeModel
 
 if TYPE_CHECKING:
     from exogym.plan import RunPlan
@@ -83,34 +84,46 @@ _COMPLETE: dict[str, Callable[[list[CollectiveCall]], None]] = {
 class SimCommunicator:
     """Node `rank`'s side of the sim backend (implements `exogym.comm.Communicator`)."""
 
-    def __init__(self, scheduler: Scheduler, rank: int, num_nodes: int):
-        self.scheduler, self.rank, self.num_nodes = scheduler, rank, num_nodes
+    def __init__(self, scheduler: Scheduler, rank: int, num_nodes: int, time_model: TimeModel | None = None):
+        self.scheduler, self.rank, self.num_nodes, self.time_model = scheduler, rank, num_nodes, time_model
         self.stats = CommStats()
+        self.clock = NodeClock()
         self.world = Group(tuple(range(num_nodes)))
         self.step: int | None = None  # the node's current step, for error messages
 
-    def _meet(self, name: str, group: Group, signature: tuple, **args: Any) -> None:
-        call = CollectiveCall(name, (name, *signature), dict(args, rank=self.rank), self.step)
-        self.scheduler.rendezvous(self.rank, group.ranks, call, _COMPLETE[name])
+    def _meet(self, name: str, group: Group, signature: tuple, account: bool, payload: int, **args: Any) -> None:
+        call = CollectiveCall(name, (name, *signature), dict(args, rank=self.rank, clock=self.clock), self.step)
+        complete = _COMPLETE[name]
+        if account and self.time_model is not None:
+            def complete(calls: list[CollectiveCall], _compute=complete) -> None:
+                _compute(calls)
+                self.time_model.settle([c.args["clock"] for c in calls], name, payload, group.ranks)
+        self.scheduler.rendezvous(self.rank, group.ranks, call, complete)
 
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, group: Group) -> None:
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, group: Group, *, account: bool = False) -> None:
         if op is ReduceOp.AVG and not (tensor.is_floating_point() or tensor.is_complex()):
             raise TypeError(f"all_reduce with op=AVG needs a floating-point tensor, got {tensor.dtype}; "
                             "use SUM and divide")
-        self._meet("all_reduce", group, (*_sig(tensor), op.value), tensor=tensor, op=op)
+        self._meet("all_reduce", group, (*_sig(tensor), op.value), account, tensor_nbytes(tensor),
+                   tensor=tensor, op=op)
 
-    def broadcast(self, tensor: torch.Tensor, src: int, group: Group) -> None:
-        self._meet("broadcast", group, (*_sig(tensor), f"src={src}"), tensor=tensor, src=src)
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Group, *, account: bool = False) -> None:
+        self._meet("broadcast", group, (*_sig(tensor), f"src={src}"), account, tensor_nbytes(tensor),
+                   tensor=tensor, src=src)
 
-    def all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Group) -> None:
-        self._meet("all_gather", group, _sig(tensor), tensor_list=tensor_list, tensor=tensor)
+    def all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Group, *,
+                   account: bool = False) -> None:
+        self._meet("all_gather", group, _sig(tensor), account, payload_nbytes("all_gather", tensor, group.size),
+                   tensor_list=tensor_list, tensor=tensor)
 
     def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp,
-                       group: Group) -> None:
-        self._meet("reduce_scatter", group, (*_sig(output), op.value), output=output, input_list=input_list, op=op)
+                       group: Group, *, account: bool = False) -> None:
+        self._meet("reduce_scatter", group, (*_sig(output), op.value), account,
+                   payload_nbytes("reduce_scatter", None, group.size, input_list),
+                   output=output, input_list=input_list, op=op)
 
-    def barrier(self, group: Group) -> None:
-        self._meet("barrier", group, ())
+    def barrier(self, group: Group, *, account: bool = False) -> None:
+        self._meet("barrier", group, (), account, 0)
 
     def new_group(self, ranks: Sequence[int]) -> Group:
         return make_group(ranks, self.num_nodes)
@@ -156,7 +169,7 @@ def run_sim(plan: "RunPlan") -> list[Any]:
         modes[r].capture()
 
     scheduler = Scheduler(k, on_resume=resume, on_pause=pause)
-    comms = [SimCommunicator(scheduler, r, k) for r in range(k)]
+    comms = [SimCommunicator(scheduler, r, k, plan.cfg.time_model) for r in range(k)]
     try:
         return scheduler.run([lambda r=r: nodes[r].run(comms[r]) for r in range(k)])
     finally:

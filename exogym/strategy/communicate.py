@@ -41,7 +41,7 @@ def all_reduce(tensor: torch.Tensor, op: object = ReduceOp.SUM, group: Group | S
     g, op = _group(c, group), ReduceOp.of(op)
     _check_tensor("tensor", tensor)
     c.stats.add("all_reduce", _comm.all_reduce_bytes(_comm.tensor_nbytes(tensor), g.size))
-    c.all_reduce(tensor, op, g)
+    c.all_reduce(tensor, op, g, account=True)
     return tensor
 
 
@@ -53,7 +53,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: Group | Sequence[int] |
     if src not in g:
         raise ValueError(f"broadcast src={src!r} is not in the group {list(g.ranks)}")
     c.stats.add("broadcast", _comm.broadcast_bytes(_comm.tensor_nbytes(tensor), g, src, c.rank))
-    c.broadcast(tensor, src, g)
+    c.broadcast(tensor, src, g, account=True)
     return tensor
 
 
@@ -70,7 +70,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
             raise ValueError(f"all_gather tensor_list[{i}] has shape {tuple(t.shape)}, "
                              f"the input has {tuple(tensor.shape)}; they must match")
     c.stats.add("all_gather", _comm.all_gather_bytes(_comm.tensor_nbytes(tensor), g.size))
-    c.all_gather(tensor_list, tensor, g)
+    c.all_gather(tensor_list, tensor, g, account=True)
     return tensor_list
 
 
@@ -87,7 +87,7 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: obj
             raise ValueError(f"reduce_scatter input_list[{i}] has shape {tuple(t.shape)}, "
                              f"the output has {tuple(output.shape)}; they must match")
     c.stats.add("reduce_scatter", _comm.reduce_scatter_bytes(sum(map(_comm.tensor_nbytes, input_list)), g.size))
-    c.reduce_scatter(output, input_list, op, g)
+    c.reduce_scatter(output, input_list, op, g, account=True)
     return output
 
 
@@ -96,7 +96,7 @@ def barrier(group: Group | Sequence[int] | None = None) -> None:
     c = _comm.current_communicator()
     g = _group(c, group)
     c.stats.add("barrier", 0)
-    c.barrier(g)
+    c.barrier(g, account=True)
 
 
 def new_group(ranks: Sequence[int]) -> Group:

@@ -1,0 +1,58 @@
+"""Simulated time: each node's virtual clock, advanced by its compute and by the collectives it joins.
+
+A node's clock moves forward by the compute time of each step (its FLOPs over its device's
+throughput times its speed factor, or the measured wall time over its speed factor), and, at
+a collective, every member leaves at max(arrival times) + the network's duration for the op:
+the time between its own arrival and the last member's is waiting, the duration is
+communication. The simulated wall-clock of the run is the latest clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+from exogym.network import Network
+
+__all__ = ["NodeClock", "TimeModel"]
+
+
+@dataclass
+class NodeClock:
+    """One node's simulated seconds, and where they went."""
+
+    now: float = 0.0
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    wait_s: float = 0.0
+
+    def add_compute(self, seconds: float) -> None:
+        self.now += seconds
+        self.compute_s += seconds
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    """The cluster a run is costed on: the network, each node's speed factor and device throughput."""
+
+    network: Network
+    node_speeds: tuple[float, ...]
+    device_flops: tuple[float, ...]
+    measured: bool  # compute time from wall-clock measurement instead of FLOPs
+
+    def compute_seconds(self, rank: int, *, flops: float, measured_s: float) -> float:
+        if self.measured:
+            return measured_s / self.node_speeds[rank]
+        return flops / (self.device_flops[rank] * self.node_speeds[rank])
+
+    def settle(self, clocks: Sequence[NodeClock], op: str, nbytes: int, ranks: Sequence[int]) -> None:
+        """Members of a collective leave together at max(arrival) + duration (`clocks` in `ranks` order)."""
+        start = max(c.now for c in clocks)
+        duration = self.network.duration(op, nbytes, ranks)
+        for c in clocks:
+            c.wait_s += start - c.now
+            c.comm_s += duration
+            c.now = start + duration
