@@ -13,6 +13,7 @@ import torch
 
 from exogym._validation import check_int, check_number, reject_unknown_kwargs
 from exogym.backends.sim import run_sim
+from exogym.data.partition import Partition, dirichlet_partition
 from exogym.data.sharding import DatasetOrFactory, NodeBatches, fixed_batches, is_factory, node_dataset
 from exogym.devices import DeviceLike, resolve_node_devices
 from exogym.node import RunConfig
@@ -67,7 +68,7 @@ class Trainer:
             resume_from: str | os.PathLike | None = None, diagnostics_interval: int | None = None,
             network: Network | str | None = None, node_speeds: Sequence[float] | None = None,
             device_flops: float | Sequence[float] | None = None, compute_time: str = "flops",
-            **unknown: Any) -> torch.nn.Module:
+            partition: str = "iid", dirichlet_alpha: float | None = None, **unknown: Any) -> torch.nn.Module:
         """Train with `strategy` on `num_nodes` nodes; return the global model (by default the nodes' average).
 
         batch_size is per node (the global batch is num_nodes x batch_size); minibatch_size splits it
@@ -87,6 +88,9 @@ class Trainer:
         device_flops (FLOP/s per node, default 1e12), compute_time ("flops": each step's counted
         FLOPs over the node's throughput, deterministic; "measured": its wall time). The record then
         has sim_time_s per step and compute/communication/waiting seconds per node.
+
+        partition="dirichlet" with dirichlet_alpha splits a labelled train_dataset by label (non-IID);
+        the shard sizes and label histograms go into the record's config.
         """
         reject_unknown_kwargs("Trainer.fit", unknown,
                               [p for p in inspect.signature(Trainer.fit).parameters if p not in ("self", "unknown")])
@@ -117,10 +121,12 @@ class Trainer:
             devices if devices is not None or device is not None else self.devices)
 
         # Data: every node's batches and the fixed validation batches, checked before any node starts.
-        shard = not is_factory(self.train_dataset)
+        split = _partition(self.train_dataset, partition, dirichlet_alpha, num_nodes, batch_size, seed)
+        shard = split is None and not is_factory(self.train_dataset)
+        subsets = split.subsets(self.train_dataset) if split is not None else None
         node_batches = []
         for r in range(num_nodes):
-            ds = node_dataset(self.train_dataset, r, num_nodes, is_val=False)
+            ds = subsets[r] if subsets is not None else node_dataset(self.train_dataset, r, num_nodes, is_val=False)
             nb = NodeBatches(ds, rank=r, num_nodes=num_nodes, batch_size=batch_size, shuffle=shuffle, seed=seed,
                              shard=shard)
             if nb.steps_per_epoch < 1:
@@ -151,6 +157,9 @@ class Trainer:
                   "log_interval": log_interval, "seed": seed, "backend": backend, "autocast": autocast,
                   "devices": [str(d) for d in node_devices], "model": type(self.model).__name__,
                   "parameters": n_params, "versions": _versions()}
+        if split is not None:
+            config["partition"] = {"kind": partition, "dirichlet_alpha": dirichlet_alpha, "sizes": split.sizes,
+                                   "label_histograms": split.label_histograms()}
         if time_model is not None:
             config["time_model"] = {"network": repr(time_model.network), "node_speeds": list(time_model.node_speeds),
                                     "device_flops": list(time_model.device_flops), "compute_time": compute_time}
@@ -201,6 +210,21 @@ class Trainer:
         final_model = copy.deepcopy(self.model).to(node_devices[0])
         final_model.load_state_dict(final_state, strict=True)
         return final_model
+
+
+def _partition(data: Any, partition: str, alpha: float | None, num_nodes: int, batch_size: int,
+               seed: int) -> Partition | None:
+    if partition not in ("iid", "dirichlet"):
+        raise ValueError(f"partition must be 'iid' or 'dirichlet', got {partition!r}")
+    if partition == "iid":
+        if alpha is not None:
+            raise TypeError("dirichlet_alpha only applies to partition='dirichlet'")
+        return None
+    if is_factory(data):
+        raise TypeError("partition='dirichlet' splits one train_dataset; a dataset factory already gives each node "
+                        "its own data")
+    check_number("dirichlet_alpha", alpha, positive=True)
+    return dirichlet_partition(data, num_nodes, alpha, seed=seed, min_size=batch_size)
 
 
 def _time_model(num_nodes: int, network: Any, node_speeds: Any, device_flops: Any,
