@@ -4,7 +4,9 @@ A node's clock moves forward by the compute time of each step (its FLOPs over it
 throughput times its speed factor, or the measured wall time over its speed factor), and, at
 a collective, every member leaves at max(arrival times) + the network's duration for the op:
 the time between its own arrival and the last member's is waiting, the duration is
-communication. The simulated wall-clock of the run is the latest clock.
+communication. With async_op=True the node keeps computing while the transfer runs, and only
+the part still left when it calls wait() is added (as waiting). The simulated wall-clock of
+the run is the latest clock.
 """
 
 from __future__ import annotations
@@ -30,6 +32,12 @@ class NodeClock:
         self.now += seconds
         self.compute_s += seconds
 
+    def catch_up(self, done_at: float) -> None:
+        """Waiting on an async collective: the time until its transfer ends, if any is left, is waiting."""
+        if done_at > self.now:
+            self.wait_s += done_at - self.now
+            self.now = done_at
+
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
 
@@ -48,11 +56,16 @@ class TimeModel:
             return measured_s / self.node_speeds[rank]
         return flops / (self.device_flops[rank] * self.node_speeds[rank])
 
-    def settle(self, clocks: Sequence[NodeClock], op: str, nbytes: int, ranks: Sequence[int]) -> None:
-        """Members of a collective leave together at max(arrival) + duration (`clocks` in `ranks` order)."""
-        start = max(c.now for c in clocks)
+    def settle(self, members: Sequence[tuple[NodeClock, float, bool]], op: str, nbytes: int,
+               ranks: Sequence[int]) -> float:
+        """Members (clock, arrival time, blocking) of a collective, in `ranks` order: the transfer starts at
+        the last arrival and takes the network's duration. Blocking members leave at its end; async ones
+        ran on and catch up in `catch_up` when they wait. Returns the time it ends."""
+        start = max(arrival for _, arrival, _ in members)
         duration = self.network.duration(op, nbytes, ranks)
-        for c in clocks:
-            c.wait_s += start - c.now
-            c.comm_s += duration
-            c.now = start + duration
+        for clock, arrival, blocking in members:
+            clock.comm_s += duration  # transfer time, whether or not compute overlapped it
+            if blocking:
+                clock.wait_s += start - arrival
+                clock.now = start + duration
+        return start + duration

@@ -24,7 +24,7 @@ import greenlet
 
 from exogym.comm import CollectiveError
 
-__all__ = ["Scheduler", "CollectiveCall"]
+__all__ = ["Scheduler", "CollectiveCall", "Pending"]
 
 
 @dataclass
@@ -35,16 +35,25 @@ class CollectiveCall:
     signature: tuple  # must be equal across members: op, shapes, dtypes, reduce op, src...
     args: dict[str, Any]
     step: int | None = None
+    blocking: bool = True  # False: async_op=True, the node runs on and waits on a handle later
 
     def describe(self) -> str:
         return f"{self.op}{self.signature[1:]}"
 
 
 @dataclass
-class _Pending:
+class Pending:
+    """One collective on its way: the calls so far, who is blocked on it, whether it has completed."""
+
     group: tuple[int, ...]
     seq: int
     calls: dict[int, CollectiveCall] = field(default_factory=dict)
+    waiters: set[int] = field(default_factory=set)
+    done: bool = False
+
+    @property
+    def key(self) -> tuple:
+        return (self.group, self.seq)
 
 
 class Scheduler:
@@ -55,7 +64,7 @@ class Scheduler:
         self._on_resume, self._on_pause = on_resume, on_pause  # swap per-node state (RNG, grad mode)
         self._ready: deque[int] = deque(range(num_nodes))
         self._blocked: dict[int, tuple] = {}  # rank -> key of the collective it waits in
-        self._pending: dict[tuple, _Pending] = {}
+        self._pending: dict[tuple, Pending] = {}
         self._seq: list[dict[tuple[int, ...], int]] = [{} for _ in range(num_nodes)]
         self._finished: set[int] = set()
         self._hub: greenlet.greenlet | None = None
@@ -91,7 +100,7 @@ class Scheduler:
     def _finish(self, rank: int) -> None:
         self._finished.add(rank)
         for p in self._pending.values():
-            if rank in p.group:
+            if rank in p.group and rank not in p.calls:
                 raise CollectiveError(
                     f"node {rank} finished while node(s) {sorted(p.calls)} wait for it in a collective on group "
                     f"{list(p.group)}:\n" + self._describe(p))
@@ -104,20 +113,20 @@ class Scheduler:
         self._hub.switch()
 
     def rendezvous(self, rank: int, group: tuple[int, ...], call: CollectiveCall,
-                   complete: Callable[[list[CollectiveCall]], None]) -> None:
-        """Arrive at the next collective on `group`; return once every member has arrived and it is computed.
+                   complete: Callable[[list[CollectiveCall]], None]) -> Pending:
+        """Arrive at the next collective on `group`. A blocking call returns once every member has arrived
+        and the collective is computed; a non-blocking one returns at once (wait on it with `wait`).
 
         Calls on one group are matched by order, as torch.distributed does: each node's n-th call on a
         group meets the other members' n-th call on it.
         """
         seq = self._seq[rank].get(group, 0)
         self._seq[rank][group] = seq + 1
-        key = (group, seq)
         gone = self._finished.intersection(group)
         if gone:
             raise CollectiveError(f"node {rank} (step {call.step}) called {call.describe()} on group {list(group)}, "
                                   f"but node(s) {sorted(gone)} already finished training")
-        pending = self._pending.setdefault(key, _Pending(group, seq))
+        pending = self._pending.setdefault((group, seq), Pending(group, seq))
         if pending.calls:
             first_rank, first = next(iter(pending.calls.items()))
             if first.signature != call.signature:
@@ -126,21 +135,32 @@ class Scheduler:
                     f"called {first.describe()}, node {rank} (step {call.step}) called {call.describe()}")
         pending.calls[rank] = call
         if len(pending.calls) < len(group):
-            self._blocked[rank] = key
-            self._hub.switch()  # resumed by the hub once the last member has completed the collective
-            return
-        del self._pending[key]
+            if call.blocking:
+                self.wait(rank, pending)
+            return pending
+        del self._pending[pending.key]
         complete([pending.calls[r] for r in group])
-        for r in group:
-            self._blocked.pop(r, None)
-        # Members resume in rank order, after nodes already queued. Any fixed order gives the same
-        # numbers: a node's work depends only on its data, its RNG stream (swapped with the baton)
-        # and collective results (computed in rank order); the order only has to be deterministic.
-        self._ready.extend(group)
+        pending.done = True
+        for r in pending.waiters:
+            del self._blocked[r]
+        # Those blocked on it and the arriving node resume in rank order, after nodes already queued.
+        # Any fixed order gives the same numbers: a node's work depends only on its data, its RNG stream
+        # (swapped with the baton) and collective results (computed in rank order).
+        self._ready.extend(sorted(pending.waiters | {rank}))
         self._yield(rank)
+        return pending
 
-    def _describe(self, p: _Pending) -> str:
+    def wait(self, rank: int, pending: Pending) -> None:
+        """Block node `rank` until `pending` has completed (returns at once if it has)."""
+        if pending.done:
+            return
+        pending.waiters.add(rank)
+        self._blocked[rank] = pending.key
+        self._hub.switch()  # resumed by the hub once the last member has completed the collective
+
+    def _describe(self, p: Pending) -> str:
         return "\n".join(f"  node {r} (step {c.step}): {c.describe()} #{p.seq} on group {list(p.group)}"
+                         + ("" if c.blocking or r in p.waiters else " (async, not waiting yet)")
                          for r, c in sorted(p.calls.items()))
 
     def _describe_waiting(self) -> str:

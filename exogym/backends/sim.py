@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from exogym.backends.scheduler import CollectiveCall, CollectiveError, Scheduler
+from exogym.backends.scheduler import CollectiveCall, CollectiveError, Pending, Scheduler
 from exogym.comm import CommStats, Group, ReduceOp, make_group, payload_nbytes, tensor_nbytes
 from exogym.simtime import NodeClock, TimeModel
 
@@ -91,42 +91,67 @@ class SimCommunicator:
         self.world = Group(tuple(range(num_nodes)))
         self.step: int | None = None  # the node's current step, for error messages
 
-    def _meet(self, name: str, group: Group, signature: tuple, account: bool, payload: int, **args: Any) -> None:
-        call = CollectiveCall(name, (name, *signature), dict(args, rank=self.rank, clock=self.clock), self.step)
+    def _meet(self, name: str, group: Group, signature: tuple, account: bool, payload: int, async_op: bool,
+              **args: Any) -> "SimWork | None":
+        call = CollectiveCall(name, (name, *signature), dict(args, rank=self.rank, clock=self.clock,
+                                                             arrival=self.clock.now), self.step, blocking=not async_op)
         complete = _COMPLETE[name]
-        if account and self.time_model is not None:
+        timed = account and self.time_model is not None
+        if timed:
             def complete(calls: list[CollectiveCall], _compute=complete) -> None:
                 _compute(calls)
-                self.time_model.settle([c.args["clock"] for c in calls], name, payload, group.ranks)
-        self.scheduler.rendezvous(self.rank, group.ranks, call, complete)
+                done_at = self.time_model.settle([(c.args["clock"], c.args["arrival"], c.blocking) for c in calls],
+                                                 name, payload, group.ranks)
+                for c in calls:
+                    c.args["done_at"] = done_at
+        pending = self.scheduler.rendezvous(self.rank, group.ranks, call, complete)
+        return SimWork(self, pending, call if timed else None) if async_op else None
 
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, group: Group, *, account: bool = False) -> None:
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, group: Group, *, account: bool = False,
+                   async_op: bool = False) -> "SimWork | None":
         if op is ReduceOp.AVG and not (tensor.is_floating_point() or tensor.is_complex()):
             raise TypeError(f"all_reduce with op=AVG needs a floating-point tensor, got {tensor.dtype}; "
                             "use SUM and divide")
-        self._meet("all_reduce", group, (*_sig(tensor), op.value), account, tensor_nbytes(tensor),
-                   tensor=tensor, op=op)
+        return self._meet("all_reduce", group, (*_sig(tensor), op.value), account, tensor_nbytes(tensor), async_op,
+                          tensor=tensor, op=op)
 
-    def broadcast(self, tensor: torch.Tensor, src: int, group: Group, *, account: bool = False) -> None:
-        self._meet("broadcast", group, (*_sig(tensor), f"src={src}"), account, tensor_nbytes(tensor),
-                   tensor=tensor, src=src)
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Group, *, account: bool = False,
+                  async_op: bool = False) -> "SimWork | None":
+        return self._meet("broadcast", group, (*_sig(tensor), f"src={src}"), account, tensor_nbytes(tensor),
+                          async_op, tensor=tensor, src=src)
 
     def all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Group, *,
-                   account: bool = False) -> None:
-        self._meet("all_gather", group, _sig(tensor), account, payload_nbytes("all_gather", tensor, group.size),
-                   tensor_list=tensor_list, tensor=tensor)
+                   account: bool = False, async_op: bool = False) -> "SimWork | None":
+        return self._meet("all_gather", group, _sig(tensor), account, payload_nbytes("all_gather", tensor, group.size),
+                          async_op, tensor_list=tensor_list, tensor=tensor)
 
     def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp,
-                       group: Group, *, account: bool = False) -> None:
-        self._meet("reduce_scatter", group, (*_sig(output), op.value), account,
-                   payload_nbytes("reduce_scatter", None, group.size, input_list),
-                   output=output, input_list=input_list, op=op)
+                       group: Group, *, account: bool = False, async_op: bool = False) -> "SimWork | None":
+        return self._meet("reduce_scatter", group, (*_sig(output), op.value), account,
+                          payload_nbytes("reduce_scatter", None, group.size, input_list), async_op,
+                          output=output, input_list=input_list, op=op)
 
-    def barrier(self, group: Group, *, account: bool = False) -> None:
-        self._meet("barrier", group, (), account, 0)
+    def barrier(self, group: Group, *, account: bool = False, async_op: bool = False) -> "SimWork | None":
+        return self._meet("barrier", group, (), account, 0, async_op)
 
     def new_group(self, ranks: Sequence[int]) -> Group:
         return make_group(ranks, self.num_nodes)
+
+
+class SimWork:
+    """The handle of an async collective (torch.distributed's Work): results are in the tensors after wait()."""
+
+    def __init__(self, comm: SimCommunicator, pending: Pending, timed_call: CollectiveCall | None):
+        self._comm, self._pending, self._timed_call = comm, pending, timed_call
+
+    def is_completed(self) -> bool:
+        return self._pending.done
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._comm.scheduler.wait(self._comm.rank, self._pending)
+        if self._timed_call is not None:
+            self._comm.clock.catch_up(self._timed_call.args["done_at"])
+        return True
 
 
 class _NodeModes:

@@ -2,7 +2,9 @@
 
 Each call goes to the calling node's backend (the in-process sim, or torch.distributed) and
 adds the bytes that node sends to its count (formulas in `exogym.comm`). `group` is None for
-all nodes, a `Group` from `new_group`, or a list of ranks.
+all nodes, a `Group` from `new_group`, or a list of ranks. With async_op=True a call returns a
+handle at once and the node keeps computing; `handle.wait()` makes the results visible (as in
+torch.distributed, the tensors must not be read or written before then).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Sequence
 import torch
 
 from exogym import comm as _comm
-from exogym.comm import Group, ReduceOp
+from exogym.comm import Group, ReduceOp, Work
 
 __all__ = [
     "ReduceOp", "Group", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier",
@@ -35,17 +37,19 @@ def _check_tensor(name: str, t: object) -> torch.Tensor:
     return t
 
 
-def all_reduce(tensor: torch.Tensor, op: object = ReduceOp.SUM, group: Group | Sequence[int] | None = None) -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, op: object = ReduceOp.SUM, group: Group | Sequence[int] | None = None,
+               async_op: bool = False) -> torch.Tensor | Work:
     """Reduce `tensor` across the group in place (summed in rank order, so results are deterministic)."""
     c = _comm.current_communicator()
     g, op = _group(c, group), ReduceOp.of(op)
     _check_tensor("tensor", tensor)
     c.stats.add("all_reduce", _comm.all_reduce_bytes(_comm.tensor_nbytes(tensor), g.size))
-    c.all_reduce(tensor, op, g, account=True)
-    return tensor
+    work = c.all_reduce(tensor, op, g, account=True, async_op=async_op)
+    return work if async_op else tensor
 
 
-def broadcast(tensor: torch.Tensor, src: int = 0, group: Group | Sequence[int] | None = None) -> torch.Tensor:
+def broadcast(tensor: torch.Tensor, src: int = 0, group: Group | Sequence[int] | None = None,
+              async_op: bool = False) -> torch.Tensor | Work:
     """Copy node `src`'s tensor into every member's `tensor` in place. `src` is a global rank."""
     c = _comm.current_communicator()
     g = _group(c, group)
@@ -53,12 +57,12 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: Group | Sequence[int] |
     if src not in g:
         raise ValueError(f"broadcast src={src!r} is not in the group {list(g.ranks)}")
     c.stats.add("broadcast", _comm.broadcast_bytes(_comm.tensor_nbytes(tensor), g, src, c.rank))
-    c.broadcast(tensor, src, g, account=True)
-    return tensor
+    work = c.broadcast(tensor, src, g, account=True, async_op=async_op)
+    return work if async_op else tensor
 
 
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
-               group: Group | Sequence[int] | None = None) -> list[torch.Tensor]:
+               group: Group | Sequence[int] | None = None, async_op: bool = False) -> list[torch.Tensor] | Work:
     """Fill `tensor_list[i]` with the tensor of the group's i-th member (members sorted by rank)."""
     c = _comm.current_communicator()
     g = _group(c, group)
@@ -70,12 +74,12 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
             raise ValueError(f"all_gather tensor_list[{i}] has shape {tuple(t.shape)}, "
                              f"the input has {tuple(tensor.shape)}; they must match")
     c.stats.add("all_gather", _comm.all_gather_bytes(_comm.tensor_nbytes(tensor), g.size))
-    c.all_gather(tensor_list, tensor, g, account=True)
-    return tensor_list
+    work = c.all_gather(tensor_list, tensor, g, account=True, async_op=async_op)
+    return work if async_op else tensor_list
 
 
 def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: object = ReduceOp.SUM,
-                   group: Group | Sequence[int] | None = None) -> torch.Tensor:
+                   group: Group | Sequence[int] | None = None, async_op: bool = False) -> torch.Tensor | Work:
     """`output` on the group's i-th member becomes the reduction over members of their `input_list[i]`."""
     c = _comm.current_communicator()
     g, op = _group(c, group), ReduceOp.of(op)
@@ -87,16 +91,16 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: obj
             raise ValueError(f"reduce_scatter input_list[{i}] has shape {tuple(t.shape)}, "
                              f"the output has {tuple(output.shape)}; they must match")
     c.stats.add("reduce_scatter", _comm.reduce_scatter_bytes(sum(map(_comm.tensor_nbytes, input_list)), g.size))
-    c.reduce_scatter(output, input_list, op, g, account=True)
-    return output
+    work = c.reduce_scatter(output, input_list, op, g, account=True, async_op=async_op)
+    return work if async_op else output
 
 
-def barrier(group: Group | Sequence[int] | None = None) -> None:
+def barrier(group: Group | Sequence[int] | None = None, async_op: bool = False) -> Work | None:
     """Wait until every member of the group has reached this call."""
     c = _comm.current_communicator()
     g = _group(c, group)
     c.stats.add("barrier", 0)
-    c.barrier(g, account=True)
+    return c.barrier(g, account=True, async_op=async_op)
 
 
 def new_group(ranks: Sequence[int]) -> Group:
