@@ -166,3 +166,15 @@ def test_collectives_outside_a_run_and_bad_groups_are_clear_errors():
         comm.broadcast(torch.zeros(1), src=5)
     with pytest.raises(ValueError, match="src=5 is not in the group"):
         run_on_nodes(bad_src)
+
+
+def test_per_member_lists_are_checked_before_anything_is_sent():
+    def short_list(s):
+        comm.all_gather([torch.zeros(2)] * 2, torch.zeros(2))
+    with pytest.raises(ValueError, match=r"all_gather needs one tensor in tensor_list per group member \(3\), got 2"):
+        run_on_nodes(short_list)
+
+    def wrong_shape(s):
+        comm.reduce_scatter(torch.zeros(2), [torch.zeros(2), torch.zeros(3), torch.zeros(2)])
+    with pytest.raises(ValueError, match=r"reduce_scatter input_list\[1\] has shape \(3,\), but it must match \(2,\)"):
+        run_on_nodes(wrong_shape)

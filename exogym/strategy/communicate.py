@@ -37,6 +37,16 @@ def _check_tensor(name: str, t: object) -> torch.Tensor:
     return t
 
 
+def _check_per_member(op: str, name: str, tensors: list[torch.Tensor], like: torch.Tensor, g: Group) -> None:
+    """One tensor per group member, each shaped like `like`."""
+    if len(tensors) != g.size:
+        raise ValueError(f"{op} needs one tensor in {name} per group member ({g.size}), got {len(tensors)}")
+    for i, t in enumerate(tensors):
+        if _check_tensor(f"{name}[{i}]", t).shape != like.shape:
+            raise ValueError(f"{op} {name}[{i}] has shape {tuple(t.shape)}, but it must match "
+                             f"{tuple(like.shape)}")
+
+
 def all_reduce(tensor: torch.Tensor, op: object = ReduceOp.SUM, group: Group | Sequence[int] | None = None,
                async_op: bool = False) -> torch.Tensor | Work:
     """Reduce `tensor` across the group in place (summed in rank order, so results are deterministic)."""
@@ -66,13 +76,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
     """Fill `tensor_list[i]` with the tensor of the group's i-th member (members sorted by rank)."""
     c = _comm.current_communicator()
     g = _group(c, group)
-    _check_tensor("tensor", tensor)
-    if len(tensor_list) != g.size:
-        raise ValueError(f"all_gather needs one output tensor per group member ({g.size}), got {len(tensor_list)}")
-    for i, t in enumerate(tensor_list):
-        if _check_tensor(f"tensor_list[{i}]", t).shape != tensor.shape:
-            raise ValueError(f"all_gather tensor_list[{i}] has shape {tuple(t.shape)}, "
-                             f"the input has {tuple(tensor.shape)}; they must match")
+    _check_per_member("all_gather", "tensor_list", tensor_list, _check_tensor("tensor", tensor), g)
     c.stats.add("all_gather", _comm.all_gather_bytes(_comm.tensor_nbytes(tensor), g.size))
     work = c.all_gather(tensor_list, tensor, g, account=True, async_op=async_op)
     return work if async_op else tensor_list
@@ -83,13 +87,7 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: obj
     """`output` on the group's i-th member becomes the reduction over members of their `input_list[i]`."""
     c = _comm.current_communicator()
     g, op = _group(c, group), ReduceOp.of(op)
-    _check_tensor("output", output)
-    if len(input_list) != g.size:
-        raise ValueError(f"reduce_scatter needs one input tensor per group member ({g.size}), got {len(input_list)}")
-    for i, t in enumerate(input_list):
-        if _check_tensor(f"input_list[{i}]", t).shape != output.shape:
-            raise ValueError(f"reduce_scatter input_list[{i}] has shape {tuple(t.shape)}, "
-                             f"the output has {tuple(output.shape)}; they must match")
+    _check_per_member("reduce_scatter", "input_list", input_list, _check_tensor("output", output), g)
     c.stats.add("reduce_scatter", _comm.reduce_scatter_bytes(sum(map(_comm.tensor_nbytes, input_list)), g.size))
     work = c.reduce_scatter(output, input_list, op, g, account=True, async_op=async_op)
     return work if async_op else output
