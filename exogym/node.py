@@ -106,7 +106,30 @@ class TrainNode:
 
     def _train(self, comm: Communicator) -> tuple[NodeLog, dict[str, torch.Tensor] | None]:
         cfg, s = self.cfg, self.strategy
-        if self.val_batches is not None and self.rank == 0:
+        first_step = self._start(comm)
+        batches: Iterator[Any] = self.batches.iterate(from_step=first_step)
+        for self.step in range(first_step, cfg.max_steps):
+            comm.step = self.step + 1  # steps count from 1 in records and messages
+            batch = move_to_device(next(batches), self.device)
+            self._tokens += token_count(batch) or 0
+            s.zero_grad()
+            loss, metrics = self._timed_forward_backward(batch, comm)
+            lr = s._current_lr()  # the rate this step uses, before the schedule advances
+            s.step()
+            self._unflushed.append((loss, metrics, lr, comm.stats.bytes_sent, time.perf_counter() - self.start_time,
+                                    self._tokens, comm.clock.now))
+            self._after_step(comm, self.step + 1)
+        final = global_state_dict(self.model, s, comm)
+        self.log.comm = {"bytes_sent": comm.stats.bytes_sent, "bytes_by_op": dict(comm.stats.bytes_by_op),
+                         "calls_by_op": dict(comm.stats.calls_by_op)}
+        if cfg.time_model is not None:
+            self.log.comm["sim_time"] = comm.clock.as_dict()
+        return self.log, (final if self.rank == 0 else None)
+
+    def _start(self, comm: Communicator) -> int:
+        """Bind the strategy to this node (or take it back from a checkpoint); return the first step to run."""
+        cfg, s = self.cfg, self.strategy
+        if self.val_batches is not None:
             self.val_batches = [move_to_device(b, self.device) for b in self.val_batches]
         s.max_steps = cfg.max_steps
         if self.resume is None:
@@ -120,38 +143,24 @@ class TrainNode:
         self.model.train()
         if self.rank == 0 and cfg.progress:
             self._bar = tqdm(total=cfg.max_steps, initial=first_step, desc="exogym", unit="step", dynamic_ncols=True)
-        batches: Iterator[Any] = self.batches.iterate(from_step=first_step)
-        for self.step in range(first_step, cfg.max_steps):
-            comm.step = self.step + 1  # steps count from 1 in records and messages
-            batch = move_to_device(next(batches), self.device)
-            tokens = token_count(batch)
-            if tokens is not None:
-                self._tokens += tokens
-            s.zero_grad()
-            loss, metrics = self._timed_forward_backward(batch, comm)
-            lr = s._current_lr()  # the rate this step uses, before the schedule advances
-            s.step()
-            self._unflushed.append((loss, metrics, lr, comm.stats.bytes_sent, time.perf_counter() - self.start_time,
-                                    self._tokens, comm.clock.now))
-            done = self.step + 1
-            if cfg.validate and (done % cfg.val_interval == 0 or done == cfg.max_steps):
-                self._validate(comm, done)
-            if cfg.diagnostics_interval and (done % cfg.diagnostics_interval == 0 or done == cfg.max_steps):
-                row = {"step": done, **parameter_divergence(self.model, comm)}
-                if self.rank == 0:
-                    self.log.diagnostics.append(row)
-                    self.live.add_row("diagnostics", row)
-            save = self.checkpoints is not None and self.checkpoints.due(done, cfg.max_steps)
-            if done % cfg.log_interval == 0 or done == cfg.max_steps or save:
-                self._flush()
-            if save:
-                self._save_checkpoint(comm, done)
-        final = global_state_dict(self.model, s, comm)
-        self.log.comm = {"bytes_sent": comm.stats.bytes_sent, "bytes_by_op": dict(comm.stats.bytes_by_op),
-                         "calls_by_op": dict(comm.stats.calls_by_op)}
-        if cfg.time_model is not None:
-            self.log.comm["sim_time"] = comm.clock.as_dict()
-        return self.log, (final if self.rank == 0 else None)
+        return first_step
+
+    def _after_step(self, comm: Communicator, done: int) -> None:
+        """What is due after `done` steps: validation, diagnostics, moving the log to the host, a checkpoint.
+        Every node reaches the same decisions, since those with a collective need all of them."""
+        cfg, last = self.cfg, done == self.cfg.max_steps
+        if cfg.validate and (done % cfg.val_interval == 0 or last):
+            self._validate(comm, done)
+        if cfg.diagnostics_interval and (done % cfg.diagnostics_interval == 0 or last):
+            row = {"step": done, **parameter_divergence(self.model, comm)}
+            if self.rank == 0:
+                self.log.diagnostics.append(row)
+                self.live.add_row("diagnostics", row)
+        save = self.checkpoints is not None and self.checkpoints.due(done, cfg.max_steps)
+        if done % cfg.log_interval == 0 or last or save:
+            self._flush()
+        if save:
+            self._save_checkpoint(comm, done)
 
     def _save_checkpoint(self, comm: Communicator, done: int) -> None:
         # The global random streams are this node's own while it runs (the backend swapped them in).
@@ -163,10 +172,10 @@ class TrainNode:
             finalize_checkpoint(self.checkpoints, done)
 
     def _autocast(self):
+        # bfloat16 everywhere: unlike float16 it needs no loss scaling (the trainer rejects devices without it).
         if not self.cfg.autocast:
             return contextlib.nullcontext()
-        dtype = torch.float16 if self.device.type == "cuda" and not torch.cuda.is_bf16_supported() else torch.bfloat16
-        return torch.autocast(self.device.type, dtype=dtype)
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     def _timed_forward_backward(self, batch: Any, comm: Communicator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Forward/backward, advancing the node's virtual clock by its compute time when time is simulated."""

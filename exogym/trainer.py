@@ -119,6 +119,8 @@ class Trainer:
         node_devices = resolve_node_devices(
             num_nodes, device if device is not None or devices is not None else self.device,
             devices if devices is not None or device is not None else self.devices)
+        if autocast and any(d.type == "cuda" and not torch.cuda.is_bf16_supported() for d in node_devices):
+            raise ValueError("autocast=True trains in bfloat16, which this GPU does not support; use autocast=False")
 
         # Data: every node's batches and the fixed validation batches, checked before any node starts.
         split = _partition(self.train_dataset, partition, dirichlet_alpha, num_nodes, batch_size, seed)

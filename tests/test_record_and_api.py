@@ -172,3 +172,19 @@ def test_tokens_are_counted_for_batches_of_token_ids():
     t2.fit(SimpleReduceStrategy(), 1, batch_size=4, max_steps=1, **FIT)
     assert "tokens" not in t2.record.train[0]
     assert t2.record.peak_memory_mb["process_rss"] > 10
+
+
+def test_autocast_runs_the_forward_pass_in_bfloat16():
+    seen = []
+
+    class Probe(toy.TinyMLP):
+        def forward(self, batch):
+            seen.append(self.net[0](batch[0]).dtype)
+            return super().forward(batch)
+
+    t = Trainer(Probe(), toy.make_classification(64))
+    t.fit(SimpleReduceStrategy(lr=0.01), 2, batch_size=8, max_steps=2, autocast=True, **FIT)
+    assert set(seen) == {torch.bfloat16} and all(math.isfinite(x) for x in t.record.column("loss"))
+    seen.clear()
+    t.fit(SimpleReduceStrategy(lr=0.01), 2, batch_size=8, max_steps=1, **FIT)
+    assert set(seen) == {torch.float32}
