@@ -44,6 +44,7 @@ class RunConfig:
     validate: bool  # every node takes part in building the global model, node 0 evaluates it
     diagnostics_interval: int | None = None
     time_model: TimeModel | None = None  # None: no simulated time
+    steps_per_epoch: int = 1  # the run's: one pass over the smallest node's shard
 
 
 def parse_model_output(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -110,10 +111,14 @@ class TrainNode:
         batches: Iterator[Any] = self.batches.iterate(from_step=first_step)
         for self.step in range(first_step, cfg.max_steps):
             comm.step = self.step + 1  # steps count from 1 in records and messages
-            batch = move_to_device(next(batches), self.device)
-            self._tokens += token_count(batch) or 0
+            batch = next(batches)  # drawn even when the node sits out: its data position is a function of the step
+            loss, metrics = None, {}  # a node that sits out the step logs no loss (and no compute time)
+            skip = s.skip_compute()
             s.zero_grad()
-            loss, metrics = self._timed_forward_backward(batch, comm)
+            if not skip:
+                batch = move_to_device(batch, self.device)
+                self._tokens += token_count(batch) or 0
+                loss, metrics = self._timed_forward_backward(batch, comm)
             lr = s._current_lr()  # the rate this step uses, before the schedule advances
             s.step()
             self._unflushed.append((loss, metrics, lr, comm.stats.bytes_sent, time.perf_counter() - self.start_time,
@@ -131,7 +136,7 @@ class TrainNode:
         cfg, s = self.cfg, self.strategy
         if self.val_batches is not None:
             self.val_batches = [move_to_device(b, self.device) for b in self.val_batches]
-        s.max_steps = cfg.max_steps
+        s.max_steps, s.steps_per_epoch = cfg.max_steps, cfg.steps_per_epoch
         if self.resume is None:
             self.model.to(self.device)
             s._init_node(self.model, self.rank, cfg.num_nodes)
@@ -222,16 +227,21 @@ class TrainNode:
 
     def _flush(self) -> None:
         """Move the losses since the last flush to the host (one sync per log interval, not per step)."""
-        losses = torch.stack([u[0].float() for u in self._unflushed]).tolist()
-        names = list(self._unflushed[0][1])
-        metrics = {n: torch.stack([u[1][n].float() for u in self._unflushed]).tolist() for n in names}
-        first = self.step + 2 - len(losses)  # step number (from 1) of the oldest unflushed step
+        computed = [u for u in self._unflushed if u[0] is not None]  # steps the node did not sit out
+        names = list(computed[0][1]) if computed else []
+        losses = iter(torch.stack([u[0].float() for u in computed]).tolist() if computed else [])
+        metrics = {n: iter(torch.stack([u[1][n].float() for u in computed]).tolist()) for n in names}
+        first = self.step + 2 - len(self._unflushed)  # step number (from 1) of the oldest unflushed step
         rows = []
-        for i, (loss, (_, _, lr, sent, wall, tokens, sim_now)) in enumerate(zip(losses, self._unflushed)):
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"the training loss on node {self.rank} is {loss} at step {first + i}; "
-                                         "lower the learning rate, set max_norm, or check the data")
-            row = {"step": first + i, "loss": loss, **{n: metrics[n][i] for n in names}, "lr": lr}
+        for i, (computed_loss, _, lr, sent, wall, tokens, sim_now) in enumerate(self._unflushed):
+            row: dict[str, float] = {"step": first + i}
+            if computed_loss is not None:
+                loss = next(losses)
+                if not math.isfinite(loss):
+                    raise FloatingPointError(f"the training loss on node {self.rank} is {loss} at step {first + i}; "
+                                             "lower the learning rate, set max_norm, or check the data")
+                row.update(loss=loss, **{n: next(metrics[n]) for n in names})
+            row["lr"] = lr
             if self._tokens:
                 row["tokens"] = tokens
             row.update(bytes=sent, wall_time_s=wall)
@@ -243,7 +253,8 @@ class TrainNode:
         self.live.add_rows(self.rank, rows)
         if self._bar is not None:
             self._bar.update(len(rows))
-            self._bar.set_postfix_str(f"loss {losses[-1]:.4f}, sent {_human_bytes(rows[-1]['bytes'])}"
+            last = rows[-1]
+            self._bar.set_postfix_str(f"loss {last.get('loss', math.nan):.4f}, sent {_human_bytes(last['bytes'])}"
                                       + (f", sim {rows[-1]['sim_time_s']:.1f}s" if "sim_time_s" in rows[-1] else "")
                                       + (f", val {self.log.val[-1]['global_loss']:.4f}" if self.log.val else ""))
 

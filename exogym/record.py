@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
@@ -17,9 +18,10 @@ def merge_step_rows(rows: Sequence[dict[str, float]], *, global_batch: int) -> d
     tokens summed, simulated time the latest, lr and wall time from the lowest rank."""
     first = rows[0]
     merged: dict[str, float] = {"step": first["step"]}
-    for key in first:
+    for key in dict.fromkeys(k for r in rows for k in r):
         if key not in ("step", "lr", "bytes", "tokens", "wall_time_s", "sim_time_s"):
-            merged[key] = sum(r[key] for r in rows) / len(rows)
+            values = [r[key] for r in rows if key in r]  # a node that sat out the step has no loss or metrics
+            merged[key] = sum(values) / len(values)
     merged.update(lr=first["lr"], examples=first["step"] * global_batch)
     if "tokens" in first:
         merged["tokens"] = sum(r["tokens"] for r in rows)
@@ -79,7 +81,8 @@ class RunRecord:
     val: one row per evaluation: step, local_loss (node 0's model), global_loss (the global model),
         and local_/global_ versions of every extra metric.
     diagnostics: rows of step, param_correlation, param_variance (fit's diagnostics_interval).
-    node_loss[r][s]: node r's training loss at step s+1. bytes_per_node[r]: what node r sent in total.
+    node_loss[r][s]: node r's training loss at step s+1 (nan where it sat out the step).
+    bytes_per_node[r]: what node r sent in total.
     peak_memory_mb: the process's peak resident memory (and per CUDA device, its peak allocation).
     """
 
@@ -98,7 +101,7 @@ class RunRecord:
                    wall_time_s: float, peak_memory_mb: dict[str, float] | None = None) -> "RunRecord":
         train = [merge_step_rows(step_rows, global_batch=global_batch) for step_rows in zip(*(l.rows for l in logs))]
         return cls(config=config, train=train, val=logs[0].val, diagnostics=logs[0].diagnostics,
-                   node_loss=[[row["loss"] for row in log.rows] for log in logs],
+                   node_loss=[[row.get("loss", math.nan) for row in log.rows] for log in logs],
                    bytes_per_node=[int(log.rows[-1]["bytes"]) if log.rows else 0 for log in logs],
                    comm_per_node=[log.comm for log in logs], wall_time_s=wall_time_s,
                    peak_memory_mb=peak_memory_mb or {})

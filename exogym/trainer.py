@@ -150,7 +150,8 @@ class Trainer:
         cfg = RunConfig(num_nodes=num_nodes, max_steps=total_steps, batch_size=batch_size,
                         minibatch_size=minibatch_size, val_interval=val_interval, log_interval=log_interval,
                         autocast=autocast, progress=progress, validate=val_batches is not None,
-                        diagnostics_interval=diagnostics_interval, time_model=time_model)
+                        diagnostics_interval=diagnostics_interval, time_model=time_model,
+                        steps_per_epoch=steps_per_epoch)
         n_params = sum(p.numel() for p in self.model.parameters())
         config = {"strategy": type(strategy).__name__, "strategy_config": strategy.config(), "num_nodes": num_nodes,
                   "max_steps": total_steps, "steps_per_epoch": steps_per_epoch, "num_epochs": num_epochs,

@@ -2,5 +2,15 @@
 
 from exogym.strategy.optim import OptimSpec
 from exogym.strategy.strategy import SimpleReduceStrategy, Strategy
+from exogym.strategy.communicate_optimize_strategy import (AveragingCommunicator, CommunicateOptimizeStrategy,
+                                                           CommunicationModule)
+from exogym.strategy.diloco import DiLoCoCommunicator, DiLoCoStrategy
+from exogym.strategy.sparta import SparseCommunicator, SPARTAStrategy
+from exogym.strategy.federated_averaging import FedAvgStrategy
+from exogym.strategy.sparta_diloco import SPARTADiLoCoStrategy
+from exogym.strategy.demo import DeMo, DeMoStrategy
 
-__all__ = ["Strategy", "SimpleReduceStrategy", "OptimSpec"]
+__all__ = ["Strategy", "SimpleReduceStrategy", "OptimSpec",
+           "CommunicateOptimizeStrategy", "CommunicationModule", "AveragingCommunicator", "SparseCommunicator",
+           "DiLoCoCommunicator", "DiLoCoStrategy", "FedAvgStrategy", "SPARTAStrategy", "SPARTADiLoCoStrategy",
+           "DeMo", "DeMoStrategy"]

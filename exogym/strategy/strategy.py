@@ -34,7 +34,8 @@ class Strategy:
     max_norm: clip the global gradient norm of the node's parameters before each step.
     """
 
-    max_steps: int  # set by the trainer before _init_node (the schedule needs the run length)
+    max_steps: int  # set by the node before _init_node (the schedule needs the run length)
+    steps_per_epoch: int  # likewise: steps in one pass over the smallest node's shard, equal on every node
 
     def __new__(cls, *args: Any, **kwargs: Any):
         # Keep the constructor arguments, so a run's config.json can say exactly how the strategy was built.
@@ -84,6 +85,12 @@ class Strategy:
 
     def zero_grad(self) -> None:
         self.optim.zero_grad()
+
+    def skip_compute(self) -> bool:
+        """True: this node sits out the coming step (no data to the device, no forward, no backward;
+        FedAvg's unsampled clients). The node still calls step(), which must still join whatever
+        collectives the step's schedule has. Asked once per step, before zero_grad(); no collectives here."""
+        return False
 
     def step(self) -> None:
         """Subclasses communicate and update, then call this: it advances the LR schedule and the step count."""

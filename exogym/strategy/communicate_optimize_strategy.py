@@ -1,0 +1,267 @@
+"""Composable strategies: an inner optimizer step, then a list of communication modules.
+
+`CommunicateOptimizeStrategy([SparseCommunicator(p_sparta=0.01), DiLoCoCommunicator(H=100)], "adamw", lr=3e-4)`
+is SPARTA-DiLoCo. After every step each module decides for itself whether to communicate
+(every step, every H steps...), in list order, on every node alike. DiLoCo, FedAvg, SPARTA and
+SPARTA-DiLoCo are thin subclasses that build their modules from their arguments.
+
+The averaging module is here; the SPARTA and DiLoCo modules live in sparta.py and diloco.py.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from exogym._validation import check_int, check_number
+from exogym.comm import ReduceOp, current_communicator
+from exogym.flatten import flatten_by_dtype, unflatten_into
+from exogym.strategy.communicate import Group, all_reduce, broadcast, new_group
+from exogym.strategy.optim import OptimSpec, ensure_optim_spec
+from exogym.strategy.strategy import Strategy
+
+__all__ = ["CommunicationModule", "CommunicateOptimizeStrategy", "ModularStrategy", "AveragingCommunicator"]
+
+
+class CommunicationModule:
+    """One kind of communication, run after every inner step of a CommunicateOptimizeStrategy.
+
+    `communicate(model, rank, num_nodes, local_step)` is called on every node after its
+    `local_step`-th inner step (counted from 1), so "every H steps" is `local_step % H == 0` and the
+    first synchronisation follows exactly H inner steps. It may only use exogym.strategy.communicate,
+    and every node must make the same collective calls in the same order.
+    """
+
+    def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
+        """Bind to one node's model (each node has its own deep copy of the module)."""
+
+    def communicate(self, model: torch.nn.Module, rank: int, num_nodes: int, local_step: int) -> None:
+        raise NotImplementedError
+
+    def skip_compute(self, local_step: int) -> bool:
+        """True: this node sits out inner step `local_step` (see Strategy.skip_compute)."""
+        return False
+
+    def global_state(self, local_step: int) -> Mapping[str, torch.Tensor] | None:
+        """The module's own global model after `local_step` steps, if it keeps one (see Strategy.global_state).
+        Every node calls this together, so it may use a collective of exogym.comm, uncounted (a measurement)."""
+        return None
+
+    def __repr__(self) -> str:
+        # Its settings (what config.json shows), not what _init_node binds (model, optimizers, state).
+        plain = (int, float, str, bool, type(None), OptimSpec)
+        knobs = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_") and isinstance(v, plain)
+                          and k not in ("rank", "num_nodes"))
+        return f"{type(self).__name__}({knobs})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Groups may be torch.distributed process groups, which do not pickle; a resumed run makes them again.
+        return {k: v for k, v in self.__dict__.items() if k != "_groups"}
+
+    def _group(self, ranks: Sequence[int]) -> Group:
+        """The group of `ranks`, made once. Every node asks for the same groups in the same order
+        (torch.distributed requires each new_group to be called by every process), so the caches agree."""
+        groups = self.__dict__.setdefault("_groups", {})
+        key = tuple(sorted(ranks))
+        if key not in groups:
+            groups[key] = new_group(key)
+        return groups[key]
+
+
+def round_generator(seed: int, round_index: int, salt: int) -> torch.Generator:
+    """A CPU generator that every node seeds identically for the same (seed, round, purpose):
+    nodes agree on random choices (samples, islands, indices) without sending them."""
+    mixed = np.random.SeedSequence([seed, salt, round_index]).generate_state(1, dtype=np.uint64)[0] >> 1
+    return torch.Generator().manual_seed(int(mixed))
+
+
+_SAMPLE, _ISLANDS = 1, 2  # salts: independent streams for sampling and for islands
+
+
+class AveragingCommunicator(CommunicationModule):
+    """Every H steps, model averaging: each node's parameters become the mean over its island.
+
+    island_size=None: one island of every taking-part node; otherwise, each round, the nodes are
+    shuffled (shared seed) into islands of island_size and average only within them (one subgroup
+    all-reduce each). client_sampling=C < 1: each round only max(1, round(C*K)) sampled nodes train
+    and average; the others do no compute, and the nodes sampled for the next round that sat this
+    one out receive the new average from a sampled node at the round's end (one broadcast each).
+    """
+
+    def __init__(self, H: int = 1, *, island_size: int | None = None, client_sampling: float = 1.0, seed: int = 0):
+        check_int("H", H, minimum=1)
+        check_int("island_size", island_size, minimum=1, allow_none=True)
+        check_number("client_sampling", client_sampling, positive=True, maximum=1.0)
+        check_int("seed", seed, minimum=0)
+        self.H, self.island_size, self.client_sampling, self.seed = H, island_size, client_sampling, seed
+
+    def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
+        self.model, self.rank, self.num_nodes = model, rank, num_nodes
+        m = self.clients_per_round
+        if self.island_size is not None and (self.island_size > m or m % self.island_size):
+            sizes = [d for d in range(1, m + 1) if m % d == 0]
+            raise ValueError(f"island_size must divide the {m} nodes taking part in a round (num_nodes={num_nodes}"
+                             f", client_sampling={self.client_sampling}), got {self.island_size}; use one of {sizes}")
+
+    # ---- who takes part, with whom (the same answer on every node) ------------------------------
+    @property
+    def clients_per_round(self) -> int:
+        return max(1, round(self.client_sampling * self.num_nodes))
+
+    def participants(self, round_index: int) -> list[int]:
+        """The sorted ranks that train in round `round_index` (rounds count from 0)."""
+        if self.clients_per_round == self.num_nodes:
+            return list(range(self.num_nodes))
+        perm = torch.randperm(self.num_nodes, generator=round_generator(self.seed, round_index, _SAMPLE))
+        return sorted(perm[:self.clients_per_round].tolist())
+
+    def islands(self, round_index: int) -> list[list[int]]:
+        """The round's participants split into islands (each sorted); together they cover each participant once."""
+        members = self.participants(round_index)
+        if self.island_size is None or self.island_size == len(members):
+            return [members]
+        order = torch.randperm(len(members), generator=round_generator(self.seed, round_index, _ISLANDS)).tolist()
+        shuffled = [members[i] for i in order]
+        return [sorted(shuffled[i:i + self.island_size]) for i in range(0, len(shuffled), self.island_size)]
+
+    def skip_compute(self, local_step: int) -> bool:
+        return self.rank not in self.participants((local_step - 1) // self.H)
+
+    # ---- one synchronisation -----------------------------------------------------------------
+    def communicate(self, model: torch.nn.Module, rank: int, num_nodes: int, local_step: int) -> None:
+        if local_step % self.H:
+            return
+        round_index = local_step // self.H - 1  # the round that ends with this step
+        self._average_islands(self.islands(round_index))
+        if self.clients_per_round < self.num_nodes:
+            self._hand_over(self.participants(round_index), self.participants(round_index + 1))
+
+    @torch.no_grad()
+    def _average_islands(self, islands: list[list[int]]) -> None:
+        params = [p for p in self.model.parameters()]
+        for island in islands:
+            group = self._group(island)  # every node makes every island's group, in the same order
+            if self.rank not in island or len(island) == 1:
+                continue
+            for flat, tensors in flatten_by_dtype(p.data for p in params):
+                all_reduce(flat, group=group)
+                flat.div_(len(island))
+                unflatten_into(flat, tensors)
+
+    @torch.no_grad()
+    def _hand_over(self, done: list[int], upcoming: list[int]) -> None:
+        """Each node sampled for the next round that sat this one out gets the new model from a node of this
+        round (spread round-robin): a two-node broadcast, in which only the sender sends."""
+        newcomers = [r for r in upcoming if r not in done]
+        for i, newcomer in enumerate(newcomers):
+            src = done[i % len(done)]
+            group = self._group([src, newcomer])
+            if self.rank not in (src, newcomer):
+                continue
+            for flat, tensors in flatten_by_dtype(p.data for p in self.model.parameters()):
+                broadcast(flat, src=src, group=group)
+                if self.rank == newcomer:
+                    unflatten_into(flat, tensors)
+
+    def global_state(self, local_step: int) -> Mapping[str, torch.Tensor] | None:
+        """With client sampling, the average of the current round's participants (the unsampled nodes hold
+        stale models). A measurement, as in exogym.averaging: it costs no bytes and no simulated time."""
+        if self.clients_per_round == self.num_nodes:
+            return None
+        current = self.participants(local_step // self.H)
+        comm = current_communicator()
+        state = {k: v.detach().clone() for k, v in self.model.state_dict().items() if v.is_floating_point()}
+        for flat, tensors in flatten_by_dtype(state.values()):
+            if self.rank not in current:
+                flat.zero_()
+            comm.all_reduce(flat, ReduceOp.SUM, comm.world)
+            flat.div_(len(current))
+            unflatten_into(flat, tensors)
+        return state
+
+
+class ModularStrategy(Strategy):
+    """Each step: clip, one inner optimizer step, then every communication module in order.
+
+    The base of CommunicateOptimizeStrategy and of the named strategies built from modules (they
+    call `_use_modules` in their constructor). The inner optimizer: optim_spec (an OptimSpec, a name
+    such as "adamw", or an optimizer class), or inner_optim="adamw" (the same, as the original
+    documents spell it), with lr and weight_decay. The global model is the first module's that keeps
+    one (DiLoCo's outer model), else the nodes' average. A node that a module sits out of a step
+    (FedAvg's client sampling) takes no inner step but still runs the modules.
+    """
+
+    _default_inner = OptimSpec(torch.optim.AdamW, lr=1e-3)  # subclasses name the paper's
+
+    def __init__(self, optim_spec: OptimSpec | str | type | None = None, max_norm: float | None = None, *,
+                 inner_optim: OptimSpec | str | type | None = None, lr: float | None = None,
+                 weight_decay: float | None = None, **kwargs: Any):
+        super().__init__(max_norm=max_norm, **kwargs)
+        self.optim_spec = inner_spec(optim_spec, inner_optim, self._default_inner, lr=lr, weight_decay=weight_decay)
+        self.modules: list[CommunicationModule] = []
+
+    def _use_modules(self, communication_modules: Sequence[CommunicationModule]) -> None:
+        modules = list(communication_modules) if isinstance(communication_modules, (list, tuple)) else None
+        if modules is None or not all(isinstance(m, CommunicationModule) for m in modules):
+            raise TypeError(f"communication_modules must be a list of CommunicationModule instances, "
+                            f"got {communication_modules!r}")
+        if any(getattr(m, "client_sampling", 1.0) < 1.0 for m in modules) and len(modules) > 1:
+            raise ValueError("an AveragingCommunicator with client_sampling < 1 must be the only communication "
+                             "module: the other modules would need the unsampled nodes, which sit the round out")
+        self.modules = modules
+
+    def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
+        super()._init_node(model, rank, num_nodes)
+        for m in self.modules:
+            m._init_node(model, rank, num_nodes)
+
+    def skip_compute(self) -> bool:
+        return any(m.skip_compute(self.local_step + 1) for m in self.modules)
+
+    def step(self) -> None:
+        skip = self.skip_compute()
+        if not skip:
+            self._clip_grads()
+            self.optim.step()
+        for m in self.modules:
+            m.communicate(self.model, self.rank, self.num_nodes, self.local_step + 1)
+        with warnings.catch_warnings():
+            if skip:  # the schedule follows the step count, also while the node's optimizer has not stepped yet
+                warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()` before"))
+            super().step()
+
+    def global_state(self) -> Mapping[str, torch.Tensor] | None:
+        for m in self.modules:
+            state = m.global_state(self.local_step)
+            if state is not None:
+                return state
+        return None
+
+
+class CommunicateOptimizeStrategy(ModularStrategy):
+    """Your own hybrid: `CommunicateOptimizeStrategy([SparseCommunicator(0.01), DiLoCoCommunicator(H=100)],
+    "adamw", lr=3e-4)`. Each step: clip, one inner optimizer step (AdamW, lr 1e-3 by default), then each
+    module in list order communicates when its schedule says so; bytes are the sum of the modules'.
+    """
+
+    def __init__(self, communication_modules: Sequence[CommunicationModule],
+                 optim_spec: OptimSpec | str | type | None = None, max_norm: float | None = None, *,
+                 inner_optim: OptimSpec | str | type | None = None, lr: float | None = None,
+                 weight_decay: float | None = None, **kwargs: Any):
+        super().__init__(optim_spec, max_norm, inner_optim=inner_optim, lr=lr, weight_decay=weight_decay, **kwargs)
+        self._use_modules(communication_modules)
+
+
+def inner_spec(optim_spec: OptimSpec | str | type | None, inner_optim: OptimSpec | str | type | None,
+               default: OptimSpec, *, lr: float | None, weight_decay: float | None) -> OptimSpec:
+    """The inner optimizer from either spelling (optim_spec= or inner_optim=), with lr / weight_decay."""
+    if optim_spec is not None and inner_optim is not None:
+        raise TypeError(f"got both optim_spec={optim_spec!r} and inner_optim={inner_optim!r}; pass one of them")
+    check_number("lr", lr, positive=True, allow_none=True)
+    check_number("weight_decay", weight_decay, minimum=0.0, allow_none=True)
+    return ensure_optim_spec(optim_spec if optim_spec is not None else inner_optim, default,
+                             lr=lr, weight_decay=weight_decay)

@@ -1,0 +1,193 @@
+"""DeMo: Decoupled Momentum Optimization (Peng, Quesnelle, Kingma 2024, arXiv 2411.19870)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+
+from exogym._validation import check_int, check_number
+from exogym.flatten import flatten_by_dtype
+from exogym.strategy.communicate import all_gather, get_world_size
+from exogym.strategy.optim import OptimSpec
+from exogym.strategy.strategy import Strategy
+
+__all__ = ["DeMo", "DeMoStrategy", "ChunkDCT", "dct_matrix"]
+
+
+def dct_matrix(n: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The orthonormal DCT-II matrix D [n, n]: X = D x, and x = D^T X (D is orthogonal)."""
+    k = torch.arange(n, dtype=torch.float64)[:, None]
+    i = torch.arange(n, dtype=torch.float64)[None, :]
+    d = torch.cos(math.pi * (2 * i + 1) * k / (2 * n)) * math.sqrt(2 / n)
+    d[0] /= math.sqrt(2)
+    return d.to(device=device, dtype=dtype)
+
+
+def _chunk(n: int, limit: int) -> int:
+    """The largest divisor of n that is <= limit (so chunks tile the dimension exactly)."""
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+class ChunkDCT:
+    """A tensor <-> its per-chunk DCT coefficients [chunks, coefficients per chunk].
+
+    1-D tensors (and scalars) are cut into chunks of c entries, c the largest divisor of the length
+    <= chunk; tensors of 2 or more dims are viewed as [shape[0], rest] and cut into 2-D chunks
+    (r x c, each the largest divisor of its dimension <= chunk), transformed along both axes.
+    """
+
+    def __init__(self, shape: torch.Size, chunk: int):
+        self.shape = shape
+        rows, cols = (1, max(1, math.prod(shape))) if len(shape) < 2 else (shape[0], math.prod(shape[1:]))
+        self.rows, self.cols = rows, cols
+        self.r = 1 if len(shape) < 2 else _chunk(rows, chunk)
+        self.c = _chunk(cols, chunk)
+        self.num_chunks = (rows // self.r) * (cols // self.c)
+        self.chunk_numel = self.r * self.c
+
+    def encode(self, x: torch.Tensor, dr: torch.Tensor, dc: torch.Tensor) -> torch.Tensor:
+        blocks = x.reshape(self.rows // self.r, self.r, self.cols // self.c, self.c).transpose(1, 2)  # [br, bc, r, c]
+        coeffs = dr @ blocks @ dc.T  # X = D_r B D_c^T per block
+        return coeffs.reshape(self.num_chunks, self.chunk_numel)
+
+    def decode(self, coeffs: torch.Tensor, dr: torch.Tensor, dc: torch.Tensor) -> torch.Tensor:
+        blocks = coeffs.reshape(self.rows // self.r, self.cols // self.c, self.r, self.c)
+        x = dr.T @ blocks @ dc  # B = D_r^T X D_c
+        return x.transpose(1, 2).reshape(self.shape)
+
+
+class DeMo(torch.optim.Optimizer):
+    """The DeMo optimizer; its step() communicates (call it on every node together).
+
+    Per parameter (Algorithm 1 of the paper): m <- beta m + g; q = the top-k DCT components of m in
+    each chunk; m <- m - q; the (index, value) pairs of q are all-gathered; each coefficient is averaged
+    over the nodes that sent it; theta <- theta (1 - lr wd) - lr sign(IDCT(average)).
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, compression_decay: float = 0.999,
+                 compression_topk: int = 32, compression_chunk: int = 64, weight_decay: float = 0.0):
+        check_number("lr", lr, positive=True)
+        check_number("compression_decay", compression_decay, minimum=0.0)
+        if compression_decay >= 1:
+            raise ValueError(f"compression_decay must be in [0, 1) (the momentum's decay), got {compression_decay!r}")
+        check_int("compression_topk", compression_topk, minimum=1)
+        check_int("compression_chunk", compression_chunk, minimum=1)
+        check_number("weight_decay", weight_decay, minimum=0.0)
+        super().__init__(params, dict(lr=lr, compression_decay=compression_decay, compression_topk=compression_topk,
+                                      compression_chunk=compression_chunk, weight_decay=weight_decay))
+
+    def _d(self, n: int, like: torch.Tensor) -> torch.Tensor:
+        # A cache outside Optimizer.__getstate__ (which pickles only state and param groups): rebuilt after a resume.
+        cache = self.__dict__.setdefault("_dct", {})
+        key = (n, like.dtype, like.device)
+        if key not in cache:
+            cache[key] = dct_matrix(n, like.dtype, like.device)
+        return cache[key]
+
+    def plan(self, p: torch.Tensor, group: dict) -> ChunkDCT:
+        return ChunkDCT(p.shape, group["compression_chunk"])
+
+    @torch.no_grad()
+    def extract(self, p: torch.Tensor, group: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Accumulate the gradient into the momentum, take out its top-k DCT components per chunk, and
+        return them as (indices [chunks, k] int64, values [chunks, k])."""
+        state = self.state[p]
+        if "momentum" not in state:
+            state["momentum"] = torch.zeros_like(p)
+        m = state["momentum"]
+        m.mul_(group["compression_decay"]).add_(p.grad if p.grad is not None else torch.zeros_like(p))
+        t = self.plan(p, group)
+        dr, dc = self._d(t.r, m), self._d(t.c, m)
+        coeffs = t.encode(m, dr, dc)  # [chunks, r*c]
+        k = min(group["compression_topk"], t.chunk_numel)
+        idx = coeffs.abs().topk(k, dim=1, sorted=False).indices  # [chunks, k]
+        values = coeffs.gather(1, idx)
+        m.sub_(t.decode(torch.zeros_like(coeffs).scatter_(1, idx, values), dr, dc))  # the fast components leave m
+        return idx, values
+
+    @torch.no_grad()
+    def combine(self, p: torch.Tensor, group: dict, idx: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Every node's (indices, values) [chunks, K*k] -> the decoded dense average, shaped like p.
+        A coefficient sent by several nodes is their mean; one sent by a single node keeps its value."""
+        t = self.plan(p, group)
+        sums = torch.zeros(t.num_chunks, t.chunk_numel, dtype=values.dtype, device=values.device)
+        counts = torch.zeros_like(sums)
+        sums.scatter_add_(1, idx, values)
+        counts.scatter_add_(1, idx, torch.ones_like(values))
+        return t.decode(sums / counts.clamp_min(1), self._d(t.r, sums), self._d(t.c, sums))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        if closure is not None:
+            raise TypeError("DeMo.step does not take a closure")
+        entries = [(p, g) for g in self.param_groups for p in g["params"]]
+        sent = [self.extract(p, g) for p, g in entries]
+        gathered = self._all_gather([i for i, _ in sent], [v for _, v in sent])
+        for (p, g), (idx, values) in zip(entries, gathered):
+            update = self.combine(p, g, idx, values)
+            p.mul_(1 - g["lr"] * g["weight_decay"])
+            p.add_(update.sign(), alpha=-g["lr"])
+
+    def _all_gather(self, indices: list[torch.Tensor], values: list[torch.Tensor]):
+        """One all-gather of every parameter's indices (int64) and one per value dtype; returns per
+        parameter (indices, values), each [chunks, K*k] with node j's in columns j*k..(j+1)*k."""
+        k_nodes = get_world_size()
+        out_idx = _gather_flat(indices, k_nodes)
+        out_val = _gather_flat(values, k_nodes)
+        return list(zip(out_idx, out_val))
+
+
+def _gather_flat(tensors: list[torch.Tensor], k_nodes: int) -> list[torch.Tensor]:
+    """All-gather a list of [chunks_i, k_i] tensors (flattened per dtype into one buffer each)."""
+    result: dict[int, torch.Tensor] = {}
+    position = {id(t): i for i, t in enumerate(tensors)}
+    for flat, members in flatten_by_dtype(tensors):
+        parts = [torch.empty_like(flat) for _ in range(k_nodes)]
+        all_gather(parts, flat)
+        offset = 0
+        for t in members:
+            n = t.numel()
+            pieces = [part[offset:offset + n].view_as(t) for part in parts]
+            result[position[id(t)]] = torch.cat(pieces, dim=1)  # [chunks, K*k]
+            offset += n
+    return [result[i] for i in range(len(tensors))]
+
+
+class DeMoStrategy(Strategy):
+    """DeMo: every step each node adds its gradient to its own momentum, sends only the fast components
+    of it (top-k DCT coefficients per chunk, removed from the momentum, the rest stays local), and all
+    nodes apply the same sign update from the decoded average of what was sent.
+
+    Paper: Peng, Quesnelle, Kingma, "DeMo: Decoupled Momentum Optimization" (2024), arXiv 2411.19870.
+    Bytes per node per step: (K-1) x sum over parameters of chunks x topk x (8 index + value bytes)
+    (ring all-gather). A node that drops keeps its momentum residual; the others go on without its share.
+
+    optim_spec: OptimSpec(DeMo, lr=..., ...) or nothing, with lr, compression_decay, compression_topk,
+    compression_chunk and weight_decay as keywords.
+    """
+
+    def __init__(self, optim_spec: OptimSpec | None = None, max_norm: float | None = None, *,
+                 lr: float | None = None, compression_decay: float | None = None, compression_topk: int | None = None,
+                 compression_chunk: int | None = None, weight_decay: float | None = None, **kwargs: Any):
+        super().__init__(max_norm=max_norm, **kwargs)
+        settings = {k: v for k, v in dict(lr=lr, compression_decay=compression_decay,
+                                          compression_topk=compression_topk, compression_chunk=compression_chunk,
+                                          weight_decay=weight_decay).items() if v is not None}
+        if optim_spec is None:
+            optim_spec = OptimSpec(DeMo, **settings)
+        elif not (isinstance(optim_spec, OptimSpec) and issubclass(optim_spec.cls, DeMo)):
+            raise TypeError(f"DeMoStrategy's optim_spec must be an OptimSpec of exogym.strategy.demo.DeMo, got "
+                            f"{optim_spec!r}; or leave it out and pass lr=..., compression_topk=...")
+        elif settings:
+            raise TypeError(f"got both an OptimSpec ({optim_spec!r}) and settings {sorted(settings)}; "
+                            "put the settings inside the OptimSpec")
+        defaults = dict(lr=1e-3, compression_decay=0.999, compression_topk=32, compression_chunk=64, weight_decay=0.0)
+        DeMo([torch.zeros(1, requires_grad=True)], **{**defaults, **optim_spec.kwargs})  # validate now, not per node
+        self.optim_spec = optim_spec
+
+    def step(self) -> None:
+        self._clip_grads()
+        self.optim.step()
+        super().step()

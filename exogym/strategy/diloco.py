@@ -1,0 +1,177 @@
+"""DiLoCo: Distributed Low-Communication training (Douillard et al. 2023, arXiv 2311.08105)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from exogym._validation import check_int, check_number
+from exogym.flatten import flatten_by_dtype, unflatten_into
+from exogym.strategy.communicate import all_reduce
+from exogym.strategy.communicate_optimize_strategy import CommunicationModule, ModularStrategy, round_generator
+from exogym.strategy.optim import OptimSpec, ensure_optim_spec
+
+__all__ = ["DiLoCoCommunicator", "DiLoCoStrategy", "outer_spec"]
+
+_DROP = 3  # salt of the random stream that decides dropped outer gradients
+
+
+class DiLoCoCommunicator(CommunicationModule):
+    """Every H steps: pseudo-gradient (global model - local model), one all-reduce of it, the outer
+    optimizer step on the global model (the same on every node, so nothing is broadcast), reset.
+
+    The global model is kept on the CPU (it is touched once per round). normalize=True rescales the
+    averaged pseudo-gradient to unit L2 norm before the outer step ("sgd_normalized").
+    drop_prob=p: each round each node's pseudo-gradient is lost with probability p (nodes agree via a
+    shared seed); the others' are averaged, every node still takes the outer step, and a dropped node
+    continues from its own parameters instead of resetting.
+    """
+
+    def __init__(self, H: int = 100, outer_optim_spec: OptimSpec | None = None, *, normalize: bool = False,
+                 drop_prob: float = 0.0, seed: int = 0):
+        check_int("H", H, minimum=1)
+        check_number("drop_prob", drop_prob, minimum=0.0)
+        if drop_prob >= 1:
+            raise ValueError(f"drop_prob must be < 1 (every pseudo-gradient would be lost), got {drop_prob!r}")
+        check_int("seed", seed, minimum=0)
+        self.H, self.normalize, self.drop_prob, self.seed = H, bool(normalize), drop_prob, seed
+        self.outer_optim_spec = outer_spec(outer_optim_spec)
+
+    @torch.no_grad()
+    def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
+        self.model, self.rank, self.num_nodes = model, rank, num_nodes
+        self.names = [name for name, _ in model.named_parameters()]
+        self.master = [torch.nn.Parameter(p.detach().to("cpu", copy=True)) for p in model.parameters()]
+        self.outer_optim = self.outer_optim_spec.build(self.master)
+
+    def communicate(self, model: torch.nn.Module, rank: int, num_nodes: int, local_step: int) -> None:
+        if local_step % self.H:
+            return
+        kept = self.kept_nodes(local_step // self.H - 1)
+        if not kept:
+            return  # every pseudo-gradient of the round was lost: nothing to apply, nothing to send
+        grads = self._pseudo_gradient(keep=self.rank in kept)
+        self._reduce(grads, len(kept))
+        self._outer_step(grads)
+        if self.rank in kept:
+            self._reset()
+
+    def kept_nodes(self, round_index: int) -> list[int]:
+        """The nodes whose pseudo-gradient arrives in round `round_index` (all of them unless drop_prob > 0)."""
+        if self.drop_prob == 0:
+            return list(range(self.num_nodes))
+        u = torch.rand(self.num_nodes, generator=round_generator(self.seed, round_index, _DROP))
+        return [r for r in range(self.num_nodes) if u[r] >= self.drop_prob]
+
+    # ---- the steps of one round ----------------------------------------------------------------
+    @torch.no_grad()
+    def _pseudo_gradient(self, keep: bool) -> list[torch.Tensor]:
+        """Delta_i = theta_global - theta_i (the outer gradient, Algorithm 1); zeros when it is lost."""
+        return [(g.to(p.device) - p.detach()) if keep else torch.zeros_like(p)
+                for g, p in zip(self.master, self.model.parameters())]
+
+    @torch.no_grad()
+    def _reduce(self, grads: list[torch.Tensor], count: int) -> None:
+        """Average the pseudo-gradients that arrived: one all-reduce per dtype on the model's device."""
+        if self.num_nodes == 1:
+            return
+        for flat, tensors in flatten_by_dtype(grads):
+            all_reduce(flat)
+            flat.div_(count)
+            unflatten_into(flat, tensors)
+
+    @torch.no_grad()
+    def _outer_step(self, grads: list[torch.Tensor]) -> None:
+        """theta_global <- OuterOpt(theta_global, mean Delta), identical on every node."""
+        for g, grad in zip(self.master, grads):
+            g.grad = grad.to(g.device, g.dtype)
+        if self.normalize:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.grad) for g in self.master]))
+            for g in self.master:
+                g.grad.div_(norm.clamp_min(1e-12))
+        self.outer_optim.step()
+        self.outer_optim.zero_grad()
+
+    @torch.no_grad()
+    def _reset(self) -> None:
+        """Every node starts the next round from the new global model."""
+        for g, p in zip(self.master, self.model.parameters()):
+            p.copy_(g)
+
+    def global_state(self, local_step: int) -> Mapping[str, torch.Tensor]:
+        return dict(zip(self.names, (g.detach() for g in self.master)))
+
+
+def outer_spec(outer_optim_spec: OptimSpec | str | type | None = None, *, outer_lr: float | None = None,
+               outer_momentum: float | None = None, nesterov: bool | None = None) -> OptimSpec:
+    """The outer optimizer: by default SGD, lr 0.7, Nesterov momentum 0.9 (the paper's); a name or class
+    with outer_lr (SGD also takes outer_momentum and nesterov), or a full OptimSpec alone."""
+    check_number("outer_lr", outer_lr, positive=True, allow_none=True)
+    check_number("outer_momentum", outer_momentum, minimum=0.0, allow_none=True)
+    if outer_momentum is not None and outer_momentum >= 1:
+        raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
+    if nesterov is not None and not isinstance(nesterov, bool):
+        raise TypeError(f"nesterov must be True or False, got {nesterov!r}")
+    sgd = outer_optim_spec is None or outer_optim_spec is torch.optim.SGD or (
+        isinstance(outer_optim_spec, str) and outer_optim_spec.lower() == "sgd")
+    if isinstance(outer_optim_spec, OptimSpec) or not sgd:
+        if outer_momentum is not None or nesterov is not None:
+            raise TypeError(f"outer_momentum and nesterov configure the default outer SGD; with "
+                            f"outer_optim={outer_optim_spec!r} put momentum settings into an OptimSpec")
+        return ensure_optim_spec(outer_optim_spec, lr=outer_lr)
+    momentum = 0.9 if outer_momentum is None else outer_momentum
+    nesterov = momentum > 0 if nesterov is None else nesterov
+    if nesterov and momentum == 0:
+        raise ValueError("nesterov=True needs outer_momentum > 0; pass nesterov=False for plain outer SGD")
+    return OptimSpec(torch.optim.SGD, lr=0.7 if outer_lr is None else outer_lr, momentum=momentum, nesterov=nesterov)
+
+
+class DiLoCoStrategy(ModularStrategy):
+    """DiLoCo: every node takes H inner steps (AdamW by default) from the global model; then the nodes'
+    parameter deltas are averaged (one all-reduce) and an outer optimizer (Nesterov SGD) moves the
+    global model, the same way on every node; every node starts the next round from it.
+
+    Paper: Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models", 2023.
+    Bytes per node per round: 2 (K-1)/K x the model's bytes (ring all-reduce); per step, that over H.
+    A node whose pseudo-gradient is dropped (drop_prob) keeps its local progress and continues from it.
+
+    optim_spec / inner_optim with lr (alias inner_lr) and weight_decay: the inner optimizer.
+    outer_optim_spec / outer_optim: "sgd" (default), "sgd_normalized" (SGD on the unit-norm pseudo-gradient),
+    any optimizer name or class with outer_lr, or an OptimSpec; outer_lr=0.7, outer_momentum=0.9 and
+    nesterov=True configure the SGD ones.
+    """
+
+    def __init__(self, optim_spec: OptimSpec | str | type | None = None,
+                 outer_optim_spec: OptimSpec | str | type | None = None, *, H: int = 100,
+                 inner_optim: OptimSpec | str | type | None = None, outer_optim: OptimSpec | str | type | None = None,
+                 lr: float | None = None, inner_lr: float | None = None, weight_decay: float | None = None,
+                 outer_lr: float | None = None, outer_momentum: float | None = None, nesterov: bool | None = None,
+                 drop_prob: float = 0.0, seed: int = 0, max_norm: float | None = None, **kwargs: Any):
+        super().__init__(optim_spec, max_norm, inner_optim=inner_optim, lr=_one_of("lr", lr, "inner_lr", inner_lr),
+                         weight_decay=weight_decay, **kwargs)
+        self._use_modules([diloco_module(H, outer_optim_spec, outer_optim, outer_lr=outer_lr,
+                                         outer_momentum=outer_momentum, nesterov=nesterov, drop_prob=drop_prob,
+                                         seed=seed)])
+
+    @property
+    def H(self) -> int:
+        return self.modules[0].H
+
+
+def diloco_module(H: int, outer_optim_spec: Any, outer_optim: Any, **kwargs: Any) -> DiLoCoCommunicator:
+    """A DiLoCoCommunicator from a strategy's arguments (both outer optimizer spellings, "sgd_normalized")."""
+    if outer_optim_spec is not None and outer_optim is not None:
+        raise TypeError(f"got both outer_optim_spec={outer_optim_spec!r} and outer_optim={outer_optim!r}; "
+                        "pass one of them")
+    name = outer_optim_spec if outer_optim_spec is not None else outer_optim
+    normalize = isinstance(name, str) and name.lower() == "sgd_normalized"
+    drop_prob, seed = kwargs.pop("drop_prob"), kwargs.pop("seed")
+    spec = outer_spec("sgd" if normalize else name, **kwargs)
+    return DiLoCoCommunicator(H, spec, normalize=normalize, drop_prob=drop_prob, seed=seed)
+
+
+def _one_of(name: str, value: Any, alias: str, alias_value: Any) -> Any:
+    if value is not None and alias_value is not None:
+        raise TypeError(f"got both {name}={value!r} and {alias}={alias_value!r}; they are the same setting, pass one")
+    return value if value is not None else alias_value

@@ -1,0 +1,45 @@
+"""SPARTA-DiLoCo: sparse parameter averaging every step and a DiLoCo outer step every H steps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from exogym.strategy.communicate_optimize_strategy import ModularStrategy
+from exogym.strategy.diloco import _one_of, diloco_module
+from exogym.strategy.optim import OptimSpec
+from exogym.strategy.sparta import SparseCommunicator
+
+__all__ = ["SPARTADiLoCoStrategy"]
+
+
+class SPARTADiLoCoStrategy(ModularStrategy):
+    """SPARTA-DiLoCo: after every inner step a fraction p_sparta of the entries is averaged across the
+    nodes (SPARTA, shared-seed indices); every H steps the pseudo-gradients are averaged and the outer
+    optimizer moves the global model, from which every node continues (DiLoCo). The sparse averaging
+    keeps the nodes close, which lets H grow far beyond what DiLoCo alone tolerates.
+
+    Papers: Beton et al. 2025 (SPARTA, which proposes the combination); Douillard et al. 2023 (DiLoCo).
+    Bytes per node per step: 2 (K-1)/K x (p_sparta + 1/H) x the model's bytes.
+    A node whose pseudo-gradient is dropped keeps its local progress (see DiLoCoStrategy).
+
+    Arguments as in SPARTAStrategy (p_sparta, sparsification_mode, async_delay) and DiLoCoStrategy.
+    """
+
+    def __init__(self, optim_spec: OptimSpec | str | type | None = None,
+                 outer_optim_spec: OptimSpec | str | type | None = None, *, H: int = 100, p_sparta: float = 0.005,
+                 sparsification_mode: str = "random", async_delay: int = 0,
+                 inner_optim: OptimSpec | str | type | None = None, outer_optim: OptimSpec | str | type | None = None,
+                 lr: float | None = None, inner_lr: float | None = None, weight_decay: float | None = None,
+                 outer_lr: float | None = None, outer_momentum: float | None = None, nesterov: bool | None = None,
+                 drop_prob: float = 0.0, seed: int = 0, max_norm: float | None = None, **kwargs: Any):
+        super().__init__(optim_spec, max_norm, inner_optim=inner_optim, lr=_one_of("lr", lr, "inner_lr", inner_lr),
+                         weight_decay=weight_decay, **kwargs)
+        sparse = SparseCommunicator(p_sparta, sparsification_mode=sparsification_mode, async_delay=async_delay,
+                                    seed=seed)
+        outer = diloco_module(H, outer_optim_spec, outer_optim, outer_lr=outer_lr, outer_momentum=outer_momentum,
+                              nesterov=nesterov, drop_prob=drop_prob, seed=seed)
+        self._use_modules([sparse, outer])
+
+    @property
+    def H(self) -> int:
+        return self.modules[1].H
