@@ -90,11 +90,14 @@ def plot_runs(runs: Sequence[Union[str, os.PathLike, RunRecord, RunCurves]], *, 
     fig = Figure(figsize=(7, 4.5), layout="constrained")  # no pyplot: no global state, works headless
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
+    log = log_x if log_x is not None else x == "bytes"
     for run in curves:
         xs, ys = _series(run, x, y)
+        if log:  # a log axis cannot show x = 0 (e.g. an evaluation before DiLoCo's first sync)
+            xs, ys = zip(*[(a, b) for a, b in zip(xs, ys) if a > 0]) if any(a > 0 for a in xs) else ((), ())
         ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=run.label)
-    if log_x if log_x is not None else x == "bytes":
-        ax.set_xscale("symlog" if any(v == 0 for r in curves for v in _series(r, x, y)[0]) else "log")
+    if log:
+        ax.set_xscale("log")
     ax.set_xlabel(_X_LABELS[x])
     ax.set_ylabel(y.replace("_", " "))
     ax.set_title(title or f"{y.replace('_', ' ')} vs {_X_LABELS[x]}")
