@@ -1,7 +1,7 @@
 """The `exogym` command: run a strategy on a built-in task, compare several, plot run folders.
 
     exogym run --task mnist --strategy ddp --nodes 4 --steps 200
-    exogym compare --task synthetic --strategies ddp --nodes 4 --steps 100 --out compare.png
+    exogym compare --task synthetic --strategies ddp diloco sparta --nodes 4 --steps 100 --out compare.png
     exogym plot logs/run-a logs/run-b --x bytes --y global_loss --out loss_vs_bytes.png
 """
 
@@ -19,9 +19,8 @@ from exogym.tasks import TASKS, get_task
 __all__ = ["main", "STRATEGY_BUILDERS"]
 
 
-def _ddp(args: argparse.Namespace) -> Strategy:
-    from exogym.strategy import SimpleReduceStrategy
-    return SimpleReduceStrategy(OptimSpec.from_string(args.optim, lr=args.lr), **_common(args))
+def _inner(args: argparse.Namespace) -> OptimSpec:
+    return OptimSpec.from_string(args.optim, lr=args.lr)
 
 
 def _common(args: argparse.Namespace) -> dict:
@@ -31,8 +30,34 @@ def _common(args: argparse.Namespace) -> dict:
     return out
 
 
+def _ddp(args: argparse.Namespace) -> Strategy:
+    from exogym.strategy import SimpleReduceStrategy
+    return SimpleReduceStrategy(_inner(args), **_common(args))
+
+
+def _diloco(args: argparse.Namespace) -> Strategy:
+    from exogym.strategy import DiLoCoStrategy
+    return DiLoCoStrategy(_inner(args), H=args.H, outer_lr=args.outer_lr, **_common(args))
+
+
+def _sparta(args: argparse.Namespace) -> Strategy:
+    from exogym.strategy import SPARTAStrategy
+    return SPARTAStrategy(_inner(args), p_sparta=args.p_sparta, **_common(args))
+
+
+def _fedavg(args: argparse.Namespace) -> Strategy:
+    from exogym.strategy import FedAvgStrategy
+    return FedAvgStrategy(_inner(args), H=args.H, island_size=args.island_size, **_common(args))
+
+
+def _demo(args: argparse.Namespace) -> Strategy:
+    from exogym.strategy import DeMoStrategy
+    return DeMoStrategy(lr=args.lr, compression_topk=args.topk, **_common(args))
+
+
 # name -> builder(args): one name per strategy; each builder reads only the options that strategy has.
-STRATEGY_BUILDERS: dict[str, Callable[[argparse.Namespace], Strategy]] = {"ddp": _ddp}
+STRATEGY_BUILDERS: dict[str, Callable[[argparse.Namespace], Strategy]] = {
+    "ddp": _ddp, "diloco": _diloco, "sparta": _sparta, "fedavg": _fedavg, "demo": _demo}
 
 
 def _add_training_options(p: argparse.ArgumentParser) -> None:
@@ -45,6 +70,11 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=1e-3, help="inner learning rate (default 1e-3)")
     p.add_argument("--max-norm", type=float, default=None, help="clip gradients to this norm")
     p.add_argument("--warmup-steps", type=int, default=0, help="linear LR warmup steps")
+    p.add_argument("--H", type=int, default=20, help="diloco, fedavg: local steps per round (default 20)")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="diloco: Nesterov outer learning rate (default 0.7)")
+    p.add_argument("--p-sparta", type=float, default=0.005, help="sparta: fraction averaged per step (default 0.005)")
+    p.add_argument("--island-size", type=int, default=None, help="fedavg: average within random islands of this size")
+    p.add_argument("--topk", type=int, default=32, help="demo: DCT components sent per chunk (default 32)")
     p.add_argument("--cosine", action="store_true", help="cosine-anneal the LR after warmup")
     p.add_argument("--val-interval", type=int, default=50)
     p.add_argument("--val-size", type=int, default=512)
@@ -124,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare = sub.add_parser("compare", help="train several strategies on one task, then a table and plots",
                              description="Train several strategies with the same settings; print a table and "
                                          "save loss-vs-steps and loss-vs-bytes plots.")
-    compare.add_argument("--strategies", nargs="+", default=sorted(STRATEGY_BUILDERS), choices=sorted(STRATEGY_BUILDERS))
+    compare.add_argument("--strategies", nargs="+", default=list(STRATEGY_BUILDERS), choices=list(STRATEGY_BUILDERS))
     compare.add_argument("--out", default="comparison.png", help="plot file (default comparison.png)")
     compare.add_argument("--prefix", default="", help="prefix for the run folder names")
     _add_training_options(compare)
