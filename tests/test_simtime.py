@@ -113,3 +113,19 @@ def test_measured_compute_time_and_time_model_validation():
         _ddp_run(network=1e9)
     with pytest.raises(ValueError, match="datacenters cover 2 ranks but the run has num_nodes=4"):
         _ddp_run(network=Network(datacenters=[[0], [1]], inter_bandwidth=1e9, inter_latency=0.1))
+
+
+def test_diloco_on_a_slow_network_takes_a_fraction_of_ddps_simulated_time():
+    from exogym.strategy import DiLoCoStrategy
+
+    net = Network(bandwidth="100Mbps", latency="10ms")
+    kw = dict(network=net, device_flops=1e9, **FIT)
+    ddp_t, diloco_t = (Trainer(toy.TinyMLP(), toy.make_classification(512)) for _ in range(2))
+    ddp_t.fit(SimpleReduceStrategy("sgd", lr=0.1), 4, batch_size=8, max_steps=100, **kw)
+    diloco_t.fit(DiLoCoStrategy("sgd", lr=0.1, H=50), 4, batch_size=8, max_steps=100, **kw)
+    model_bytes = sum(p.numel() * 4 for p in toy.TinyMLP().parameters())
+    one_sync = 2 * model_bytes * 3 / 4 / (100e6 / 8) + 0.01
+    ddp, diloco = ddp_t.record.sim_time_per_node[0], diloco_t.record.sim_time_per_node[0]
+    assert math.isclose(ddp["comm_s"], 100 * one_sync) and math.isclose(diloco["comm_s"], 2 * one_sync)
+    assert math.isclose(ddp["compute_s"], diloco["compute_s"])  # the same arithmetic per step
+    assert diloco_t.record.sim_time_s < 0.1 * ddp_t.record.sim_time_s
