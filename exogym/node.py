@@ -136,7 +136,7 @@ class TrainNode:
         cfg, s = self.cfg, self.strategy
         if self.val_batches is not None:
             self.val_batches = [move_to_device(b, self.device) for b in self.val_batches]
-        s.max_steps, s.steps_per_epoch = cfg.max_steps, cfg.steps_per_epoch
+        s.max_steps, s.steps_per_epoch, s.shard_size = cfg.max_steps, cfg.steps_per_epoch, self.batches.shard_size
         if self.resume is None:
             self.model.to(self.device)
             s._init_node(self.model, self.rank, cfg.num_nodes)

@@ -52,6 +52,7 @@ class NodeBatches:
         self.sampler = DistributedSampler(ds, num_replicas=num_nodes if shard else 1, rank=rank if shard else 0,
                                           shuffle=shuffle, seed=seed)
         self.steps_per_epoch = self.sampler.num_samples // batch_size
+        self.shard_size = self.sampler.num_samples  # examples per epoch of this node (padded when sharded)
 
     def __iter__(self) -> Iterator[Any]:
         return self.iterate(from_step=0)

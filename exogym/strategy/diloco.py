@@ -26,6 +26,8 @@ class DiLoCoCommunicator(CommunicationModule):
     drop_prob=p: each round each node's pseudo-gradient is lost with probability p (nodes agree via a
     shared seed); the others' are averaged, every node still takes the outer step, and a dropped node
     continues from its own parameters instead of resetting.
+    shard_weight: when a strategy sets it (DiLoCoStrategy(weight_by_shard_size=True) sets each node's
+    shard size), the pseudo-gradients are averaged weighted by it.
     """
 
     def __init__(self, H: int = 100, outer_optim_spec: OptimSpec | None = None, *, normalize: bool = False,
@@ -37,6 +39,7 @@ class DiLoCoCommunicator(CommunicationModule):
         check_int("seed", seed, minimum=0)
         self.H, self.normalize, self.drop_prob, self.seed = H, bool(normalize), drop_prob, seed
         self.outer_optim_spec = outer_spec(outer_optim_spec)
+        self.shard_weight: int | None = None  # set per node to its shard size for a size-weighted average
 
     @torch.no_grad()
     def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
@@ -52,7 +55,7 @@ class DiLoCoCommunicator(CommunicationModule):
         if not kept:
             return  # every pseudo-gradient of the round was lost: nothing to apply, nothing to send
         grads = self._pseudo_gradient(keep=self.rank in kept)
-        self._reduce(grads, len(kept))
+        self._reduce(grads, kept)
         self._outer_step(grads)
         if self.rank in kept:
             self._reset()
@@ -72,13 +75,20 @@ class DiLoCoCommunicator(CommunicationModule):
                 for g, p in zip(self.master, self.model.parameters())]
 
     @torch.no_grad()
-    def _reduce(self, grads: list[torch.Tensor], count: int) -> None:
-        """Average the pseudo-gradients that arrived: one all-reduce per dtype on the model's device."""
+    def _reduce(self, grads: list[torch.Tensor], kept: list[int]) -> None:
+        """Average the pseudo-gradients that arrived: one all-reduce per dtype on the model's device.
+        With shard_weight set, a weighted mean: node i counts shard_weight_i / (sum over kept nodes)."""
         if self.num_nodes == 1:
             return
+        total: float = len(kept)
+        if self.shard_weight is not None:
+            weight = torch.tensor([float(self.shard_weight) if self.rank in kept else 0.0], dtype=torch.float64)
+            total = all_reduce(weight).item()  # 8 bytes a round: the kept nodes' total weight
         for flat, tensors in flatten_by_dtype(grads):
+            if self.shard_weight is not None:
+                flat.mul_(self.shard_weight)
             all_reduce(flat)
-            flat.div_(count)
+            flat.div_(total)
             unflatten_into(flat, tensors)
 
     @torch.no_grad()
@@ -140,6 +150,8 @@ class DiLoCoStrategy(ModularStrategy):
     outer_optim_spec / outer_optim: "sgd" (default), "sgd_normalized" (SGD on the unit-norm pseudo-gradient),
     any optimizer name or class with outer_lr, or an OptimSpec; outer_lr=0.7, outer_momentum=0.9 and
     nesterov=True configure the SGD ones.
+    weight_by_shard_size=True: average the pseudo-gradients weighted by each node's number of training
+    examples (the paper's data-size weighting, for unequal shards: dataset factories or non-IID splits).
     """
 
     def __init__(self, optim_spec: OptimSpec | str | type | None = None,
@@ -147,12 +159,21 @@ class DiLoCoStrategy(ModularStrategy):
                  inner_optim: OptimSpec | str | type | None = None, outer_optim: OptimSpec | str | type | None = None,
                  lr: float | None = None, inner_lr: float | None = None, weight_decay: float | None = None,
                  outer_lr: float | None = None, outer_momentum: float | None = None, nesterov: bool | None = None,
-                 drop_prob: float = 0.0, seed: int = 0, max_norm: float | None = None, **kwargs: Any):
+                 drop_prob: float = 0.0, seed: int = 0, weight_by_shard_size: bool = False,
+                 max_norm: float | None = None, **kwargs: Any):
         super().__init__(optim_spec, max_norm, inner_optim=inner_optim, lr=_one_of("lr", lr, "inner_lr", inner_lr),
                          weight_decay=weight_decay, **kwargs)
+        if not isinstance(weight_by_shard_size, bool):
+            raise TypeError(f"weight_by_shard_size must be True or False, got {weight_by_shard_size!r}")
+        self.weight_by_shard_size = weight_by_shard_size
         self._use_modules([diloco_module(H, outer_optim_spec, outer_optim, outer_lr=outer_lr,
                                          outer_momentum=outer_momentum, nesterov=nesterov, drop_prob=drop_prob,
                                          seed=seed)])
+
+    def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
+        super()._init_node(model, rank, num_nodes)
+        if self.weight_by_shard_size:
+            self.modules[0].shard_weight = self.shard_size
 
     @property
     def H(self) -> int:

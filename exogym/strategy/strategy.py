@@ -36,6 +36,7 @@ class Strategy:
 
     max_steps: int  # set by the node before _init_node (the schedule needs the run length)
     steps_per_epoch: int  # likewise: steps in one pass over the smallest node's shard, equal on every node
+    shard_size: int  # likewise: examples in this node's training data per epoch (differs across nodes)
 
     def __new__(cls, *args: Any, **kwargs: Any):
         # Keep the constructor arguments, so a run's config.json can say exactly how the strategy was built.
