@@ -11,25 +11,24 @@ from typing import Any, Sequence
 
 import torch
 
-from exogym._validation import check_int, check_number, reject_unknown_kwargs
+from exogym._validation import check_int, reject_unknown_kwargs
 from exogym.backends.sim import run_sim
-from exogym.data.partition import Partition, dirichlet_partition
-from exogym.data.sharding import DatasetOrFactory, NodeBatches, fixed_batches, is_factory, node_dataset
-from exogym.devices import DeviceLike, resolve_node_devices
-from exogym.node import RunConfig
 from exogym.checkpoint import CheckpointPlan, load_checkpoint
-from exogym.logger import CSVLogger, Logger, MultiLogger, default_run_name
-from exogym.record import LiveLog, RunRecord
+from exogym.data.sharding import DatasetOrFactory, is_factory
+from exogym.devices import DeviceLike, resolve_node_devices
+from exogym.fit_setup import (announce, build_node_batches, build_time_model, build_val_batches, partition_data,
+                              peak_memory_mb, resolve_logger, versions)
+from exogym.logger import Logger, default_run_name
 from exogym.network import Network
+from exogym.node import RunConfig
 from exogym.plan import RunPlan
+from exogym.record import LiveLog, RunRecord
 from exogym.rng import GlobalRNGState
-from exogym.simtime import TimeModel
 from exogym.strategy.strategy import Strategy
 
 __all__ = ["Trainer", "LocalTrainer", "BACKENDS"]
 
 _RUNNERS = {"sim": run_sim}
-DEFAULT_DEVICE_FLOPS = 1e12  # a nominal sustained 1 TFLOP/s per node; pass device_flops for your hardware
 BACKENDS = tuple(_RUNNERS)
 
 
@@ -108,12 +107,12 @@ class Trainer:
         check_int("checkpoint_interval", checkpoint_interval, minimum=1, allow_none=True)
         check_int("keep_checkpoints", keep_checkpoints, minimum=1)
         check_int("diagnostics_interval", diagnostics_interval, minimum=1, allow_none=True)
-        time_model = _time_model(num_nodes, network, node_speeds, device_flops, compute_time)
+        time_model = build_time_model(num_nodes, network, node_speeds, device_flops, compute_time)
         minibatch_size = batch_size if minibatch_size is None else minibatch_size
         if minibatch_size > batch_size or batch_size % minibatch_size:
             raise ValueError(f"minibatch_size must divide batch_size={batch_size}, got {minibatch_size}")
         run_name = run_name or default_run_name({"strategy": type(strategy).__name__, "num_nodes": num_nodes})
-        logger = _resolve_logger(logger, run_name)
+        logger = resolve_logger(logger, run_name)
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; use one of {list(BACKENDS)}")
         node_devices = resolve_node_devices(
@@ -123,29 +122,13 @@ class Trainer:
             raise ValueError("autocast=True trains in bfloat16, which this GPU does not support; use autocast=False")
 
         # Data: every node's batches and the fixed validation batches, checked before any node starts.
-        split = _partition(self.train_dataset, partition, dirichlet_alpha, num_nodes, batch_size, seed)
-        shard = split is None and not is_factory(self.train_dataset)
-        subsets = split.subsets(self.train_dataset) if split is not None else None
-        node_batches = []
-        for r in range(num_nodes):
-            ds = subsets[r] if subsets is not None else node_dataset(self.train_dataset, r, num_nodes, is_val=False)
-            nb = NodeBatches(ds, rank=r, num_nodes=num_nodes, batch_size=batch_size, shuffle=shuffle, seed=seed,
-                             shard=shard)
-            if nb.steps_per_epoch < 1:
-                need = f"num_nodes={num_nodes} x batch_size={batch_size} = {num_nodes * batch_size}" if shard \
-                    else f"batch_size={batch_size} for node {r}"
-                raise ValueError(f"the training data has {len(ds)} examples, fewer than one step needs "
-                                 f"({need}); use fewer nodes, a smaller batch_size, or more data")
-            node_batches.append(nb)
+        split = partition_data(self.train_dataset, partition, dirichlet_alpha, num_nodes, batch_size, seed)
+        node_batches = build_node_batches(self.train_dataset, split, num_nodes=num_nodes, batch_size=batch_size,
+                                          shuffle=shuffle, seed=seed)
         steps_per_epoch = min(nb.steps_per_epoch for nb in node_batches)
         total_steps = max_steps if max_steps is not None else num_epochs * steps_per_epoch
-        val_batches = None
-        if self.val_dataset is not None:
-            val_ds = node_dataset(self.val_dataset, 0, num_nodes, is_val=True)
-            if len(val_ds) == 0:
-                raise ValueError("the validation dataset is empty; pass val_dataset=None to skip validation")
-            val_size = min(val_size, len(val_ds))
-            val_batches = fixed_batches(val_ds, size=val_size, batch_size=batch_size, seed=seed)
+        val_batches, val_size = build_val_batches(self.val_dataset, num_nodes=num_nodes, val_size=val_size,
+                                                  batch_size=batch_size, seed=seed)
 
         cfg = RunConfig(num_nodes=num_nodes, max_steps=total_steps, batch_size=batch_size,
                         minibatch_size=minibatch_size, val_interval=val_interval, log_interval=log_interval,
@@ -159,7 +142,7 @@ class Trainer:
                   "shuffle": shuffle, "val_size": val_size if val_batches else 0, "val_interval": val_interval,
                   "log_interval": log_interval, "seed": seed, "backend": backend, "autocast": autocast,
                   "devices": [str(d) for d in node_devices], "model": type(self.model).__name__,
-                  "parameters": n_params, "versions": _versions()}
+                  "parameters": n_params, "versions": versions()}
         if split is not None:
             config["partition"] = {"kind": partition, "dirichlet_alpha": dirichlet_alpha, "sizes": split.sizes,
                                    "label_histograms": split.label_histograms()}
@@ -167,16 +150,7 @@ class Trainer:
             config["time_model"] = {"network": repr(time_model.network), "node_speeds": list(time_model.node_speeds),
                                     "device_flops": list(time_model.device_flops), "compute_time": compute_time}
         if progress:
-            print(f"exogym: {type(strategy).__name__} on {num_nodes} node(s) [{backend}, {node_devices[0]}], "
-                  f"{n_params:,} parameters; batch {batch_size}/node = {num_nodes * batch_size} global; "
-                  f"{total_steps} steps ({steps_per_epoch} per epoch); validation on {config['val_size']} examples "
-                  f"every {val_interval} steps", flush=True)
-            if time_model is not None:
-                compute = ("measured wall time" if time_model.measured else
-                           f"counted FLOPs at {', '.join(f'{f:.3g}' for f in sorted(set(time_model.device_flops)))} "
-                           "FLOP/s per node")
-                print(f"exogym: simulated time on {time_model.network}; compute from {compute}; node speeds "
-                      f"{list(time_model.node_speeds)}", flush=True)
+            announce(config, time_model)
 
         config["run_name"] = run_name
         checkpoints = None
@@ -207,90 +181,12 @@ class Trainer:
         logs, final_state = [log for log, _ in results], results[0][1]
         self.record = RunRecord.from_nodes(logs, config=config, global_batch=num_nodes * batch_size,
                                            wall_time_s=time.perf_counter() - start,
-                                           peak_memory_mb=_peak_memory_mb(node_devices))
+                                           peak_memory_mb=peak_memory_mb(node_devices))
         if logger is not None:
             logger.finish({"status": "completed", **self.record.summary()})
         final_model = copy.deepcopy(self.model).to(node_devices[0])
         final_model.load_state_dict(final_state, strict=True)
         return final_model
-
-
-def _partition(data: Any, partition: str, alpha: float | None, num_nodes: int, batch_size: int,
-               seed: int) -> Partition | None:
-    if partition not in ("iid", "dirichlet"):
-        raise ValueError(f"partition must be 'iid' or 'dirichlet', got {partition!r}")
-    if partition == "iid":
-        if alpha is not None:
-            raise TypeError("dirichlet_alpha only applies to partition='dirichlet'")
-        return None
-    if is_factory(data):
-        raise TypeError("partition='dirichlet' splits one train_dataset; a dataset factory already gives each node "
-                        "its own data")
-    check_number("dirichlet_alpha", alpha, positive=True)
-    return dirichlet_partition(data, num_nodes, alpha, seed=seed, min_size=batch_size)
-
-
-def _time_model(num_nodes: int, network: Any, node_speeds: Any, device_flops: Any,
-                compute_time: str) -> TimeModel | None:
-    if compute_time not in ("flops", "measured"):
-        raise ValueError(f"compute_time must be 'flops' or 'measured', got {compute_time!r}")
-    if network is None and node_speeds is None and device_flops is None and compute_time == "flops":
-        return None
-    if network is None:
-        network = Network.preset("ideal")
-    elif isinstance(network, str):
-        network = Network.preset(network)
-    elif not isinstance(network, Network):
-        raise TypeError(f"network must be an exogym.network.Network or a preset name, got {network!r}")
-    network.check_nodes(num_nodes)
-    speeds = _per_node("node_speeds", node_speeds, 1.0, num_nodes)
-    flops = _per_node("device_flops", device_flops, DEFAULT_DEVICE_FLOPS, num_nodes)
-    return TimeModel(network, speeds, flops, measured=compute_time == "measured")
-
-
-def _per_node(name: str, value: Any, default: float, num_nodes: int) -> tuple[float, ...]:
-    values = [default] * num_nodes if value is None else [value] * num_nodes if isinstance(value, (int, float)) \
-        else list(value)
-    if len(values) != num_nodes:
-        raise ValueError(f"{name} needs one value per node (num_nodes={num_nodes}), got {len(values)}")
-    for i, v in enumerate(values):
-        check_number(f"{name}[{i}]", v, positive=True)
-    return tuple(float(v) for v in values)
-
-
-def _resolve_logger(logger: Any, run_name: str | None) -> Logger | None:
-    if logger is None or logger is True:
-        return CSVLogger(run_name=run_name)
-    if logger is False:
-        return None
-    if isinstance(logger, Logger):
-        return logger
-    if isinstance(logger, (list, tuple)) and all(isinstance(lg, Logger) for lg in logger):
-        return MultiLogger(logger)
-    raise TypeError(f"logger must be an exogym.logger.Logger (CSVLogger, WandbLogger, TensorBoardLogger), a list "
-                    f"of them, or False for none; got {logger!r}")
-
-
-def _peak_memory_mb(devices: list[torch.device]) -> dict[str, float]:
-    """This process's peak resident memory, and each CUDA device's peak allocation, in MB."""
-    peaks: dict[str, float] = {}
-    try:
-        import resource
-        import sys
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        peaks["process_rss"] = rss / (2**20 if sys.platform == "darwin" else 2**10)  # bytes on macOS, KiB on Linux
-    except ImportError:  # Windows
-        pass
-    for d in sorted({d for d in devices if d.type == "cuda"}, key=str):
-        peaks[str(d)] = torch.cuda.max_memory_allocated(d) / 2**20
-    return peaks
-
-
-def _versions() -> dict[str, str]:
-    import platform
-
-    import exogym
-    return {"exogym": exogym.__version__, "torch": torch.__version__, "python": platform.python_version()}
 
 
 LocalTrainer = Trainer

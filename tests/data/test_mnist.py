@@ -2,7 +2,6 @@
 
 import gzip
 import hashlib
-import io
 import pickle
 import struct
 import subprocess

@@ -1,0 +1,148 @@
+"""Turning Trainer.fit's arguments into the parts of a run: node data, time model, logger, facts to record.
+
+Each function validates what it builds and raises before any node starts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from exogym._validation import check_number
+from exogym.data.partition import Partition, dirichlet_partition
+from exogym.data.sharding import DatasetOrFactory, NodeBatches, fixed_batches, is_factory, node_dataset
+from exogym.logger import CSVLogger, Logger, MultiLogger
+from exogym.network import Network
+from exogym.simtime import TimeModel
+
+__all__ = ["DEFAULT_DEVICE_FLOPS", "partition_data", "build_node_batches", "build_val_batches", "build_time_model",
+           "resolve_logger", "announce", "peak_memory_mb", "versions"]
+
+DEFAULT_DEVICE_FLOPS = 1e12  # a nominal sustained 1 TFLOP/s per node; pass device_flops for your hardware
+
+
+def build_node_batches(data: DatasetOrFactory, split: Partition | None, *, num_nodes: int, batch_size: int,
+                       shuffle: bool, seed: int) -> list[NodeBatches]:
+    """Each node's batches: its shard of one dataset, its part of a partition, or its factory's dataset."""
+    shard = split is None and not is_factory(data)
+    subsets = split.subsets(data) if split is not None else None
+    node_batches = []
+    for r in range(num_nodes):
+        ds = subsets[r] if subsets is not None else node_dataset(data, r, num_nodes, is_val=False)
+        nb = NodeBatches(ds, rank=r, num_nodes=num_nodes, batch_size=batch_size, shuffle=shuffle, seed=seed,
+                         shard=shard)
+        if nb.steps_per_epoch < 1:
+            need = f"num_nodes={num_nodes} x batch_size={batch_size} = {num_nodes * batch_size}" if shard \
+                else f"batch_size={batch_size} for node {r}"
+            raise ValueError(f"the training data has {len(ds)} examples, fewer than one step needs "
+                             f"({need}); use fewer nodes, a smaller batch_size, or more data")
+        node_batches.append(nb)
+    return node_batches
+
+
+def build_val_batches(data: DatasetOrFactory | None, *, num_nodes: int, val_size: int, batch_size: int,
+                      seed: int) -> tuple[list[Any] | None, int]:
+    """The fixed validation batches (node 0's validation data) and how many examples they hold."""
+    if data is None:
+        return None, 0
+    val_ds = node_dataset(data, 0, num_nodes, is_val=True)
+    if len(val_ds) == 0:
+        raise ValueError("the validation dataset is empty; pass val_dataset=None to skip validation")
+    val_size = min(val_size, len(val_ds))
+    return fixed_batches(val_ds, size=val_size, batch_size=batch_size, seed=seed), val_size
+
+
+def announce(config: dict[str, Any], time_model: TimeModel | None) -> None:
+    """The derived numbers of a run, shown once at its start."""
+    c = config
+    print(f"exogym: {c['strategy']} on {c['num_nodes']} node(s) [{c['backend']}, {c['devices'][0]}], "
+          f"{c['parameters']:,} parameters; batch {c['batch_size']}/node = {c['global_batch']} global; "
+          f"{c['max_steps']} steps ({c['steps_per_epoch']} per epoch); validation on {c['val_size']} examples "
+          f"every {c['val_interval']} steps", flush=True)
+    if time_model is not None:
+        compute = ("measured wall time" if time_model.measured else
+                   f"counted FLOPs at {', '.join(f'{f:.3g}' for f in sorted(set(time_model.device_flops)))} "
+                   "FLOP/s per node")
+        print(f"exogym: simulated time on {time_model.network}; compute from {compute}; node speeds "
+              f"{list(time_model.node_speeds)}", flush=True)
+
+
+def partition_data(data: Any, partition: str, alpha: float | None, num_nodes: int, batch_size: int,
+               seed: int) -> Partition | None:
+    if partition not in ("iid", "dirichlet"):
+        raise ValueError(f"partition must be 'iid' or 'dirichlet', got {partition!r}")
+    if partition == "iid":
+        if alpha is not None:
+            raise TypeError("dirichlet_alpha only applies to partition='dirichlet'")
+        return None
+    if is_factory(data):
+        raise TypeError("partition='dirichlet' splits one train_dataset; a dataset factory already gives each node "
+                        "its own data")
+    check_number("dirichlet_alpha", alpha, positive=True)
+    return dirichlet_partition(data, num_nodes, alpha, seed=seed, min_size=batch_size)
+
+
+def build_time_model(num_nodes: int, network: Any, node_speeds: Any, device_flops: Any,
+                compute_time: str) -> TimeModel | None:
+    if compute_time not in ("flops", "measured"):
+        raise ValueError(f"compute_time must be 'flops' or 'measured', got {compute_time!r}")
+    if network is None and node_speeds is None and device_flops is None and compute_time == "flops":
+        return None
+    if network is None:
+        network = Network.preset("ideal")
+    elif isinstance(network, str):
+        network = Network.preset(network)
+    elif not isinstance(network, Network):
+        raise TypeError(f"network must be an exogym.network.Network or a preset name, got {network!r}")
+    network.check_nodes(num_nodes)
+    speeds = _per_node("node_speeds", node_speeds, 1.0, num_nodes)
+    flops = _per_node("device_flops", device_flops, DEFAULT_DEVICE_FLOPS, num_nodes)
+    return TimeModel(network, speeds, flops, measured=compute_time == "measured")
+
+
+def _per_node(name: str, value: Any, default: float, num_nodes: int) -> tuple[float, ...]:
+    values = [default] * num_nodes if value is None else [value] * num_nodes if isinstance(value, (int, float)) \
+        else list(value)
+    if len(values) != num_nodes:
+        raise ValueError(f"{name} needs one value per node (num_nodes={num_nodes}), got {len(values)}")
+    for i, v in enumerate(values):
+        check_number(f"{name}[{i}]", v, positive=True)
+    return tuple(float(v) for v in values)
+
+
+def resolve_logger(logger: Any, run_name: str | None) -> Logger | None:
+    if logger is None or logger is True:
+        return CSVLogger(run_name=run_name)
+    if logger is False:
+        return None
+    if isinstance(logger, Logger):
+        return logger
+    if isinstance(logger, (list, tuple)) and all(isinstance(lg, Logger) for lg in logger):
+        return MultiLogger(logger)
+    raise TypeError(f"logger must be an exogym.logger.Logger (CSVLogger, WandbLogger, TensorBoardLogger), a list "
+                    f"of them, or False for none; got {logger!r}")
+
+
+def peak_memory_mb(devices: list[torch.device]) -> dict[str, float]:
+    """This process's peak resident memory, and each CUDA device's peak allocation, in MB."""
+    peaks: dict[str, float] = {}
+    try:
+        import resource
+        import sys
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peaks["process_rss"] = rss / (2**20 if sys.platform == "darwin" else 2**10)  # bytes on macOS, KiB on Linux
+    except ImportError:  # Windows
+        pass
+    for d in sorted({d for d in devices if d.type == "cuda"}, key=str):
+        peaks[str(d)] = torch.cuda.max_memory_allocated(d) / 2**20
+    return peaks
+
+
+def versions() -> dict[str, str]:
+    import platform
+
+    import exogym
+    return {"exogym": exogym.__version__, "torch": torch.__version__, "python": platform.python_version()}
+
+
