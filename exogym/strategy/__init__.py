@@ -5,12 +5,14 @@ from exogym.strategy.strategy import SimpleReduceStrategy, Strategy
 from exogym.strategy.communicate_optimize_strategy import (AveragingCommunicator, CommunicateOptimizeStrategy,
                                                            CommunicationModule)
 from exogym.strategy.diloco import DiLoCoCommunicator, DiLoCoStrategy
-from exogym.strategy.sparta import SparseCommunicator, SPARTAStrategy
+from exogym.strategy.sparta import SparseCommunicator, SPARTAStrategy, TopKSparseCommunicator
 from exogym.strategy.federated_averaging import FedAvgStrategy
 from exogym.strategy.sparta_diloco import SPARTADiLoCoStrategy
 from exogym.strategy.demo import DeMo, DeMoStrategy
+from exogym.strategy.streaming_diloco import StreamingDiLoCoCommunicator, StreamingDiLoCoStrategy
 
 __all__ = ["Strategy", "SimpleReduceStrategy", "OptimSpec",
            "CommunicateOptimizeStrategy", "CommunicationModule", "AveragingCommunicator", "SparseCommunicator",
            "DiLoCoCommunicator", "DiLoCoStrategy", "FedAvgStrategy", "SPARTAStrategy", "SPARTADiLoCoStrategy",
-           "DeMo", "DeMoStrategy"]
+           "DeMo", "DeMoStrategy", "TopKSparseCommunicator", "StreamingDiLoCoCommunicator",
+           "StreamingDiLoCoStrategy"]

@@ -10,6 +10,7 @@ The averaging module is here; the SPARTA and DiLoCo modules live in sparta.py an
 
 from __future__ import annotations
 
+import copy
 import re
 import warnings
 from typing import Any, Mapping, Sequence
@@ -19,8 +20,10 @@ import torch
 
 from exogym._validation import check_int, check_number
 from exogym.comm import ReduceOp, current_communicator
+from exogym.compression import Compressor, compressor_from
 from exogym.flatten import flatten_by_dtype, unflatten_into
 from exogym.strategy.communicate import Group, all_reduce, broadcast, new_group
+from exogym.strategy.compressed_reduce import compressed_mean
 from exogym.strategy.optim import OptimSpec, ensure_optim_spec
 from exogym.strategy.strategy import Strategy
 
@@ -35,6 +38,8 @@ class CommunicationModule:
     first synchronisation follows exactly H inner steps. It may only use exogym.strategy.communicate,
     and every node must make the same collective calls in the same order.
     """
+
+    max_steps: int | None = None  # the run's last step, set by the strategy before _init_node
 
     def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
         """Bind to one node's model (each node has its own deep copy of the module)."""
@@ -53,9 +58,9 @@ class CommunicationModule:
 
     def __repr__(self) -> str:
         # Its settings (what config.json shows), not what _init_node binds (model, optimizers, state).
-        plain = (int, float, str, bool, type(None), OptimSpec)
+        plain = (int, float, str, bool, type(None), OptimSpec, Compressor)
         knobs = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_") and isinstance(v, plain)
-                          and k not in ("rank", "num_nodes"))
+                          and k not in ("rank", "num_nodes", "max_steps"))
         return f"{type(self).__name__}({knobs})"
 
     def __getstate__(self) -> dict[str, Any]:
@@ -90,14 +95,26 @@ class AveragingCommunicator(CommunicationModule):
     all-reduce each). client_sampling=C < 1: each round only max(1, round(C*K)) sampled nodes train
     and average; the others do no compute, and the nodes sampled for the next round that sat this
     one out receive the new average from a sampled node at the round's end (one broadcast each).
+
+    quantization_bits=8 or 4 / compression=<exogym.compression Compressor>: each node sends its change since
+    the last average (theta_i - theta_last), compressed; every node decodes all of them and moves the
+    shared theta_last by their mean (exogym.strategy.compressed_reduce), so the models stay identical.
+    Bytes per node per round: (K-1) x sum over parameters of compressor.nbytes(shape) (one all-gather).
+    Needs one island of all nodes (theta_last must be the same on every node).
     """
 
-    def __init__(self, H: int = 1, *, island_size: int | None = None, client_sampling: float = 1.0, seed: int = 0):
+    def __init__(self, H: int = 1, *, island_size: int | None = None, client_sampling: float = 1.0, seed: int = 0,
+                 quantization_bits: int | None = None, compression: Compressor | None = None):
         check_int("H", H, minimum=1)
         check_int("island_size", island_size, minimum=1, allow_none=True)
         check_number("client_sampling", client_sampling, positive=True, maximum=1.0)
         check_int("seed", seed, minimum=0)
         self.H, self.island_size, self.client_sampling, self.seed = H, island_size, client_sampling, seed
+        self.compression = copy.deepcopy(compressor_from(quantization_bits, compression))  # its own memory
+        if self.compression is not None and (island_size is not None or client_sampling < 1):
+            raise ValueError(f"compressed averaging sends each node's change since the last average, which needs "
+                             f"every node to share that average: drop island_size={island_size!r} and "
+                             f"client_sampling={client_sampling!r}, or drop the compression")
 
     def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
         self.model, self.rank, self.num_nodes = model, rank, num_nodes
@@ -106,6 +123,8 @@ class AveragingCommunicator(CommunicationModule):
             sizes = [d for d in range(1, m + 1) if m % d == 0]
             raise ValueError(f"island_size must divide the {m} nodes taking part in a round (num_nodes={num_nodes}"
                              f", client_sampling={self.client_sampling}), got {self.island_size}; use one of {sizes}")
+        if self.compression is not None:  # theta_last: the model every node held after the last average
+            self.last_average = [p.detach().clone() for p in model.parameters()]
 
     # ---- who takes part, with whom (the same answer on every node) ------------------------------
     @property
@@ -135,6 +154,9 @@ class AveragingCommunicator(CommunicationModule):
     def communicate(self, model: torch.nn.Module, rank: int, num_nodes: int, local_step: int) -> None:
         if local_step % self.H:
             return
+        if self.compression is not None:
+            self._average_compressed()
+            return
         round_index = local_step // self.H - 1  # the round that ends with this step
         self._average_islands(self.islands(round_index))
         if self.clients_per_round < self.num_nodes:
@@ -151,6 +173,18 @@ class AveragingCommunicator(CommunicationModule):
                 all_reduce(flat, group=group)
                 flat.div_(len(island))
                 unflatten_into(flat, tensors)
+
+    @torch.no_grad()
+    def _average_compressed(self) -> None:
+        """theta_last += mean_j decode(encode(theta_j - theta_last)); theta_i = theta_last on every node."""
+        if self.num_nodes == 1:
+            return
+        params = list(self.model.parameters())
+        changes = [p.detach() - last for p, last in zip(params, self.last_average)]
+        keys = [("averaging", i) for i in range(len(params))]
+        for p, last, mean in zip(params, self.last_average, compressed_mean(changes, self.compression, keys=keys)):
+            last.add_(mean)
+            p.copy_(last)
 
     @torch.no_grad()
     def _hand_over(self, done: list[int], upcoming: list[int]) -> None:
@@ -217,6 +251,7 @@ class ModularStrategy(Strategy):
     def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
         super()._init_node(model, rank, num_nodes)
         for m in self.modules:
+            m.max_steps = getattr(self, "max_steps", None)
             m._init_node(model, rank, num_nodes)
 
     def skip_compute(self) -> bool:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Mapping
 
 import torch
 
 from exogym._validation import check_int, check_number
+from exogym.compression import Compressor, compressor_from
 from exogym.flatten import flatten_by_dtype, unflatten_into
 from exogym.strategy.communicate import all_reduce
 from exogym.strategy.communicate_optimize_strategy import CommunicationModule, ModularStrategy, round_generator
+from exogym.strategy.compressed_reduce import compressed_mean
 from exogym.strategy.optim import OptimSpec, ensure_optim_spec
 
 __all__ = ["DiLoCoCommunicator", "DiLoCoStrategy", "outer_spec"]
@@ -28,16 +31,23 @@ class DiLoCoCommunicator(CommunicationModule):
     continues from its own parameters instead of resetting.
     shard_weight: when a strategy sets it (DiLoCoStrategy(weight_by_shard_size=True) sets each node's
     shard size), the pseudo-gradients are averaged weighted by it.
+    quantization_bits=8 or 4 / compression=<exogym.compression Compressor> (e.g. FP4Quantizer(), or
+    ErrorFeedback(TopK(0.01, values=IntQuantizer(4)))): the pseudo-gradients are sent compressed, by one
+    all-gather, and every node averages the decoded ones in rank order (exogym.strategy.compressed_reduce).
+    Bytes per node per round: (K-1) x sum over parameters of compressor.nbytes(shape), instead of
+    2 (K-1)/K x the model's bytes.
     """
 
     def __init__(self, H: int = 100, outer_optim_spec: OptimSpec | None = None, *, normalize: bool = False,
-                 drop_prob: float = 0.0, seed: int = 0):
+                 drop_prob: float = 0.0, seed: int = 0, quantization_bits: int | None = None,
+                 compression: Compressor | None = None):
         check_int("H", H, minimum=1)
         check_number("drop_prob", drop_prob, minimum=0.0)
         if drop_prob >= 1:
             raise ValueError(f"drop_prob must be < 1 (every pseudo-gradient would be lost), got {drop_prob!r}")
         check_int("seed", seed, minimum=0)
         self.H, self.normalize, self.drop_prob, self.seed = H, bool(normalize), drop_prob, seed
+        self.compression = copy.deepcopy(compressor_from(quantization_bits, compression))  # its own memory
         self.outer_optim_spec = outer_spec(outer_optim_spec)
         self.shard_weight: int | None = None  # set per node to its shard size for a size-weighted average
 
@@ -84,12 +94,24 @@ class DiLoCoCommunicator(CommunicationModule):
         if self.shard_weight is not None:
             weight = torch.tensor([float(self.shard_weight) if self.rank in kept else 0.0], dtype=torch.float64)
             total = all_reduce(weight).item()  # 8 bytes a round: the kept nodes' total weight
+        if self.compression is not None:
+            self._reduce_compressed(grads, kept, total)
+            return
         for flat, tensors in flatten_by_dtype(grads):
             if self.shard_weight is not None:
                 flat.mul_(self.shard_weight)
             all_reduce(flat)
             flat.div_(total)
             unflatten_into(flat, tensors)
+
+    @torch.no_grad()
+    def _reduce_compressed(self, grads: list[torch.Tensor], kept: list[int], total: float) -> None:
+        """The same mean, of the kept nodes' compressed pseudo-gradients (a dropped node's is sent, unused)."""
+        scaled = [g * self.shard_weight for g in grads] if self.shard_weight is not None else grads
+        keys = [("outer", i) if self.rank in kept else None for i in range(len(grads))]
+        means = compressed_mean(scaled, self.compression, members=kept, keys=keys, divisor=total)
+        for g, mean in zip(grads, means):
+            g.copy_(mean)
 
     @torch.no_grad()
     def _outer_step(self, grads: list[torch.Tensor]) -> None:
@@ -152,6 +174,8 @@ class DiLoCoStrategy(ModularStrategy):
     nesterov=True configure the SGD ones.
     weight_by_shard_size=True: average the pseudo-gradients weighted by each node's number of training
     examples (the paper's data-size weighting, for unequal shards: dataset factories or non-IID splits).
+    quantization_bits=8 or 4, or compression=<exogym.compression Compressor>: send the pseudo-gradients
+    compressed (see DiLoCoCommunicator); bytes per node per round (K-1) x the compressed model's bytes.
     """
 
     def __init__(self, optim_spec: OptimSpec | str | type | None = None,
@@ -160,6 +184,7 @@ class DiLoCoStrategy(ModularStrategy):
                  lr: float | None = None, inner_lr: float | None = None, weight_decay: float | None = None,
                  outer_lr: float | None = None, outer_momentum: float | None = None, nesterov: bool | None = None,
                  drop_prob: float = 0.0, seed: int = 0, weight_by_shard_size: bool = False,
+                 quantization_bits: int | None = None, compression: Compressor | None = None,
                  max_norm: float | None = None, **kwargs: Any):
         super().__init__(optim_spec, max_norm, inner_optim=inner_optim, lr=_one_of("lr", lr, "inner_lr", inner_lr),
                          weight_decay=weight_decay, **kwargs)
@@ -168,7 +193,7 @@ class DiLoCoStrategy(ModularStrategy):
         self.weight_by_shard_size = weight_by_shard_size
         self._use_modules([diloco_module(H, outer_optim_spec, outer_optim, outer_lr=outer_lr,
                                          outer_momentum=outer_momentum, nesterov=nesterov, drop_prob=drop_prob,
-                                         seed=seed)])
+                                         seed=seed, quantization_bits=quantization_bits, compression=compression)])
 
     def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
         super()._init_node(model, rank, num_nodes)
@@ -187,9 +212,10 @@ def diloco_module(H: int, outer_optim_spec: Any, outer_optim: Any, **kwargs: Any
                         "pass one of them")
     name = outer_optim_spec if outer_optim_spec is not None else outer_optim
     normalize = isinstance(name, str) and name.lower() == "sgd_normalized"
-    drop_prob, seed = kwargs.pop("drop_prob"), kwargs.pop("seed")
+    module_kwargs = {k: kwargs.pop(k) for k in ("drop_prob", "seed", "quantization_bits", "compression")
+                     if k in kwargs}
     spec = outer_spec("sgd" if normalize else name, **kwargs)
-    return DiLoCoCommunicator(H, spec, normalize=normalize, drop_prob=drop_prob, seed=seed)
+    return DiLoCoCommunicator(H, spec, normalize=normalize, **module_kwargs)
 
 
 def _one_of(name: str, value: Any, alias: str, alias_value: Any) -> Any:

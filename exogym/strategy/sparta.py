@@ -4,6 +4,7 @@ openreview.net/forum?id=stFPf3gzq1)."""
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import deque
 from typing import Any
@@ -11,12 +12,14 @@ from typing import Any
 import torch
 
 from exogym._validation import check_int, check_number
+from exogym.compression import Quantizer, TopK, compressor_from
 from exogym.flatten import flatten_by_dtype, unflatten_into
 from exogym.strategy.communicate import all_reduce
 from exogym.strategy.communicate_optimize_strategy import CommunicationModule, ModularStrategy, round_generator
+from exogym.strategy.compressed_reduce import compressed_mean, start_mean
 from exogym.strategy.optim import OptimSpec
 
-__all__ = ["SparseCommunicator", "SPARTAStrategy", "SPARSIFICATION_MODES"]
+__all__ = ["SparseCommunicator", "TopKSparseCommunicator", "SPARTAStrategy", "SPARSIFICATION_MODES"]
 
 SPARSIFICATION_MODES = ("random", "sequential", "partitioned")
 _RANDOM, _PARTITIONED = 4, 5  # salts of the shared random streams
@@ -33,10 +36,15 @@ class SparseCommunicator(CommunicationModule):
     per step, so every entry is averaged once per round(1/p) steps; a new partition each cycle).
     async_delay=d: the averaged values arrive d steps late; each selected entry is then corrected by
     (average - its value when sent), keeping the local progress made meanwhile.
+    quantization_bits=8 or 4 / compression=<a Quantizer of exogym.compression>: the selected values are
+    sent quantized (one scale per parameter, or per block), by one all-gather, and averaged decoded
+    (exogym.strategy.compressed_reduce); bytes per node per step (K-1) x sum of quantizer.nbytes([k_i]).
+    The averages then lie on the quantizer's grid (max |values| / 127 per parameter for int8): with p near
+    1 prefer TopKSparseCommunicator, which sends quantized drifts instead of values.
     """
 
     def __init__(self, p_sparta: float = 0.005, *, sparsification_mode: str = "random", async_delay: int = 0,
-                 seed: int = 0):
+                 seed: int = 0, quantization_bits: int | None = None, compression: Quantizer | None = None):
         check_number("p_sparta", p_sparta, positive=True, maximum=1.0)
         if sparsification_mode not in SPARSIFICATION_MODES:
             raise ValueError(f"sparsification_mode must be one of {list(SPARSIFICATION_MODES)}, "
@@ -45,6 +53,11 @@ class SparseCommunicator(CommunicationModule):
         check_int("seed", seed, minimum=0)
         self.p_sparta, self.mode, self.async_delay, self.seed = p_sparta, sparsification_mode, async_delay, seed
         self.pending: deque = deque()  # (step to apply at, [(parameter index, indices, correction)])
+        self.compression = compressor_from(quantization_bits, compression)
+        if self.compression is not None and not isinstance(self.compression, Quantizer):
+            raise TypeError(f"SparseCommunicator sends parameter values, which need a dense quantizer "
+                            f"(IntQuantizer, FP8Quantizer, FP4Quantizer), got compression={compression!r}; "
+                            f"for top-k use TopKSparseCommunicator")
 
     def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
         self.model, self.num_nodes = model, num_nodes
@@ -90,7 +103,12 @@ class SparseCommunicator(CommunicationModule):
 
     @torch.no_grad()
     def _reduce(self, values: list[torch.Tensor]) -> None:
-        """Average the selected values over the nodes: one all-reduce per dtype."""
+        """Average the selected values over the nodes: one all-reduce per dtype (or one all-gather, quantized)."""
+        if self.compression is not None:
+            sent = [v for v in values if v.numel()]
+            for v, mean in zip(sent, compressed_mean(sent, self.compression)):
+                v.copy_(mean)
+            return
         for flat, tensors in flatten_by_dtype(v for v in values if v.numel()):
             all_reduce(flat)
             flat.div_(self.num_nodes)
@@ -124,6 +142,44 @@ class SparseCommunicator(CommunicationModule):
         return sum(math.ceil(n / max(1, round(1 / self.p_sparta))) for n in sizes) / sum(sizes)
 
 
+class TopKSparseCommunicator(CommunicationModule):
+    """After every step each node sends, per parameter, its k = max(1, round(p_sparta n)) entries that have
+    drifted furthest from the shared model theta_g (int32 indices + values, the values optionally
+    quantized); every node adds the mean of all nodes' sent drifts to theta_g and keeps its own unsent
+    drift on top: theta_i = theta_g + (what node i has not sent yet), error feedback by construction.
+    With p_sparta=1 this is parameter averaging after every step.
+
+    Bytes per node per step: (K-1) x sum over parameters of k_i (4 + 4) for float32 values, or
+    k_i 4 + quantizer.nbytes([k_i]) with quantization_bits / compression (one all-gather).
+    """
+
+    def __init__(self, p_sparta: float = 0.005, *, quantization_bits: int | None = None,
+                 compression: Quantizer | None = None):
+        check_number("p_sparta", p_sparta, positive=True, maximum=1.0)
+        values = compressor_from(quantization_bits, compression)
+        if values is not None and not isinstance(values, Quantizer):
+            raise TypeError(f"TopKSparseCommunicator picks the entries itself; compression= quantizes their values "
+                            f"and must be IntQuantizer, FP8Quantizer or FP4Quantizer, got {compression!r}")
+        self.p_sparta, self.compression = p_sparta, copy.deepcopy(values)
+
+    @torch.no_grad()
+    def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
+        self.model, self.num_nodes = model, num_nodes
+        self.shared = [p.detach().clone() for p in model.parameters()]  # theta_g, identical on every node
+        self.selector = TopK(self.p_sparta, values=self.compression)
+
+    @torch.no_grad()
+    def communicate(self, model: torch.nn.Module, rank: int, num_nodes: int, local_step: int) -> None:
+        if num_nodes == 1:
+            return
+        params = list(self.model.parameters())
+        drift = [p.detach() - g for p, g in zip(params, self.shared)]  # what node i has not shared yet
+        pending = start_mean(drift, self.selector)
+        for p, g, d, sent, mean in zip(params, self.shared, drift, pending.sent(), pending.wait()):
+            g.add_(mean)
+            p.copy_(g + (d - sent))
+
+
 class SPARTAStrategy(ModularStrategy):
     """SPARTA: every node takes its own optimizer step, then a fraction p_sparta of every parameter's
     entries (chosen by a shared seed) is averaged across all nodes; the rest stays local. The global
@@ -134,12 +190,28 @@ class SPARTAStrategy(ModularStrategy):
     A node that drops keeps its local progress; only the entries it would have averaged go unshared.
 
     optim_spec / inner_optim with lr and weight_decay: the inner optimizer (AdamW, lr 1e-3 by default).
+    quantization_bits=8 or 4 (or compression=<a Quantizer>): the values are sent quantized by one all-gather,
+    (K-1) x the quantized values' bytes per node per step (one float32 scale per parameter).
+    compression_method="topk" (the original documents' spelling): instead of shared-seed entries, each node
+    sends its p_sparta largest drifts from the shared model, with indices (TopKSparseCommunicator).
     """
 
     def __init__(self, optim_spec: OptimSpec | str | type | None = None, max_norm: float | None = None, *,
                  p_sparta: float = 0.005, sparsification_mode: str = "random", async_delay: int = 0, seed: int = 0,
-                 inner_optim: OptimSpec | str | type | None = None, lr: float | None = None,
-                 weight_decay: float | None = None, **kwargs: Any):
+                 compression_method: str | None = None, quantization_bits: int | None = None,
+                 compression: Quantizer | None = None, inner_optim: OptimSpec | str | type | None = None,
+                 lr: float | None = None, weight_decay: float | None = None, **kwargs: Any):
         super().__init__(optim_spec, max_norm, inner_optim=inner_optim, lr=lr, weight_decay=weight_decay, **kwargs)
-        self._use_modules([SparseCommunicator(p_sparta, sparsification_mode=sparsification_mode,
-                                              async_delay=async_delay, seed=seed)])
+        if compression_method not in (None, "topk"):
+            raise ValueError(f"compression_method must be None (shared-seed entries, no indices sent) or 'topk' "
+                             f"(each node's largest drifts, with indices), got {compression_method!r}")
+        if compression_method == "topk":
+            if sparsification_mode != "random" or async_delay:
+                raise ValueError(f"compression_method='topk' picks the entries itself and applies them at once; drop "
+                                 f"sparsification_mode={sparsification_mode!r} and async_delay={async_delay!r}")
+            module: CommunicationModule = TopKSparseCommunicator(p_sparta, quantization_bits=quantization_bits,
+                                                                 compression=compression)
+        else:
+            module = SparseCommunicator(p_sparta, sparsification_mode=sparsification_mode, async_delay=async_delay,
+                                        seed=seed, quantization_bits=quantization_bits, compression=compression)
+        self._use_modules([module])

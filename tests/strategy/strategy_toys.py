@@ -23,6 +23,16 @@ def watched(strategy_cls: type) -> type:
     return Watched
 
 
+def watched_module(module_cls: type) -> type:
+    """A subclass of a CommunicationModule class that records (model, module) of every node in NODES."""
+    class Watched(module_cls):
+        def _init_node(self, model, rank, num_nodes):
+            super()._init_node(model, rank, num_nodes)
+            NODES[rank] = (model, self)
+    Watched.__name__ = module_cls.__name__
+    return Watched
+
+
 class Linear(torch.nn.Module):
     """loss = <w, mean of the batch's vectors>, so the gradient is exactly that mean: with a dataset of one
     repeated vector c, every step's gradient is c."""

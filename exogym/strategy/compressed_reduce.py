@@ -1,0 +1,136 @@
+"""The mean over nodes of a list of tensors, sent compressed: one all-gather, decoded and summed in rank order.
+
+Nodes cannot all-reduce int8 codes and keep their meaning (each node has its own scales, and a sum of
+codes overflows), so each node encodes its tensors (exogym.compression), packs every payload tensor into
+one byte buffer and all-gathers it; every node then decodes every member's payloads and sums them in
+rank order, so every node holds bit-identical results.
+
+Bytes per node per call: (K - 1) P, where P = sum over the tensors of compressor.nbytes(shape) (ring
+all-gather, exogym.comm.all_gather_bytes). The float all-reduce it replaces sends 2 (K - 1) / K M, so
+compressing pays when P < 2 M / K: int8 and fp8 for K < 8 nodes, int4 and fp4 for K < 16, top-k with
+float32 values and int32 indices for fraction < 1 / K. (A ring all-reduce that re-quantizes partial sums
+would send 2 (K - 1) / K P; it needs an all-to-all, which exogym.strategy.communicate does not have.)
+
+With compressor=None, the same call is the plain float all-reduce (one per dtype) and its mean.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Sequence
+
+import torch
+
+from exogym.compression import Compressor, Payload
+from exogym.flatten import flatten_by_dtype, unflatten_into
+from exogym.strategy.communicate import all_gather, all_reduce, get_rank, get_world_size
+
+__all__ = ["PendingMean", "start_mean", "compressed_mean"]
+
+
+class PendingMean:
+    """A mean in flight: wait() returns it (one tensor per input tensor); sent() what this node's own
+    payloads decode to (what the others received from it)."""
+
+    def __init__(self, compressor: Compressor | None, tensors: list[torch.Tensor], own: list[Payload],
+                 buffers: list, work: object, members: list[int], divisor: float):
+        self.compressor, self._tensors, self._own = compressor, tensors, own
+        self._buffers, self._work, self.members, self.divisor = buffers, work, members, divisor
+        self._result: list[torch.Tensor] | None = None
+
+    @torch.no_grad()
+    def wait(self) -> list[torch.Tensor]:
+        if self._result is not None:
+            return self._result
+        if self._work is not None:
+            self._work.wait()
+        if self.compressor is None:
+            self._result = self._float_mean()
+        else:
+            self._result = self._decoded_mean()
+        self._buffers, self._work = [], None
+        return self._result
+
+    def sent(self) -> list[torch.Tensor]:
+        if self.compressor is None:
+            raise TypeError("sent() is what a compressor's payload decodes to; this mean was sent uncompressed")
+        return [self.compressor.decode(p) for p in self._own]
+
+    def _float_mean(self) -> list[torch.Tensor]:
+        out = {id(t): torch.empty_like(t) for t in self._tensors}
+        for flat, group in self._buffers:
+            flat.div_(self.divisor)
+            unflatten_into(flat, [out[id(t)] for t in group])
+        return [out[id(t)] for t in self._tensors]
+
+    def _decoded_mean(self) -> list[torch.Tensor]:
+        total: list[torch.Tensor] | None = None
+        for rank in self.members:  # rank order: the same sum, bit for bit, on every node
+            decoded = [self.compressor.decode(p) for p in _unpack(self._buffers[rank], self._own)]
+            total = decoded if total is None else [t.add_(d) for t, d in zip(total, decoded)]
+        return [t.div_(self.divisor) for t in total]
+
+
+@torch.no_grad()
+def start_mean(tensors: Sequence[torch.Tensor], compressor: Compressor | None, *, members: Sequence[int] | None = None,
+               keys: Sequence[Hashable | None] | None = None, divisor: float | None = None,
+               async_op: bool = False) -> PendingMean:
+    """Start averaging `tensors` (the same shapes on every node) over the nodes `members` (default all):
+    sum over members / divisor (default len(members)). A node outside members still takes part (sending its
+    tensors, or zeros without compression) but its contribution is left out. keys: per tensor, the stream
+    each belongs to (error feedback's memory); None for a node whose contribution is left out.
+    async_op=True: the transfer runs while the node computes; the tensors may be changed at once."""
+    tensors = [t.detach() for t in tensors]
+    world = get_world_size()
+    members = sorted(range(world) if members is None else members)
+    divisor = float(len(members) if divisor is None else divisor)
+    if compressor is None:
+        buffers = flatten_by_dtype(tensors)  # flat copies: the caller may change its tensors meanwhile
+        works = []
+        for flat, _ in buffers:
+            if get_rank() not in members:
+                flat.zero_()
+            works.append(all_reduce(flat, async_op=async_op))
+        return PendingMean(None, tensors, [], buffers, _AllOf(works) if async_op else None, members, divisor)
+    keys = [None] * len(tensors) if keys is None else list(keys)
+    own = [compressor.encode(t, key=k) for t, k in zip(tensors, keys)]
+    packed = _pack(own)  # [P] uint8
+    gathered = [torch.empty_like(packed) for _ in range(world)]
+    work = all_gather(gathered, packed, async_op=async_op)
+    return PendingMean(compressor, tensors, own, gathered, work if async_op else None, members, divisor)
+
+
+def compressed_mean(tensors: Sequence[torch.Tensor], compressor: Compressor | None, **kwargs) -> list[torch.Tensor]:
+    """start_mean(...).wait(): the mean at once."""
+    return start_mean(tensors, compressor, **kwargs).wait()
+
+
+class _AllOf:
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        return True
+
+
+def _pack(payloads: list[Payload]) -> torch.Tensor:
+    """Every payload tensor's bytes, one after another, in one uint8 buffer (what the all-gather sends)."""
+    parts = [t.contiguous().reshape(-1).view(torch.uint8) for p in payloads for t in p.tensors]
+    if not parts:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.cat(parts)
+
+
+def _unpack(buffer: torch.Tensor, layout: list[Payload]) -> list[Payload]:
+    """Another node's buffer cut into payloads laid out like this node's own (every node's are alike)."""
+    out, offset = [], 0
+    for p in layout:
+        tensors = []
+        for t in p.tensors:
+            n = t.numel() * t.element_size()
+            # clone: a slice at an odd offset cannot be viewed as a wider dtype
+            tensors.append(buffer[offset:offset + n].clone().view(t.dtype).view(t.shape))
+            offset += n
+        out.append(p.with_tensors(tensors))
+    return out

@@ -1,0 +1,216 @@
+"""Streaming DiLoCo: DiLoCo that synchronises one fragment of the model at a time, overlapped with compute
+(Douillard, Donchev, Rush, Kale, et al., "Streaming DiLoCo with overlapping communication: Towards a
+Distributed Free Lunch", 2025, arXiv 2501.18512)."""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+from typing import Any, Mapping
+
+import torch
+
+from exogym._validation import check_int, check_number
+from exogym.compression import Compressor, compressor_from
+from exogym.strategy.communicate_optimize_strategy import CommunicationModule, ModularStrategy, round_generator
+from exogym.strategy.compressed_reduce import PendingMean, start_mean
+from exogym.strategy.diloco import _one_of, outer_spec
+from exogym.strategy.optim import OptimSpec
+
+__all__ = ["StreamingDiLoCoCommunicator", "StreamingDiLoCoStrategy", "FRAGMENT_PATTERNS"]
+
+FRAGMENT_PATTERNS = ("strided", "sequential")
+_DROP = 6  # salt of the random stream that decides dropped outer gradients
+
+
+class StreamingDiLoCoCommunicator(CommunicationModule):
+    """DiLoCo's round (pseudo-gradient, mean, outer step, merge) for one fragment of the model at a time.
+
+    The model's layers (its parameters grouped by the module that holds them, in order) are split into
+    num_fragments = F fragments: "sequential" (consecutive layers) or "strided" (layer l in fragment l mod F).
+    Fragment f is sent after steps (f + 1) H/F, (f + 1) H/F + H, ...: one fragment every H/F steps, each
+    once every H steps. Its averaged pseudo-gradient arrives tau steps later (an async collective: the
+    transfer overlaps those steps' compute); then the outer optimizer moves the fragment of the global
+    model and each node merges: theta_i <- lerp(theta_global, theta_i, alpha) (alpha=0: DiLoCo's reset).
+    At the run's last step every fragment still in flight is waited for and applied.
+
+    Bytes per node per fragment sync: 2 (K-1)/K x the fragment's bytes (ring all-reduce), or
+    (K-1) x sum over its parameters of compressor.nbytes(shape) with quantization_bits / compression (one
+    all-gather); over H steps the whole model once, as DiLoCo, but the largest single sync is ~1/F of it.
+    drop_prob=p: each sync each node's pseudo-gradient is lost with probability p (shared seed); the others'
+    are averaged, every node takes the outer step, and a dropped node keeps its own parameters.
+    """
+
+    def __init__(self, H: int = 100, outer_optim_spec: OptimSpec | None = None, *, num_fragments: int = 4,
+                 fragment_pattern: str = "strided", tau: int = 1, alpha: float = 0.5, drop_prob: float = 0.0,
+                 seed: int = 0, quantization_bits: int | None = None, compression: Compressor | None = None):
+        check_int("H", H, minimum=1)
+        check_int("num_fragments", num_fragments, minimum=1)
+        if H % num_fragments:
+            divisors = [d for d in range(1, H + 1) if H % d == 0]
+            raise ValueError(f"H must be divisible by num_fragments (one fragment is sent every H/num_fragments "
+                             f"steps): H={H}, num_fragments={num_fragments}; use num_fragments in {divisors}")
+        if fragment_pattern not in FRAGMENT_PATTERNS:
+            raise ValueError(f"fragment_pattern must be one of {list(FRAGMENT_PATTERNS)}, got {fragment_pattern!r}")
+        check_int("tau", tau, minimum=0)
+        if tau >= H // num_fragments:
+            every = H // num_fragments
+            raise ValueError(f"tau must be < H/num_fragments = {H}/{num_fragments} = {every}, got tau={tau}: a "
+                             f"fragment's mean must arrive before the next one is sent; use tau in 0..{every - 1}")
+        check_number("alpha", alpha, minimum=0.0, maximum=1.0)
+        check_number("drop_prob", drop_prob, minimum=0.0)
+        if drop_prob >= 1:
+            raise ValueError(f"drop_prob must be < 1 (every pseudo-gradient would be lost), got {drop_prob!r}")
+        check_int("seed", seed, minimum=0)
+        self.H, self.num_fragments, self.fragment_pattern = H, num_fragments, fragment_pattern
+        self.tau, self.alpha, self.drop_prob, self.seed = tau, float(alpha), drop_prob, seed
+        self.outer_optim_spec = outer_spec(outer_optim_spec)
+        self.compression = copy.deepcopy(compressor_from(quantization_bits, compression))  # its own memory
+
+    @torch.no_grad()
+    def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
+        self.model, self.rank, self.num_nodes = model, rank, num_nodes
+        self.names = [name for name, _ in model.named_parameters()]
+        self.fragments = self.split(self.names)
+        self.master = [torch.nn.Parameter(p.detach().to("cpu", copy=True)) for p in model.parameters()]
+        self.outer_optim = self.outer_optim_spec.build(self.master)  # steps only the fragment whose grads are set
+        self.in_flight: deque[tuple[int, int, list[int], PendingMean]] = deque()  # (due step, fragment, kept, mean)
+
+    # ---- which parameters, when (the same answer on every node) ---------------------------------
+    def split(self, names: list[str]) -> list[list[int]]:
+        """Per fragment, the indices of its parameters: layers are the parameters' owning modules, in order."""
+        layers: dict[str, list[int]] = {}
+        for i, name in enumerate(names):
+            layers.setdefault(name.rpartition(".")[0], []).append(i)
+        groups, f = list(layers.values()), self.num_fragments
+        if f > len(groups):
+            raise ValueError(f"num_fragments={f} is more than the model's {len(groups)} layers (parameters grouped "
+                             f"by module: {list(layers)}); use num_fragments <= {len(groups)}")
+        owner = [l % f if self.fragment_pattern == "strided" else l * f // len(groups) for l in range(len(groups))]
+        return [[i for l, group in enumerate(groups) if owner[l] == frag for i in group] for frag in range(f)]
+
+    def fragment_sent_after(self, local_step: int) -> int | None:
+        """The fragment sent after step `local_step`, if any: fragment f after (f + 1) H/F + n H."""
+        every = self.H // self.num_fragments
+        if local_step % every:
+            return None
+        return (local_step // every - 1) % self.num_fragments
+
+    def kept_nodes(self, sync_index: int) -> list[int]:
+        """The nodes whose pseudo-gradient arrives in sync `sync_index` (counted over all fragments, from 0)."""
+        if self.drop_prob == 0:
+            return list(range(self.num_nodes))
+        u = torch.rand(self.num_nodes, generator=round_generator(self.seed, sync_index, _DROP))
+        return [r for r in range(self.num_nodes) if u[r] >= self.drop_prob]
+
+    def communicate(self, model: torch.nn.Module, rank: int, num_nodes: int, local_step: int) -> None:
+        fragment = self.fragment_sent_after(local_step)
+        if fragment is not None:
+            self._send(fragment, local_step)
+        self._apply_due(local_step)
+
+    # ---- the steps of one fragment's sync -------------------------------------------------------
+    @torch.no_grad()
+    def _pseudo_gradient(self, fragment: int, keep: bool) -> list[torch.Tensor]:
+        """Delta_i = theta_global - theta_i on the fragment's parameters; zeros when it is lost."""
+        params = list(self.model.parameters())
+        return [(self.master[i].to(params[i].device) - params[i].detach()) if keep else torch.zeros_like(params[i])
+                for i in self.fragments[fragment]]
+
+    def _send(self, fragment: int, local_step: int) -> None:
+        """Start the mean of the fragment's pseudo-gradients; it is applied tau steps later."""
+        kept = self.kept_nodes(local_step // (self.H // self.num_fragments) - 1)
+        if not kept:
+            return  # every pseudo-gradient of this sync was lost: nothing to apply, nothing to send
+        grads = self._pseudo_gradient(fragment, keep=self.rank in kept)
+        if self.num_nodes == 1:
+            self.in_flight.append((local_step + self.tau, fragment, kept, _Local(grads)))
+            return
+        keys = [("outer", i) if self.rank in kept else None for i in self.fragments[fragment]]
+        mean = start_mean(grads, self.compression, members=kept, keys=keys, async_op=self.tau > 0)
+        self.in_flight.append((local_step + self.tau, fragment, kept, mean))
+
+    def _apply_due(self, local_step: int) -> None:
+        """Apply the means that have arrived (every one still in flight at the run's last step)."""
+        last = local_step == self.max_steps
+        while self.in_flight and (self.in_flight[0][0] <= local_step or last):
+            _, fragment, kept, mean = self.in_flight.popleft()
+            self._outer_step(fragment, mean.wait())
+            if self.rank in kept:
+                self._merge(fragment)
+
+    @torch.no_grad()
+    def _outer_step(self, fragment: int, grads: list[torch.Tensor]) -> None:
+        """theta_global[f] <- OuterOpt(theta_global[f], mean Delta), identical on every node."""
+        for i, grad in zip(self.fragments[fragment], grads):
+            self.master[i].grad = grad.to(self.master[i].device, self.master[i].dtype)
+        self.outer_optim.step()  # parameters without a grad (the other fragments) are left alone
+        self.outer_optim.zero_grad()
+
+    @torch.no_grad()
+    def _merge(self, fragment: int) -> None:
+        """theta_i[f] <- lerp(theta_global[f], theta_i[f], alpha): alpha=0 takes the global model."""
+        params = list(self.model.parameters())
+        for i in self.fragments[fragment]:
+            g = self.master[i].to(params[i].device)
+            params[i].copy_(g if self.alpha == 0 else torch.lerp(g, params[i], self.alpha))
+
+    def global_state(self, local_step: int) -> Mapping[str, torch.Tensor]:
+        return dict(zip(self.names, (g.detach() for g in self.master)))
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A checkpoint mid-flight: wait for the means in flight (their handles do not pickle), apply them when due.
+        for _, _, _, mean in getattr(self, "in_flight", ()):
+            mean.wait()
+        return super().__getstate__()
+
+
+class _Local:
+    """One node: the mean of its own pseudo-gradient is itself, and nothing is sent."""
+
+    def __init__(self, grads: list[torch.Tensor]):
+        self.grads = grads
+
+    def wait(self) -> list[torch.Tensor]:
+        return self.grads
+
+
+class StreamingDiLoCoStrategy(ModularStrategy):
+    """Streaming DiLoCo: DiLoCo whose synchronisation is spread over the round. The model is split into F
+    fragments; every H/F steps one fragment's pseudo-gradients are averaged (optionally quantized) while the
+    nodes keep training, and tau steps later the outer optimizer moves that fragment of the global model
+    and each node merges it: theta_i <- lerp(theta_global, theta_i, alpha).
+
+    Paper: Douillard et al., "Streaming DiLoCo with overlapping communication", 2025 (arXiv 2501.18512).
+    Bytes per node per step: 2 (K-1)/K x M / H, as DiLoCo, but each sync moves only ~M / F (peak bandwidth
+    / F); with quantization_bits / compression, (K-1) x the compressed model's bytes / H.
+    A node whose pseudo-gradient is dropped (drop_prob) keeps its local progress on that fragment.
+
+    H (steps between two syncs of the same fragment), num_fragments (F; H divisible by F),
+    fragment_pattern "strided" | "sequential", tau (overlap, 0 <= tau < H/F), alpha (mix, in [0, 1]);
+    with num_fragments=1, tau=0, alpha=0 it is DiLoCo. Inner and outer optimizers as in DiLoCoStrategy
+    (default AdamW lr 1e-3 inside; Nesterov SGD lr 0.7, momentum 0.9 outside).
+    """
+
+    def __init__(self, optim_spec: OptimSpec | str | type | None = None,
+                 outer_optim_spec: OptimSpec | str | type | None = None, *, H: int = 100, num_fragments: int = 4,
+                 fragment_pattern: str = "strided", tau: int = 1, alpha: float = 0.5,
+                 quantization_bits: int | None = None, compression: Compressor | None = None,
+                 inner_optim: OptimSpec | str | type | None = None, outer_optim: OptimSpec | str | type | None = None,
+                 lr: float | None = None, inner_lr: float | None = None, weight_decay: float | None = None,
+                 outer_lr: float | None = None, outer_momentum: float | None = None, nesterov: bool | None = None,
+                 drop_prob: float = 0.0, seed: int = 0, max_norm: float | None = None, **kwargs: Any):
+        super().__init__(optim_spec, max_norm, inner_optim=inner_optim, lr=_one_of("lr", lr, "inner_lr", inner_lr),
+                         weight_decay=weight_decay, **kwargs)
+        if outer_optim_spec is not None and outer_optim is not None:
+            raise TypeError(f"got both outer_optim_spec={outer_optim_spec!r} and outer_optim={outer_optim!r}; "
+                            "pass one of them")
+        spec = outer_spec(outer_optim_spec if outer_optim_spec is not None else outer_optim, outer_lr=outer_lr,
+                          outer_momentum=outer_momentum, nesterov=nesterov)
+        self._use_modules([StreamingDiLoCoCommunicator(
+            H, spec, num_fragments=num_fragments, fragment_pattern=fragment_pattern, tau=tau, alpha=alpha,
+            drop_prob=drop_prob, seed=seed, quantization_bits=quantization_bits, compression=compression)])
+
+    @property
+    def H(self) -> int:
+        return self.modules[0].H
