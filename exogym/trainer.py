@@ -13,6 +13,7 @@ import torch
 
 from exogym._validation import check_int, reject_unknown_kwargs
 from exogym.backends.sim import run_sim
+from exogym.backends.torch_dist import launch_for_fit, run_torch
 from exogym.checkpoint import CheckpointPlan, load_checkpoint
 from exogym.data.sharding import DatasetOrFactory, is_factory
 from exogym.devices import DeviceLike, resolve_node_devices
@@ -28,7 +29,7 @@ from exogym.strategy.strategy import Strategy
 
 __all__ = ["Trainer", "LocalTrainer", "BACKENDS"]
 
-_RUNNERS = {"sim": run_sim}
+_RUNNERS = {"sim": run_sim, "torch": run_torch}
 BACKENDS = tuple(_RUNNERS)
 
 
@@ -111,13 +112,21 @@ class Trainer:
         minibatch_size = batch_size if minibatch_size is None else minibatch_size
         if minibatch_size > batch_size or batch_size % minibatch_size:
             raise ValueError(f"minibatch_size must divide batch_size={batch_size}, got {minibatch_size}")
+        run_name_given = run_name
         run_name = run_name or default_run_name({"strategy": type(strategy).__name__, "num_nodes": num_nodes})
         logger = resolve_logger(logger, run_name)
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; use one of {list(BACKENDS)}")
+        # Under torchrun (RANK, WORLD_SIZE set) backend="torch" runs only this process's node, and rank 0 logs.
+        launch = launch_for_fit(backend, num_nodes, checkpoint_dir_shared=checkpoint_interval is None or
+                                checkpoint_dir is not None or run_name_given is not None)
+        is_main = launch is None or launch.rank == 0
+        logger = logger if is_main else None
         node_devices = resolve_node_devices(
             num_nodes, device if device is not None or devices is not None else self.device,
             devices if devices is not None or device is not None else self.devices)
+        if launch is not None:
+            node_devices = launch.node_devices(node_devices)
         if autocast and any(d.type == "cuda" and not torch.cuda.is_bf16_supported() for d in node_devices):
             raise ValueError("autocast=True trains in bfloat16, which this GPU does not support; use autocast=False")
 
@@ -149,7 +158,7 @@ class Trainer:
         if time_model is not None:
             config["time_model"] = {"network": repr(time_model.network), "node_speeds": list(time_model.node_speeds),
                                     "device_flops": list(time_model.device_flops), "compute_time": compute_time}
-        if progress:
+        if progress and is_main:
             announce(config, time_model)
 
         config["run_name"] = run_name
@@ -161,9 +170,10 @@ class Trainer:
         if resume_from is not None:
             resume = load_checkpoint(resume_from, num_nodes=num_nodes, batch_size=batch_size, max_steps=total_steps,
                                      devices=node_devices)
-            if progress:
+            if progress and is_main:
                 print(f"exogym: resuming from step {resume[0].step} ({resume_from})", flush=True)
-        live = LiveLog(logger, range(num_nodes), global_batch=num_nodes * batch_size)
+        live = LiveLog(logger, range(num_nodes) if launch is None else [launch.rank],  # a torchrun process: its own
+                       global_batch=num_nodes * batch_size)
         plan = RunPlan(model=self.model, strategy=strategy, node_batches=node_batches, val_batches=val_batches,
                        devices=node_devices, cfg=cfg, seed=seed, live=live, checkpoints=checkpoints, resume=resume)
         if logger is not None:
