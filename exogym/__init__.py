@@ -7,9 +7,10 @@ Words used throughout:
 - round: one outer synchronisation of a strategy that communicates every H steps.
 """
 
+from exogym.backends.torch_spawn import NodeProcessError
 from exogym.comm import CollectiveError
 from exogym.record import RunRecord
 from exogym.trainer import LocalTrainer, Trainer
 
-__all__ = ["Trainer", "LocalTrainer", "RunRecord", "CollectiveError"]
+__all__ = ["Trainer", "LocalTrainer", "RunRecord", "CollectiveError", "NodeProcessError"]
 __version__ = "0.1.0"

@@ -1,0 +1,26 @@
+"""The workload both benchmarks time: a small CNN on MNIST-shaped synthetic data."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+
+class SmallCNN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(1, 16, 3, padding=1)
+        self.conv2 = torch.nn.Conv2d(16, 32, 3, padding=1)
+        self.fc = torch.nn.Linear(32 * 7 * 7, 10)
+
+    def forward(self, batch):
+        x, y = batch
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)  # [B, 16, 14, 14]
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)  # [B, 32, 7, 7]
+        return F.cross_entropy(self.fc(x.flatten(1)), y)
+
+
+def make_data(n: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g))
