@@ -2,30 +2,53 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MnistCNN"]
+__all__ = ["MnistCNN", "random_affine"]
+
+
+def random_affine(images: torch.Tensor, *, degrees: float = 10.0, translate: float = 0.1,
+                  scale: tuple[float, float] = (0.9, 1.1)) -> torch.Tensor:
+    """Rotate, shift and scale each image [B, C, H, W] at random (drawn from the global torch stream,
+    which in a simulated run is the node's own)."""
+    b = images.shape[0]
+    angle = (torch.rand(b, device=images.device) * 2 - 1) * math.radians(degrees)
+    s = torch.empty(b, device=images.device).uniform_(*scale)
+    shift = (torch.rand(b, 2, device=images.device) * 2 - 1) * 2 * translate  # in [-1, 1] grid units
+    cos, sin = torch.cos(angle) / s, torch.sin(angle) / s
+    theta = torch.stack([torch.stack([cos, -sin, shift[:, 0]], 1), torch.stack([sin, cos, shift[:, 1]], 1)], 1)
+    grid = F.affine_grid(theta, list(images.shape), align_corners=False)  # [B, H, W, 2]
+    return F.grid_sample(images, grid, padding_mode="border", align_corners=False)
 
 
 class MnistCNN(nn.Module):
     """Two conv blocks and a linear head; `model((images, labels))` -> {"loss", "accuracy"}.
 
     images: [B, 1, 28, 28] float, labels: [B] int64. ~20k parameters with the defaults.
+    batch_norm=True adds BatchNorm after each convolution; augment=True applies random_affine to
+    training batches (the original ExoGym MNIST setup uses both).
     """
 
-    def __init__(self, channels: tuple[int, int] = (16, 32), num_classes: int = 10, dropout: float = 0.1):
+    def __init__(self, channels: tuple[int, int] = (16, 32), num_classes: int = 10, dropout: float = 0.1,
+                 batch_norm: bool = False, augment: bool = False):
         super().__init__()
         c1, c2 = channels
+        norm = (lambda c: nn.BatchNorm2d(c)) if batch_norm else (lambda c: nn.Identity())
         self.features = nn.Sequential(
-            nn.Conv2d(1, c1, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),   # [B, c1, 14, 14]
-            nn.Conv2d(c1, c2, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),  # [B, c2, 7, 7]
+            nn.Conv2d(1, c1, 3, padding=1), norm(c1), nn.ReLU(), nn.MaxPool2d(2),   # [B, c1, 14, 14]
+            nn.Conv2d(c1, c2, 3, padding=1), norm(c2), nn.ReLU(), nn.MaxPool2d(2),  # [B, c2, 7, 7]
         )
         self.head = nn.Sequential(nn.Flatten(), nn.Dropout(dropout), nn.Linear(c2 * 7 * 7, num_classes))
+        self.augment = augment
 
     def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
         images, labels = batch
+        if self.augment and self.training:
+            images = random_affine(images)
         logits = self.head(self.features(images))  # [B, num_classes]
         return {"loss": F.cross_entropy(logits, labels),
                 "accuracy": (logits.argmax(dim=1) == labels).float().mean()}
