@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--published", action="store_true",
                         help="the original ExoGym README's setup: 4 nodes x batch 256, 150 steps, AdamW lr 3e-4 "
                              "wd 1e-4, 100 warmup steps then cosine, a CNN with BatchNorm and Dropout, random-affine "
-                             "augmentation (about 10 minutes here)")
+                             "augmentation (about 4 minutes here)")
     args = parser.parse_args()
     runs, global_batch = strategies(args.lr), GLOBAL_BATCH
     model_kwargs: dict = {}
