@@ -52,7 +52,7 @@ def main() -> None:
         print(f"{label:<12} held-out loss {loss:.3f}  sent/node {results[-1][2] / 1e6:8.2f} MB  "
               f"{results[-1][3]:.0f} s", flush=True)
 
-    print(f"\n| strategy     | held-out loss | MB sent per node |\n|--------------|---------------|------------------|")
+    print("\n| strategy     | held-out loss | MB sent per node |\n|--------------|---------------|------------------|")
     for label, loss, sent, _, _ in results:
         print(f"| {label:<12} | {loss:13.3f} | {sent / 1e6:16.2f} |")
     for label, *_, text in results:
