@@ -15,7 +15,7 @@ from exogym.strategy.communicate_optimize_strategy import CommunicationModule, M
 from exogym.strategy.compressed_reduce import compressed_mean
 from exogym.strategy.optim import OptimSpec, ensure_optim_spec
 
-__all__ = ["DiLoCoCommunicator", "DiLoCoStrategy", "outer_spec"]
+__all__ = ["DiLoCoCommunicator", "DiLoCoStrategy", "outer_spec", "outer_choice"]
 
 _DROP = 3  # salt of the random stream that decides dropped outer gradients
 
@@ -205,16 +205,22 @@ class DiLoCoStrategy(ModularStrategy):
         return self.modules[0].H
 
 
-def diloco_module(H: int, outer_optim_spec: Any, outer_optim: Any, **kwargs: Any) -> DiLoCoCommunicator:
-    """A DiLoCoCommunicator from a strategy's arguments (both outer optimizer spellings, "sgd_normalized")."""
+def outer_choice(outer_optim_spec: Any, outer_optim: Any, **kwargs: Any) -> tuple[OptimSpec, bool]:
+    """(outer OptimSpec, normalize) from a strategy's two outer-optimizer spellings and outer_lr/momentum/nesterov;
+    "sgd_normalized" is SGD on the unit-norm pseudo-gradient."""
     if outer_optim_spec is not None and outer_optim is not None:
         raise TypeError(f"got both outer_optim_spec={outer_optim_spec!r} and outer_optim={outer_optim!r}; "
                         "pass one of them")
     name = outer_optim_spec if outer_optim_spec is not None else outer_optim
     normalize = isinstance(name, str) and name.lower() == "sgd_normalized"
+    return outer_spec("sgd" if normalize else name, **kwargs), normalize
+
+
+def diloco_module(H: int, outer_optim_spec: Any, outer_optim: Any, **kwargs: Any) -> DiLoCoCommunicator:
+    """A DiLoCoCommunicator from a strategy's arguments (both outer optimizer spellings, "sgd_normalized")."""
     module_kwargs = {k: kwargs.pop(k) for k in ("drop_prob", "seed", "quantization_bits", "compression")
                      if k in kwargs}
-    spec = outer_spec("sgd" if normalize else name, **kwargs)
+    spec, normalize = outer_choice(outer_optim_spec, outer_optim, **kwargs)
     return DiLoCoCommunicator(H, spec, normalize=normalize, **module_kwargs)
 
 

@@ -14,7 +14,7 @@ from exogym._validation import check_int, check_number
 from exogym.compression import Compressor, compressor_from
 from exogym.strategy.communicate_optimize_strategy import CommunicationModule, ModularStrategy, round_generator
 from exogym.strategy.compressed_reduce import PendingMean, start_mean
-from exogym.strategy.diloco import _one_of, outer_spec
+from exogym.strategy.diloco import _one_of, outer_choice, outer_spec
 from exogym.strategy.optim import OptimSpec
 
 __all__ = ["StreamingDiLoCoCommunicator", "StreamingDiLoCoStrategy", "FRAGMENT_PATTERNS"]
@@ -202,11 +202,11 @@ class StreamingDiLoCoStrategy(ModularStrategy):
                  drop_prob: float = 0.0, seed: int = 0, max_norm: float | None = None, **kwargs: Any):
         super().__init__(optim_spec, max_norm, inner_optim=inner_optim, lr=_one_of("lr", lr, "inner_lr", inner_lr),
                          weight_decay=weight_decay, **kwargs)
-        if outer_optim_spec is not None and outer_optim is not None:
-            raise TypeError(f"got both outer_optim_spec={outer_optim_spec!r} and outer_optim={outer_optim!r}; "
-                            "pass one of them")
-        spec = outer_spec(outer_optim_spec if outer_optim_spec is not None else outer_optim, outer_lr=outer_lr,
-                          outer_momentum=outer_momentum, nesterov=nesterov)
+        spec, normalize = outer_choice(outer_optim_spec, outer_optim, outer_lr=outer_lr,
+                                       outer_momentum=outer_momentum, nesterov=nesterov)
+        if normalize:
+            raise ValueError("StreamingDiLoCoStrategy does not offer 'sgd_normalized' (fragments are normalised "
+                             "separately, which is not the same rule); use 'sgd' or another outer optimizer")
         self._use_modules([StreamingDiLoCoCommunicator(
             H, spec, num_fragments=num_fragments, fragment_pattern=fragment_pattern, tau=tau, alpha=alpha,
             drop_prob=drop_prob, seed=seed, quantization_bits=quantization_bits, compression=compression)])

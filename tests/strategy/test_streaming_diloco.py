@@ -210,3 +210,15 @@ def test_more_fragments_than_layers_is_rejected_naming_the_layers():
         fit(StreamingDiLoCoStrategy(H=6, num_fragments=3, tau=0), steps=1)
     fit(StreamingDiLoCoStrategy(H=6, num_fragments=2, tau=0), steps=1)
 
+
+
+def test_outer_optimizer_spellings_are_checked_like_diloco():
+    import pytest
+
+    from exogym.strategy import StreamingDiLoCoStrategy
+
+    with pytest.raises(TypeError, match="got both outer_optim_spec="):
+        StreamingDiLoCoStrategy(outer_optim_spec="sgd", outer_optim="adam")
+    with pytest.raises(ValueError, match="does not offer 'sgd_normalized'"):
+        StreamingDiLoCoStrategy(outer_optim="sgd_normalized")
+    StreamingDiLoCoStrategy(outer_optim="sgd", outer_lr=0.5)  # the boundary: accepted
