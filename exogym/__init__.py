@@ -9,8 +9,9 @@ Words used throughout:
 
 from exogym.backends.torch_spawn import NodeProcessError
 from exogym.comm import CollectiveError
+from exogym.membership import RandomFailures
 from exogym.record import RunRecord
 from exogym.trainer import LocalTrainer, Trainer
 
-__all__ = ["Trainer", "LocalTrainer", "RunRecord", "CollectiveError", "NodeProcessError"]
+__all__ = ["Trainer", "LocalTrainer", "RunRecord", "CollectiveError", "NodeProcessError", "RandomFailures"]
 __version__ = "0.1.0"

@@ -16,9 +16,11 @@ from typing import TYPE_CHECKING, Iterator, Protocol, Sequence
 import torch
 
 if TYPE_CHECKING:
+    from exogym.membership import Membership
     from exogym.simtime import NodeClock
 
-__all__ = ["CollectiveError", "Group", "ReduceOp", "Communicator", "CommStats", "current_communicator", "bind_communicator"]
+__all__ = ["CollectiveError", "Group", "ReduceOp", "Communicator", "CommStats", "current_communicator", "bind_communicator",
+           "nodes_up", "current_membership"]
 
 
 class CollectiveError(RuntimeError):
@@ -147,6 +149,7 @@ class Communicator(Protocol):
     world: Group
     clock: "NodeClock"
     step: int | None
+    membership: "Membership | None"  # exogym.membership: who is up at each step; None: every node, always
 
     # async_op=True returns a handle with wait() (torch.distributed's Work); otherwise None.
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, group: Group, *, account: bool = False,
@@ -173,6 +176,19 @@ def bind_communicator(comm: Communicator) -> Iterator[Communicator]:
         yield comm
     finally:
         _bound.reset(token)
+
+
+def nodes_up(comm: Communicator) -> tuple[int, ...]:
+    """The ranks up at the node's current step (every rank without a failure or elastic schedule). For the
+    trainer's own measurements, which every node joins, up or down."""
+    membership = getattr(comm, "membership", None)
+    return comm.world.ranks if membership is None or comm.step is None else membership.alive(comm.step)
+
+
+def current_membership() -> "Membership | None":
+    """The running node's failure / elastic schedule; None without one, or outside a running node."""
+    comm = _bound.get()
+    return getattr(comm, "membership", None) if comm is not None else None
 
 
 def current_communicator() -> Communicator:

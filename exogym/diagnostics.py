@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from exogym.comm import Communicator
+from exogym.comm import Communicator, nodes_up
 
 __all__ = ["parameter_divergence"]
 
@@ -16,11 +16,11 @@ __all__ = ["parameter_divergence"]
 @torch.no_grad()
 def parameter_divergence(model: torch.nn.Module, comm: Communicator) -> dict[str, float]:
     """Mean pairwise Pearson correlation of the nodes' flattened parameters, and their variance across nodes
-    (averaged over parameters). Identical models give correlation 1 and variance 0."""
+    (averaged over parameters), over the nodes up at this step. Identical models give correlation 1 and variance 0."""
     flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])  # [P]
     gathered = [torch.empty_like(flat) for _ in range(comm.num_nodes)]
     comm.all_gather(gathered, flat, comm.world)
-    stacked = torch.stack(gathered).double()  # [K, P]
+    stacked = torch.stack([gathered[r] for r in nodes_up(comm)]).double()  # [K up, P]
     k = stacked.shape[0]
     variance = stacked.var(dim=0, unbiased=False).mean().item()
     if k < 2:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from exogym._validation import check_number
-from exogym.data.partition import Partition, dirichlet_partition
+from exogym.data.partition import Partition, dirichlet_partition, shards_partition
 from exogym.data.sharding import DatasetOrFactory, NodeBatches, fixed_batches, is_factory, node_dataset
 from exogym.logger import CSVLogger, Logger, MultiLogger
 from exogym.network import Network
@@ -69,16 +69,23 @@ def announce(config: dict[str, Any], time_model: TimeModel | None) -> None:
 
 
 def partition_data(data: Any, partition: str, alpha: float | None, num_nodes: int, batch_size: int,
-               seed: int) -> Partition | None:
-    if partition not in ("iid", "dirichlet"):
-        raise ValueError(f"partition must be 'iid' or 'dirichlet', got {partition!r}")
+               seed: int, *, shards_per_node: int | None = None) -> Partition | None:
+    """None for "iid" (DistributedSampler shards), else the label partition; each knob only with its kind."""
+    if partition not in ("iid", "dirichlet", "shards"):
+        raise ValueError(f"partition must be 'iid', 'dirichlet' or 'shards', got {partition!r}")
+    if alpha is not None and partition != "dirichlet":
+        raise TypeError(f"dirichlet_alpha only applies to partition='dirichlet', got partition={partition!r}; "
+                        "drop dirichlet_alpha")
+    if shards_per_node is not None and partition != "shards":
+        raise TypeError(f"shards_per_node only applies to partition='shards', got partition={partition!r}; "
+                        "drop shards_per_node")
     if partition == "iid":
-        if alpha is not None:
-            raise TypeError("dirichlet_alpha only applies to partition='dirichlet'")
         return None
     if is_factory(data):
-        raise TypeError("partition='dirichlet' splits one train_dataset; a dataset factory already gives each node "
-                        "its own data")
+        raise TypeError(f"partition={partition!r} splits one train_dataset; a dataset factory already gives each "
+                        "node its own data")
+    if partition == "shards":
+        return shards_partition(data, num_nodes, 2 if shards_per_node is None else shards_per_node, seed=seed)
     check_number("dirichlet_alpha", alpha, positive=True)
     return dirichlet_partition(data, num_nodes, alpha, seed=seed, min_size=batch_size)
 

@@ -22,7 +22,9 @@ from exogym.checkpoint import CheckpointPlan, NodeState, finalize_checkpoint, sa
 from exogym.comm import CollectiveError, Communicator, bind_communicator
 from exogym.data.sharding import NodeBatches, batch_size_of, move_to_device, split_batch, token_count
 from exogym.diagnostics import parameter_divergence
+from exogym.membership import Membership
 from exogym.record import LiveLog, NodeLog
+from exogym.rejoin import hand_over_state
 from exogym.rng import GlobalRNGState
 from exogym.simtime import TimeModel
 
@@ -45,6 +47,7 @@ class RunConfig:
     diagnostics_interval: int | None = None
     time_model: TimeModel | None = None  # None: no simulated time
     steps_per_epoch: int = 1  # the run's: one pass over the smallest node's shard
+    membership: Membership | None = None  # failures / elastic pool: who is up at each step; None: everyone
 
 
 def parse_model_output(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -113,6 +116,11 @@ class TrainNode:
             comm.step = self.step + 1  # steps count from 1 in records and messages
             batch = next(batches)  # drawn even when the node sits out: its data position is a function of the step
             loss, metrics = None, {}  # a node that sits out the step logs no loss (and no compute time)
+            if not self._up(self.step + 1):  # down: no compute, no collectives, until it comes up again
+                self._unflushed.append((None, {}, s._current_lr(), comm.stats.bytes_sent,
+                                        time.perf_counter() - self.start_time, self._tokens, comm.clock.now))
+                self._after_step(comm, self.step + 1)
+                continue
             skip = s.skip_compute()
             s.zero_grad()
             if not skip:
@@ -131,12 +139,25 @@ class TrainNode:
             self.log.comm["sim_time"] = comm.clock.as_dict()
         return self.log, (final if self.rank == 0 else None)
 
+    def _up(self, step: int) -> bool:
+        """Whether this node is up at `step`; a node coming up at `step` first takes the global state."""
+        m = self.cfg.membership
+        if m is None:
+            return True
+        if self.rank not in m.alive(step):
+            return False
+        joiners = m.joiners(step)
+        if joiners:  # every node up at this step takes part (some send, the joiners receive)
+            hand_over_state(self.strategy, step, list(m.survivors(step)), list(joiners))
+        return True
+
     def _start(self, comm: Communicator) -> int:
         """Bind the strategy to this node (or take it back from a checkpoint); return the first step to run."""
         cfg, s = self.cfg, self.strategy
         if self.val_batches is not None:
             self.val_batches = [move_to_device(b, self.device) for b in self.val_batches]
         s.max_steps, s.steps_per_epoch, s.shard_size = cfg.max_steps, cfg.steps_per_epoch, self.batches.shard_size
+        comm.membership = cfg.membership
         if self.resume is None:
             self.model.to(self.device)
             s._init_node(self.model, self.rank, cfg.num_nodes)

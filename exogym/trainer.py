@@ -7,7 +7,7 @@ import inspect
 import os
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -20,6 +20,7 @@ from exogym.devices import DeviceLike, resolve_node_devices
 from exogym.fit_setup import (announce, build_node_batches, build_time_model, build_val_batches, partition_data,
                               peak_memory_mb, resolve_logger, versions)
 from exogym.logger import Logger, default_run_name
+from exogym.membership import RandomFailures, build_membership
 from exogym.network import Network
 from exogym.node import RunConfig
 from exogym.plan import RunPlan
@@ -68,7 +69,10 @@ class Trainer:
             resume_from: str | os.PathLike | None = None, diagnostics_interval: int | None = None,
             network: Network | str | None = None, node_speeds: Sequence[float] | None = None,
             device_flops: float | Sequence[float] | None = None, compute_time: str = "flops",
-            partition: str = "iid", dirichlet_alpha: float | None = None, **unknown: Any) -> torch.nn.Module:
+            partition: str = "iid", dirichlet_alpha: float | None = None, shards_per_node: int | None = None,
+            failures: Sequence[tuple[int, int, int | None]] | RandomFailures | None = None,
+            active_nodes: str | Sequence[tuple[int, int]] | Callable[[int], int] | None = None,
+            **unknown: Any) -> torch.nn.Module:
         """Train with `strategy` on `num_nodes` nodes; return the global model (by default the nodes' average).
 
         batch_size is per node (the global batch is num_nodes x batch_size); minibatch_size splits it
@@ -89,8 +93,16 @@ class Trainer:
         FLOPs over the node's throughput, deterministic; "measured": its wall time). The record then
         has sim_time_s per step and compute/communication/waiting seconds per node.
 
+        failures=[(node, step_down, step_up), ...] (step_up None: never back) or RandomFailures(rate, downtime,
+        seed): a node that is down computes and sends nothing; the others' collectives run without it, and
+        a node coming up first takes the global state from one that was up. active_nodes: an elastic pool
+        ("doubling", "halving", "ramp_up", "ramp_down", [(from_step, count), ...], or step -> count; ranks
+        0..count-1 are in it). Both are simulated: backend="sim" only (see exogym.membership).
+
         partition="dirichlet" with dirichlet_alpha splits a labelled train_dataset by label (non-IID);
-        the shard sizes and label histograms go into the record's config.
+        partition="shards" sorts it by label and deals each node shards_per_node (default 2) of
+        num_nodes x shards_per_node equal shards (the FedAvg paper's pathological non-IID split).
+        The split's settings, shard sizes and label histograms go into the record's config.
         """
         reject_unknown_kwargs("Trainer.fit", unknown,
                               [p for p in inspect.signature(Trainer.fit).parameters if p not in ("self", "unknown")])
@@ -131,7 +143,8 @@ class Trainer:
             raise ValueError("autocast=True trains in bfloat16, which this GPU does not support; use autocast=False")
 
         # Data: every node's batches and the fixed validation batches, checked before any node starts.
-        split = partition_data(self.train_dataset, partition, dirichlet_alpha, num_nodes, batch_size, seed)
+        split = partition_data(self.train_dataset, partition, dirichlet_alpha, num_nodes, batch_size, seed,
+                               shards_per_node=shards_per_node)
         node_batches = build_node_batches(self.train_dataset, split, num_nodes=num_nodes, batch_size=batch_size,
                                           shuffle=shuffle, seed=seed)
         steps_per_epoch = min(nb.steps_per_epoch for nb in node_batches)
@@ -139,11 +152,20 @@ class Trainer:
         val_batches, val_size = build_val_batches(self.val_dataset, num_nodes=num_nodes, val_size=val_size,
                                                   batch_size=batch_size, seed=seed)
 
+        membership = build_membership(num_nodes, total_steps, failures, active_nodes)
+        if membership is not None:
+            if backend != "sim":
+                raise ValueError(f"failures and active_nodes are simulated by backend='sim'; on backend={backend!r} "
+                                 "the nodes are real processes that do not fail on a schedule")
+            if not strategy.supports_membership_changes:
+                raise ValueError(f"{type(strategy).__name__} cannot run with failures or active_nodes (see its "
+                                 "docstring); drop them or use another strategy")
+
         cfg = RunConfig(num_nodes=num_nodes, max_steps=total_steps, batch_size=batch_size,
                         minibatch_size=minibatch_size, val_interval=val_interval, log_interval=log_interval,
                         autocast=autocast, progress=progress, validate=val_batches is not None,
                         diagnostics_interval=diagnostics_interval, time_model=time_model,
-                        steps_per_epoch=steps_per_epoch)
+                        steps_per_epoch=steps_per_epoch, membership=membership)
         n_params = sum(p.numel() for p in self.model.parameters())
         config = {"strategy": type(strategy).__name__, "strategy_config": strategy.config(), "num_nodes": num_nodes,
                   "max_steps": total_steps, "steps_per_epoch": steps_per_epoch, "num_epochs": num_epochs,
@@ -153,8 +175,11 @@ class Trainer:
                   "devices": [str(d) for d in node_devices], "model": type(self.model).__name__,
                   "parameters": n_params, "versions": versions()}
         if split is not None:
-            config["partition"] = {"kind": partition, "dirichlet_alpha": dirichlet_alpha, "sizes": split.sizes,
+            config["partition"] = {"kind": partition, **split.settings, "sizes": split.sizes,
                                    "label_histograms": split.label_histograms()}
+        if membership is not None:
+            config["membership"] = {"failures": repr(failures), "active_nodes": repr(active_nodes),
+                                    "schedule": membership.as_record()}
         if time_model is not None:
             config["time_model"] = {"network": repr(time_model.network), "node_speeds": list(time_model.node_speeds),
                                     "device_flops": list(time_model.device_flops), "compute_time": compute_time}

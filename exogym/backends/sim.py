@@ -13,6 +13,7 @@ import torch
 
 from exogym.backends.scheduler import CollectiveCall, CollectiveError, Pending, Scheduler
 from exogym.comm import CommStats, Group, ReduceOp, make_group, payload_nbytes, tensor_nbytes
+from exogym.membership import Membership
 from exogym.simtime import NodeClock, TimeModel
 
 if TYPE_CHECKING:
@@ -90,6 +91,7 @@ class SimCommunicator:
         self.clock = NodeClock()
         self.world = Group(tuple(range(num_nodes)))
         self.step: int | None = None  # the node's current step, for error messages
+        self.membership: Membership | None = None  # who is up at each step (set by the node); None: everyone
 
     def _meet(self, name: str, group: Group, signature: tuple, account: bool, payload: int, async_op: bool,
               **args: Any) -> "SimWork | None":

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from exogym.comm import CollectiveError, CommStats, Group, ReduceOp, make_group, payload_nbytes, tensor_nbytes
+from exogym.membership import Membership
 from exogym.simtime import NodeClock, TimeModel
 
 __all__ = ["TorchCommunicator", "TorchWork"]
@@ -70,6 +71,7 @@ class TorchCommunicator:
         self.clock = NodeClock()
         self.world = Group(tuple(range(num_nodes)))
         self.step: int | None = None  # the node's current step, for error messages
+        self.membership: Membership | None = None  # who is up at each step (set by the node); None: everyone
         self._process_groups: dict[tuple[int, ...], Any] = {}  # ranks -> torch ProcessGroup (or NON_GROUP_MEMBER)
 
     # ---- groups ------------------------------------------------------------------------------

@@ -3,27 +3,35 @@
 "dirichlet" (Hsu et al. 2019, the standard federated-learning benchmark split): for every
 class, its examples are divided among the nodes in proportions drawn from Dir(alpha, ..., alpha).
 Small alpha (0.1) gives each node a few dominant classes; large alpha (100) approaches IID.
+"shards" (McMahan et al. 2017, the FedAvg paper's "pathological non-IID" MNIST split): sort the
+examples by label, cut them into num_nodes x shards_per_node equal shards, and deal each node
+shards_per_node of them at random; with 2 shards of MNIST most nodes see only two digits.
 Every example goes to exactly one node, so each is used once per epoch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset, TensorDataset
 
-__all__ = ["Partition", "dirichlet_partition", "dataset_labels"]
+from exogym._validation import check_int
+
+__all__ = ["Partition", "dirichlet_partition", "shards_partition", "dataset_labels"]
 
 
 @dataclass
 class Partition:
-    """Per node: its example indices; plus what a record shows: shard sizes and label histograms."""
+    """Per node: its example indices; plus what a record shows: the split's settings, shard sizes and
+    label histograms."""
 
     indices: list[list[int]]
     num_classes: int
     labels: np.ndarray
+    settings: dict[str, Any] = field(default_factory=dict)  # e.g. {"dirichlet_alpha": 0.1}
 
     def subsets(self, ds: Dataset) -> list[Subset]:
         return [Subset(ds, idx) for idx in self.indices]
@@ -64,7 +72,28 @@ def dirichlet_partition(ds: Dataset, num_nodes: int, alpha: float, *, seed: int,
             for node, part in enumerate(np.split(members, cuts)):
                 shards[node].extend(part.tolist())
         if min(len(s) for s in shards) >= min_size:
-            return Partition([sorted(s) for s in shards], num_classes, labels)
+            return Partition([sorted(s) for s in shards], num_classes, labels, {"dirichlet_alpha": alpha})
     raise ValueError(f"could not split {len(labels)} examples into {num_nodes} Dirichlet(alpha={alpha}) shards of at "
                      f"least {min_size} examples (one batch) each in {max_draws} draws; raise alpha, lower "
                      "batch_size or use fewer nodes")
+
+
+def shards_partition(ds: Dataset, num_nodes: int, shards_per_node: int = 2, *, seed: int) -> Partition:
+    """Sort `ds` by label (stable), cut it into num_nodes x shards_per_node equal, label-contiguous shards
+    and deal each node shards_per_node of them by a seeded permutation (McMahan et al. 2017, sec. 3)."""
+    check_int("num_nodes", num_nodes, minimum=1)
+    check_int("shards_per_node", shards_per_node, minimum=1)
+    labels = dataset_labels(ds)
+    n, num_shards = len(labels), num_nodes * shards_per_node
+    if n == 0 or n % num_shards:
+        fits = [s for s in range(1, 11) if n and n % (num_nodes * s) == 0]
+        hint = f"use shards_per_node in {fits}" if fits else "change num_nodes"
+        raise ValueError(f"partition='shards' cuts the {n} training examples into num_nodes x shards_per_node = "
+                         f"{num_nodes} x {shards_per_node} = {num_shards} equal shards, so {num_shards} must divide "
+                         f"{n}; {hint}, or use partition='dirichlet'")
+    by_label = np.argsort(labels, kind="stable").reshape(num_shards, n // num_shards)  # [shards, shard size]
+    rng = np.random.default_rng([seed, 0x5A])  # its own stream: the split never shifts other randomness
+    dealt = rng.permutation(num_shards).reshape(num_nodes, shards_per_node)  # node r gets shards dealt[r]
+    indices = [sorted(by_label[shards].ravel().tolist()) for shards in dealt]
+    return Partition(indices, int(labels.max()) + 1, labels,
+                     {"shards_per_node": shards_per_node, "shard_size": n // num_shards})

@@ -1,4 +1,4 @@
-"""A small CNN for 28x28 grey images (MNIST, Fashion-MNIST)."""
+"""CNNs for 28x28 grey images (MNIST, Fashion-MNIST): a small one, and the FedAvg paper's."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MnistCNN", "random_affine"]
+__all__ = ["MnistCNN", "FedAvgCNN", "random_affine"]
 
 
 def random_affine(images: torch.Tensor, *, degrees: float = 10.0, translate: float = 0.1,
@@ -49,6 +49,30 @@ class MnistCNN(nn.Module):
         images, labels = batch
         if self.augment and self.training:
             images = random_affine(images)
+        logits = self.head(self.features(images))  # [B, num_classes]
+        return {"loss": F.cross_entropy(logits, labels),
+                "accuracy": (logits.argmax(dim=1) == labels).float().mean()}
+
+
+class FedAvgCNN(nn.Module):
+    """The MNIST CNN of the FedAvg paper (McMahan et al. 2017, sec. 3): two 5x5 convolutions with 32 and 64
+    channels, each followed by ReLU and 2x2 max pooling, a 512-unit dense layer with ReLU, and a 10-way
+    softmax; 1,663,370 parameters. `model((images, labels))` -> {"loss", "accuracy"}.
+
+    images: [B, 1, 28, 28] float, labels: [B] int64. The convolutions are padded ("same"), which is
+    what makes the paper's parameter count: the dense layer sees 64 x 7 x 7 features.
+    """
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),   # [B, 32, 14, 14]
+            nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),  # [B, 64, 7, 7]
+        )
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(64 * 7 * 7, 512), nn.ReLU(), nn.Linear(512, num_classes))
+
+    def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        images, labels = batch
         logits = self.head(self.features(images))  # [B, num_classes]
         return {"loss": F.cross_entropy(logits, labels),
                 "accuracy": (logits.argmax(dim=1) == labels).float().mean()}

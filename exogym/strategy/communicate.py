@@ -5,6 +5,10 @@ adds the bytes that node sends to its count (formulas in `exogym.comm`). `group`
 all nodes, a `Group` from `new_group`, or a list of ranks. With async_op=True a call returns a
 handle at once and the node keeps computing; `handle.wait()` makes the results visible (as in
 torch.distributed, the tensors must not be read or written before then).
+
+When the run has a failure or elastic schedule (exogym.membership), a group means its members that are up
+at the current step: collectives run without the nodes that are down, and `alive_ranks(group)` says who
+takes part (one tensor per such member in all_gather and reduce_scatter lists; divide means by its length).
 """
 
 from __future__ import annotations
@@ -18,17 +22,22 @@ from exogym.comm import Group, ReduceOp, Work
 
 __all__ = [
     "ReduceOp", "Group", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier",
-    "new_group", "get_rank", "get_world_size",
+    "new_group", "get_rank", "get_world_size", "alive_ranks",
 ]
 
 
 def _group(c: _comm.Communicator, group: Group | Sequence[int] | None) -> Group:
-    if group is None:
-        return c.world
-    g = group if isinstance(group, Group) else _comm.make_group(group, c.num_nodes)
+    """The members of `group` that take part now: all of them, or those up at this step."""
+    g = c.world if group is None else group if isinstance(group, Group) else _comm.make_group(group, c.num_nodes)
     if c.rank not in g:
         raise ValueError(f"node {c.rank} called a collective on group {list(g.ranks)}, which it is not in")
-    return g
+    membership = getattr(c, "membership", None)
+    if membership is None or c.step is None:
+        return g
+    up = membership.alive(c.step)
+    if c.rank not in up:
+        raise _comm.CollectiveError(f"node {c.rank} is down at step {c.step} but called a collective")
+    return g if all(r in up for r in g.ranks) else Group(tuple(r for r in g.ranks if r in up))
 
 
 def _check_tensor(name: str, t: object) -> torch.Tensor:
@@ -65,7 +74,8 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: Group | Sequence[int] |
     g = _group(c, group)
     _check_tensor("tensor", tensor)
     if src not in g:
-        raise ValueError(f"broadcast src={src!r} is not in the group {list(g.ranks)}")
+        down = " (it is down at this step)" if src in _group_ranks(c, group) else ""
+        raise ValueError(f"broadcast src={src!r} is not in the group {list(g.ranks)}{down}")
     c.stats.add("broadcast", _comm.broadcast_bytes(_comm.tensor_nbytes(tensor), g, src, c.rank))
     work = c.broadcast(tensor, src, g, account=True, async_op=async_op)
     return work if async_op else tensor
@@ -111,4 +121,15 @@ def get_rank() -> int:
 
 
 def get_world_size() -> int:
+    """Every node of the run, up or down (ranks are 0..get_world_size()-1); see alive_ranks()."""
     return _comm.current_communicator().num_nodes
+
+
+def alive_ranks(group: Group | Sequence[int] | None = None) -> list[int]:
+    """The members of `group` (default: all nodes) that take part in a collective at this step: every member,
+    unless the run's failure or elastic schedule has some of them down."""
+    return list(_group(_comm.current_communicator(), group).ranks)
+
+
+def _group_ranks(c: _comm.Communicator, group: Group | Sequence[int] | None) -> tuple[int, ...]:
+    return c.world.ranks if group is None else group.ranks if isinstance(group, Group) else tuple(group)

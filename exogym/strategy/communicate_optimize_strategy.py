@@ -19,10 +19,10 @@ import numpy as np
 import torch
 
 from exogym._validation import check_int, check_number
-from exogym.comm import ReduceOp, current_communicator
+from exogym.comm import ReduceOp, current_communicator, current_membership, nodes_up
 from exogym.compression import Compressor, compressor_from
 from exogym.flatten import flatten_by_dtype, unflatten_into
-from exogym.strategy.communicate import Group, all_reduce, broadcast, new_group
+from exogym.strategy.communicate import Group, alive_ranks, all_reduce, broadcast, new_group
 from exogym.strategy.compressed_reduce import compressed_mean
 from exogym.strategy.optim import OptimSpec, ensure_optim_spec
 from exogym.strategy.strategy import Strategy
@@ -40,6 +40,8 @@ class CommunicationModule:
     """
 
     max_steps: int | None = None  # the run's last step, set by the strategy before _init_node
+    keeps_global_model = False  # True: global_state() is the global model, the same on every node (DiLoCo's)
+    supports_membership_changes = True  # False: cannot run with failures or an elastic pool
 
     def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
         """Bind to one node's model (each node has its own deep copy of the module)."""
@@ -55,6 +57,17 @@ class CommunicationModule:
         """The module's own global model after `local_step` steps, if it keeps one (see Strategy.global_state).
         Every node calls this together, so it may use a collective of exogym.comm, uncounted (a measurement)."""
         return None
+
+    def model_sources(self, survivors: list[int], local_step: int) -> list[int] | None:
+        """Which survivors' average is the global model a node coming up gets, if this module decides it."""
+        return None
+
+    def state_for_joiners(self) -> Any:
+        """This module's state a node coming up needs (it is sent from a node that was up); see Strategy."""
+        return None
+
+    def load_state_from_survivor(self, state: Any) -> None:
+        """On a node coming up, after the strategy has loaded the global model, optimizer and step count."""
 
     def __repr__(self) -> str:
         # Its settings (what config.json shows), not what _init_node binds (model, optimizers, state).
@@ -93,7 +106,7 @@ class AveragingCommunicator(CommunicationModule):
     island_size=None: one island of every taking-part node; otherwise, each round, the nodes are
     shuffled (shared seed) into islands of island_size and average only within them (one subgroup
     all-reduce each). client_sampling=C < 1: each round only max(1, round(C*K)) sampled nodes train
-    and average; the others do no compute, and the nodes sampled for the next round that sat this
+    and average (sampled from the nodes up when the round starts, under failures or an elastic pool); the others do no compute, and the nodes sampled for the next round that sat this
     one out receive the new average from a sampled node at the round's end (one broadcast each).
 
     quantization_bits=8 or 4 / compression=<exogym.compression Compressor>: each node sends its change since
@@ -132,11 +145,22 @@ class AveragingCommunicator(CommunicationModule):
         return max(1, round(self.client_sampling * self.num_nodes))
 
     def participants(self, round_index: int) -> list[int]:
-        """The sorted ranks that train in round `round_index` (rounds count from 0)."""
+        """The sorted ranks that train in round `round_index` (rounds count from 0), sampled from the nodes up
+        when the round starts (with failures or an elastic pool; otherwise from every node). Without sampling,
+        every node: one coming up mid-round trains the rest of it."""
         if self.clients_per_round == self.num_nodes:
             return list(range(self.num_nodes))
-        perm = torch.randperm(self.num_nodes, generator=round_generator(self.seed, round_index, _SAMPLE))
-        return sorted(perm[:self.clients_per_round].tolist())
+        pool = self._available(round_index)
+        if self.clients_per_round >= len(pool):
+            return pool
+        perm = torch.randperm(len(pool), generator=round_generator(self.seed, round_index, _SAMPLE))
+        return sorted(pool[i] for i in perm[:self.clients_per_round].tolist())
+
+    def _available(self, round_index: int) -> list[int]:
+        membership = current_membership()
+        if membership is None:
+            return list(range(self.num_nodes))
+        return list(membership.alive(round_index * self.H + 1))
 
     def islands(self, round_index: int) -> list[list[int]]:
         """The round's participants split into islands (each sorted); together they cover each participant once."""
@@ -160,24 +184,29 @@ class AveragingCommunicator(CommunicationModule):
         round_index = local_step // self.H - 1  # the round that ends with this step
         self._average_islands(self.islands(round_index))
         if self.clients_per_round < self.num_nodes:
-            self._hand_over(self.participants(round_index), self.participants(round_index + 1))
+            up = alive_ranks()
+            self._hand_over([r for r in self.participants(round_index) if r in up],
+                            [r for r in self.participants(round_index + 1) if r in up])
 
     @torch.no_grad()
     def _average_islands(self, islands: list[list[int]]) -> None:
         params = [p for p in self.model.parameters()]
         for island in islands:
             group = self._group(island)  # every node makes every island's group, in the same order
-            if self.rank not in island or len(island) == 1:
+            if self.rank not in island:
+                continue
+            size = len(alive_ranks(group))  # its members that are up
+            if size == 1:
                 continue
             for flat, tensors in flatten_by_dtype(p.data for p in params):
                 all_reduce(flat, group=group)
-                flat.div_(len(island))
+                flat.div_(size)
                 unflatten_into(flat, tensors)
 
     @torch.no_grad()
     def _average_compressed(self) -> None:
         """theta_last += mean_j decode(encode(theta_j - theta_last)); theta_i = theta_last on every node."""
-        if self.num_nodes == 1:
+        if len(alive_ranks()) == 1:
             return
         params = list(self.model.parameters())
         changes = [p.detach() - last for p, last in zip(params, self.last_average)]
@@ -189,8 +218,9 @@ class AveragingCommunicator(CommunicationModule):
     @torch.no_grad()
     def _hand_over(self, done: list[int], upcoming: list[int]) -> None:
         """Each node sampled for the next round that sat this one out gets the new model from a node of this
-        round (spread round-robin): a two-node broadcast, in which only the sender sends."""
-        newcomers = [r for r in upcoming if r not in done]
+        round (spread round-robin): a two-node broadcast, in which only the sender sends. Only nodes that are
+        up take part (a node coming back up later gets the global model then, from exogym.rejoin)."""
+        newcomers = [r for r in upcoming if r not in done] if done else []
         for i, newcomer in enumerate(newcomers):
             src = done[i % len(done)]
             group = self._group([src, newcomer])
@@ -206,8 +236,9 @@ class AveragingCommunicator(CommunicationModule):
         stale models). A measurement, as in exogym.averaging: it costs no bytes and no simulated time."""
         if self.clients_per_round == self.num_nodes:
             return None
-        current = self.participants(local_step // self.H)
         comm = current_communicator()
+        up = nodes_up(comm)
+        current = [r for r in self.participants(local_step // self.H) if r in up] or list(up)
         state = {k: v.detach().clone() for k, v in self.model.state_dict().items() if v.is_floating_point()}
         for flat, tensors in flatten_by_dtype(state.values()):
             if self.rank not in current:
@@ -216,6 +247,22 @@ class AveragingCommunicator(CommunicationModule):
             flat.div_(len(current))
             unflatten_into(flat, tensors)
         return state
+
+    def model_sources(self, survivors: list[int], local_step: int) -> list[int] | None:
+        """With client sampling, the survivors training in the current round (the others hold stale models)."""
+        if self.clients_per_round == self.num_nodes:
+            return None
+        current = [r for r in self.participants(local_step // self.H) if r in survivors]
+        return current or survivors
+
+    def state_for_joiners(self) -> Any:
+        return [t.clone() for t in self.last_average] if self.compression is not None else None
+
+    @torch.no_grad()
+    def load_state_from_survivor(self, state: Any) -> None:
+        if state is not None:
+            for last, t in zip(self.last_average, state):
+                last.copy_(t)
 
 
 class ModularStrategy(Strategy):
@@ -275,6 +322,27 @@ class ModularStrategy(Strategy):
             if state is not None:
                 return state
         return None
+
+    @property
+    def supports_membership_changes(self) -> bool:
+        return all(m.supports_membership_changes for m in self.modules)
+
+    def _model_sources(self, survivors: list[int], steps_done: int) -> list[int]:
+        if any(m.keeps_global_model for m in self.modules):
+            return survivors[:1]  # the module's global model is the same on every node; joiners reset to it
+        for m in self.modules:
+            sources = m.model_sources(survivors, steps_done)
+            if sources is not None:
+                return sources
+        return super()._model_sources(survivors, steps_done)
+
+    def _state_for_joiners(self, sources: list[int]) -> dict[str, Any]:
+        return {**super()._state_for_joiners(sources), "modules": [m.state_for_joiners() for m in self.modules]}
+
+    def _load_state_from_survivor(self, state: dict[str, Any]) -> None:
+        super()._load_state_from_survivor(state)
+        for m, module_state in zip(self.modules, state["modules"]):
+            m.load_state_from_survivor(module_state)
 
 
 class CommunicateOptimizeStrategy(ModularStrategy):

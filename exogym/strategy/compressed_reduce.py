@@ -22,7 +22,7 @@ import torch
 
 from exogym.compression import Compressor, Payload
 from exogym.flatten import flatten_by_dtype, unflatten_into
-from exogym.strategy.communicate import all_gather, all_reduce, get_rank, get_world_size
+from exogym.strategy.communicate import alive_ranks, all_gather, all_reduce, get_rank
 
 __all__ = ["PendingMean", "start_mean", "compressed_mean"]
 
@@ -36,6 +36,7 @@ class PendingMean:
         self.compressor, self._tensors, self._own = compressor, tensors, own
         self._buffers, self._work, self.members, self.divisor = buffers, work, members, divisor
         self._result: list[torch.Tensor] | None = None
+        self._slot: dict[int, int] = {}  # rank -> its buffer's position in the all-gather (set by start_mean)
 
     @torch.no_grad()
     def wait(self) -> list[torch.Tensor]:
@@ -65,7 +66,7 @@ class PendingMean:
     def _decoded_mean(self) -> list[torch.Tensor]:
         total: list[torch.Tensor] | None = None
         for rank in self.members:  # rank order: the same sum, bit for bit, on every node
-            decoded = [self.compressor.decode(p) for p in _unpack(self._buffers[rank], self._own)]
+            decoded = [self.compressor.decode(p) for p in _unpack(self._buffers[self._slot[rank]], self._own)]
             total = decoded if total is None else [t.add_(d) for t, d in zip(total, decoded)]
         return [t.div_(self.divisor) for t in total]
 
@@ -74,14 +75,14 @@ class PendingMean:
 def start_mean(tensors: Sequence[torch.Tensor], compressor: Compressor | None, *, members: Sequence[int] | None = None,
                keys: Sequence[Hashable | None] | None = None, divisor: float | None = None,
                async_op: bool = False) -> PendingMean:
-    """Start averaging `tensors` (the same shapes on every node) over the nodes `members` (default all):
-    sum over members / divisor (default len(members)). A node outside members still takes part (sending its
+    """Start averaging `tensors` (the same shapes on every node) over the nodes `members` (default all; only
+    those up at this step count): sum over members / divisor (default len(members)). A node outside members still takes part (sending its
     tensors, or zeros without compression) but its contribution is left out. keys: per tensor, the stream
     each belongs to (error feedback's memory); None for a node whose contribution is left out.
     async_op=True: the transfer runs while the node computes; the tensors may be changed at once."""
     tensors = [t.detach() for t in tensors]
-    world = get_world_size()
-    members = sorted(range(world) if members is None else members)
+    up = alive_ranks()
+    members = sorted(up if members is None else set(members) & set(up))
     divisor = float(len(members) if divisor is None else divisor)
     if compressor is None:
         buffers = flatten_by_dtype(tensors)  # flat copies: the caller may change its tensors meanwhile
@@ -94,9 +95,11 @@ def start_mean(tensors: Sequence[torch.Tensor], compressor: Compressor | None, *
     keys = [None] * len(tensors) if keys is None else list(keys)
     own = [compressor.encode(t, key=k) for t, k in zip(tensors, keys)]
     packed = _pack(own)  # [P] uint8
-    gathered = [torch.empty_like(packed) for _ in range(world)]
+    gathered = [torch.empty_like(packed) for _ in up]
     work = all_gather(gathered, packed, async_op=async_op)
-    return PendingMean(compressor, tensors, own, gathered, work if async_op else None, members, divisor)
+    pending = PendingMean(compressor, tensors, own, gathered, work if async_op else None, members, divisor)
+    pending._slot = {rank: i for i, rank in enumerate(up)}
+    return pending
 
 
 def compressed_mean(tensors: Sequence[torch.Tensor], compressor: Compressor | None, **kwargs) -> list[torch.Tensor]:

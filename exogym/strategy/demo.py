@@ -9,7 +9,7 @@ import torch
 
 from exogym._validation import check_int, check_number
 from exogym.flatten import flatten_by_dtype
-from exogym.strategy.communicate import all_gather, get_world_size
+from exogym.strategy.communicate import alive_ranks, all_gather
 from exogym.strategy.optim import OptimSpec
 from exogym.strategy.strategy import Strategy
 
@@ -133,7 +133,7 @@ class DeMo(torch.optim.Optimizer):
     def _all_gather(self, indices: list[torch.Tensor], values: list[torch.Tensor]):
         """One all-gather of every parameter's indices (int64) and one per value dtype; returns per
         parameter (indices, values), each [chunks, K*k] with node j's in columns j*k..(j+1)*k."""
-        k_nodes = get_world_size()
+        k_nodes = len(alive_ranks())  # the nodes up at this step
         out_idx = _gather_flat(indices, k_nodes)
         out_val = _gather_flat(values, k_nodes)
         return list(zip(out_idx, out_val))
@@ -187,7 +187,16 @@ class DeMoStrategy(Strategy):
         DeMo([torch.zeros(1, requires_grad=True)], **{**defaults, **optim_spec.kwargs})  # validate now, not per node
         self.optim_spec = optim_spec
 
+    identical_replicas = True  # every node applies the same sign update
+
     def step(self) -> None:
         self._clip_grads()
         self.optim.step()
         super().step()
+
+    @torch.no_grad()
+    def _load_state_from_survivor(self, state: dict[str, Any]) -> None:
+        super()._load_state_from_survivor(state)
+        for s in self.optim.state.values():  # a node coming up starts with no momentum: the survivor's residual
+            if "momentum" in s:             # is that node's own unsent gradient, which it still sends itself
+                s["momentum"].zero_()

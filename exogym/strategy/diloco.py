@@ -10,7 +10,7 @@ import torch
 from exogym._validation import check_int, check_number
 from exogym.compression import Compressor, compressor_from
 from exogym.flatten import flatten_by_dtype, unflatten_into
-from exogym.strategy.communicate import all_reduce
+from exogym.strategy.communicate import alive_ranks, all_reduce
 from exogym.strategy.communicate_optimize_strategy import CommunicationModule, ModularStrategy, round_generator
 from exogym.strategy.compressed_reduce import compressed_mean
 from exogym.strategy.optim import OptimSpec, ensure_optim_spec
@@ -36,7 +36,11 @@ class DiLoCoCommunicator(CommunicationModule):
     all-gather, and every node averages the decoded ones in rank order (exogym.strategy.compressed_reduce).
     Bytes per node per round: (K-1) x sum over parameters of compressor.nbytes(shape), instead of
     2 (K-1)/K x the model's bytes.
+    With failures or an elastic pool, a round averages the pseudo-gradients of the nodes that are up; a node
+    coming up gets the global model and the outer optimizer's state, and starts its round from it.
     """
+
+    keeps_global_model = True
 
     def __init__(self, H: int = 100, outer_optim_spec: OptimSpec | None = None, *, normalize: bool = False,
                  drop_prob: float = 0.0, seed: int = 0, quantization_bits: int | None = None,
@@ -61,7 +65,8 @@ class DiLoCoCommunicator(CommunicationModule):
     def communicate(self, model: torch.nn.Module, rank: int, num_nodes: int, local_step: int) -> None:
         if local_step % self.H:
             return
-        kept = self.kept_nodes(local_step // self.H - 1)
+        up = alive_ranks()
+        kept = [r for r in self.kept_nodes(local_step // self.H - 1) if r in up]
         if not kept:
             return  # every pseudo-gradient of the round was lost: nothing to apply, nothing to send
         grads = self._pseudo_gradient(keep=self.rank in kept)
@@ -88,7 +93,7 @@ class DiLoCoCommunicator(CommunicationModule):
     def _reduce(self, grads: list[torch.Tensor], kept: list[int]) -> None:
         """Average the pseudo-gradients that arrived: one all-reduce per dtype on the model's device.
         With shard_weight set, a weighted mean: node i counts shard_weight_i / (sum over kept nodes)."""
-        if self.num_nodes == 1:
+        if len(alive_ranks()) == 1:
             return
         total: float = len(kept)
         if self.shard_weight is not None:
@@ -133,6 +138,16 @@ class DiLoCoCommunicator(CommunicationModule):
 
     def global_state(self, local_step: int) -> Mapping[str, torch.Tensor]:
         return dict(zip(self.names, (g.detach() for g in self.master)))
+
+    def state_for_joiners(self) -> Any:
+        return {"master": [g.detach().clone() for g in self.master], "outer_optim": self.outer_optim.state_dict()}
+
+    @torch.no_grad()
+    def load_state_from_survivor(self, state: Any) -> None:
+        for g, value in zip(self.master, state["master"]):
+            g.copy_(value)
+        self.outer_optim.load_state_dict(state["outer_optim"])
+        self._reset()  # the joiner's round starts from the global model
 
 
 def outer_spec(outer_optim_spec: OptimSpec | str | type | None = None, *, outer_lr: float | None = None,

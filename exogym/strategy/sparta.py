@@ -14,7 +14,7 @@ import torch
 from exogym._validation import check_int, check_number
 from exogym.compression import Quantizer, TopK, compressor_from
 from exogym.flatten import flatten_by_dtype, unflatten_into
-from exogym.strategy.communicate import all_reduce
+from exogym.strategy.communicate import alive_ranks, all_reduce
 from exogym.strategy.communicate_optimize_strategy import CommunicationModule, ModularStrategy, round_generator
 from exogym.strategy.compressed_reduce import compressed_mean, start_mean
 from exogym.strategy.optim import OptimSpec
@@ -64,7 +64,7 @@ class SparseCommunicator(CommunicationModule):
 
     def communicate(self, model: torch.nn.Module, rank: int, num_nodes: int, local_step: int) -> None:
         self._apply_due(local_step)
-        if num_nodes == 1:
+        if len(alive_ranks()) == 1:
             return  # the average of one node is itself
         params = list(self.model.parameters())
         chosen = self.select(local_step, [p.numel() for p in params])
@@ -109,9 +109,10 @@ class SparseCommunicator(CommunicationModule):
             for v, mean in zip(sent, compressed_mean(sent, self.compression)):
                 v.copy_(mean)
             return
+        up = len(alive_ranks())
         for flat, tensors in flatten_by_dtype(v for v in values if v.numel()):
             all_reduce(flat)
-            flat.div_(self.num_nodes)
+            flat.div_(up)
             unflatten_into(flat, tensors)
 
     @torch.no_grad()
@@ -132,6 +133,9 @@ class SparseCommunicator(CommunicationModule):
             params = params or list(self.model.parameters())
             for i, idx, correction in self.pending.popleft()[1]:
                 params[i].view(-1).index_add_(0, idx.to(params[i].device), correction)
+
+    def load_state_from_survivor(self, state: Any) -> None:
+        self.pending.clear()  # corrections of averages sent before the node went down no longer apply
 
     def expected_fraction(self, sizes: list[int]) -> float:
         """The fraction of the model's entries sent per step, on average (for bytes-per-step estimates)."""
@@ -170,7 +174,7 @@ class TopKSparseCommunicator(CommunicationModule):
 
     @torch.no_grad()
     def communicate(self, model: torch.nn.Module, rank: int, num_nodes: int, local_step: int) -> None:
-        if num_nodes == 1:
+        if len(alive_ranks()) == 1:
             return
         params = list(self.model.parameters())
         drift = [p.detach() - g for p, g in zip(params, self.shared)]  # what node i has not shared yet
@@ -178,6 +182,15 @@ class TopKSparseCommunicator(CommunicationModule):
         for p, g, d, sent, mean in zip(params, self.shared, drift, pending.sent(), pending.wait()):
             g.add_(mean)
             p.copy_(g + (d - sent))
+
+    def state_for_joiners(self) -> Any:
+        return [g.clone() for g in self.shared]
+
+    @torch.no_grad()
+    def load_state_from_survivor(self, state: Any) -> None:
+        for g, value, p in zip(self.shared, state, self.model.parameters()):
+            g.copy_(value)
+            p.copy_(g)  # nothing unsent yet
 
 
 class SPARTAStrategy(ModularStrategy):

@@ -14,7 +14,7 @@ import torch
 
 from exogym._validation import check_number, init_keywords, reject_unknown_kwargs
 from exogym.flatten import flatten_by_dtype, unflatten_into
-from exogym.strategy.communicate import all_reduce
+from exogym.strategy.communicate import alive_ranks, all_reduce
 from exogym.strategy.lr_schedule import LRSchedule
 from exogym.strategy.optim import OptimSpec, ensure_optim_spec
 
@@ -33,6 +33,9 @@ class Strategy:
         LRScheduler class built with lr_scheduler_kwargs, or a callable f(optimizer).
     max_norm: clip the global gradient norm of the node's parameters before each step.
     """
+
+    identical_replicas = False  # True: every node holds the same model after each step (DDP), so a joiner copies one
+    supports_membership_changes = True  # False: the strategy cannot run with failures or an elastic pool
 
     max_steps: int  # set by the node before _init_node (the schedule needs the run length)
     steps_per_epoch: int  # likewise: steps in one pass over the smallest node's shard, equal on every node
@@ -113,6 +116,39 @@ class Strategy:
         """
         return None
 
+    # ---- nodes coming up (failures, elastic pools; exogym.rejoin) ------------------------------
+    def _model_sources(self, survivors: list[int], steps_done: int) -> list[int]:
+        """The nodes, among those up at the step before, whose models define the global model a joiner gets
+        after `steps_done` steps: all of them (averaged), or one when every replica is the same. Called on
+        every node up (a joiner's own step count is stale until it loads the survivors' state)."""
+        return survivors[:1] if self.identical_replicas else survivors
+
+    @torch.no_grad()
+    def _state_for_joiners(self, sources: list[int]) -> dict[str, Any]:
+        """Every node of `sources` calls this together; the first one's result is sent to the nodes coming up:
+        the global model (the average over `sources`, one all-reduce among them), and the first source's
+        optimizer, schedule and step count. Subclasses add their own state (and extend the loader)."""
+        model = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        if len(sources) > 1:
+            for flat, tensors in flatten_by_dtype(v for v in model.values() if v.is_floating_point()):
+                all_reduce(flat, group=sources)
+                flat.div_(len(sources))
+                unflatten_into(flat, tensors)
+        optim = getattr(self, "optim", None)
+        return {"model": model, "optim": optim.state_dict() if optim is not None else None,
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "local_step": self.local_step}
+
+    @torch.no_grad()
+    def _load_state_from_survivor(self, state: dict[str, Any]) -> None:
+        """On a node coming up: take the state `_state_for_joiners` made."""
+        self.model.load_state_dict(state["model"])
+        if state["optim"] is not None:
+            self.optim.load_state_dict(state["optim"])
+        if state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.local_step = state["local_step"]
+
     # ---- helpers for subclasses --------------------------------------------------------------
     def _clip_grads(self) -> None:
         if self.max_norm is not None:
@@ -123,7 +159,10 @@ class SimpleReduceStrategy(Strategy):
     """DDP: every step, gradients are averaged across all nodes (one all-reduce of all of them), then
     every node takes the same optimizer step, so the nodes' models stay identical.
     Sends 2·(K-1)/K x the model's gradient bytes per node per step (ring all-reduce).
+    With failures or an elastic pool, the gradients are averaged over the nodes that are up.
     """
+
+    identical_replicas = True
 
     def __init__(self, optim_spec: OptimSpec | str | type | None = None, max_norm: float | None = None, *,
                  lr: float | None = None, **kwargs: Any):
@@ -132,11 +171,12 @@ class SimpleReduceStrategy(Strategy):
         self.optim_spec = ensure_optim_spec(optim_spec, OptimSpec(torch.optim.AdamW, lr=1e-3), lr=lr)
 
     def step(self) -> None:
-        if self.num_nodes > 1:
+        up = len(alive_ranks()) if self.num_nodes > 1 else 1
+        if up > 1:
             # One bucket per dtype: one collective per step instead of one per parameter.
             for flat, grads in flatten_by_dtype(p.grad for p in self.model.parameters() if p.grad is not None):
                 all_reduce(flat)
-                flat.div_(self.num_nodes)
+                flat.div_(up)
                 unflatten_into(flat, grads)
         self._clip_grads()
         self.optim.step()

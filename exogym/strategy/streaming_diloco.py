@@ -39,7 +39,12 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
     all-gather); over H steps the whole model once, as DiLoCo, but the largest single sync is ~1/F of it.
     drop_prob=p: each sync each node's pseudo-gradient is lost with probability p (shared seed); the others'
     are averaged, every node takes the outer step, and a dropped node keeps its own parameters.
+    Failures and elastic pools are not supported: a node coming up would miss the fragments in flight, and
+    its global model would then differ from the others'.
     """
+
+    keeps_global_model = True
+    supports_membership_changes = False
 
     def __init__(self, H: int = 100, outer_optim_spec: OptimSpec | None = None, *, num_fragments: int = 4,
                  fragment_pattern: str = "strided", tau: int = 1, alpha: float = 0.5, drop_prob: float = 0.0,

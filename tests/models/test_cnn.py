@@ -1,8 +1,9 @@
-"""MnistCNN's options: BatchNorm, and random-affine augmentation drawn from the node's own stream."""
+"""MnistCNN's options (BatchNorm, random-affine augmentation drawn from the node's own stream), and the FedAvg
+paper's CNN: its parameter count and output."""
 
 import torch
 
-from exogym.models import MnistCNN
+from exogym.models import FedAvgCNN, MnistCNN
 from exogym.models.cnn import random_affine
 
 
@@ -28,3 +29,15 @@ def test_augmentation_only_in_training_and_batch_norm_present():
     a = model(batch)["loss"]
     torch.manual_seed(2)
     assert not torch.equal(a, model(batch)["loss"])  # train: a different transform per draw
+
+
+def test_fedavg_cnn_has_the_papers_parameter_count_and_scores_a_batch():
+    model = FedAvgCNN()
+    assert sum(p.numel() for p in model.parameters()) == 1_663_370  # McMahan et al. 2017, sec. 3
+    images = torch.rand(5, 1, 28, 28)
+    assert model.head(model.features(images)).shape == (5, 10)  # logits [B, 10]
+    out = model((images, torch.tensor([0, 1, 2, 3, 9])))
+    assert set(out) == {"loss", "accuracy"} and out["loss"].shape == out["accuracy"].shape == ()
+    assert 0.0 <= out["accuracy"].item() <= 1.0
+    out["loss"].backward()
+    assert all(p.grad is not None for p in model.parameters())
