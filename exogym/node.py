@@ -263,6 +263,8 @@ class TrainNode:
                                              "lower the learning rate, set max_norm, or check the data")
                 row.update(loss=loss, **{n: next(metrics[n]) for n in names})
             row["lr"] = lr
+            if self.cfg.membership is not None:
+                row["up"] = int(self.rank in self.cfg.membership.alive(first + i))
             if self._tokens:
                 row["tokens"] = tokens
             row.update(bytes=sent, wall_time_s=wall)

@@ -15,16 +15,18 @@ __all__ = ["RunRecord", "NodeLog", "LiveLog", "merge_step_rows"]
 
 def merge_step_rows(rows: Sequence[dict[str, float]], *, global_batch: int) -> dict[str, float]:
     """One step's rows from several nodes -> one row: loss and metrics averaged over the nodes, bytes and
-    tokens summed, simulated time the latest, lr and wall time from the lowest rank."""
+    tokens and nodes up summed, simulated time the latest, lr and wall time from the lowest rank."""
     first = rows[0]
     merged: dict[str, float] = {"step": first["step"]}
     for key in dict.fromkeys(k for r in rows for k in r):
-        if key not in ("step", "lr", "bytes", "tokens", "wall_time_s", "sim_time_s"):
+        if key not in ("step", "lr", "bytes", "tokens", "wall_time_s", "sim_time_s", "up"):
             values = [r[key] for r in rows if key in r]  # a node that sat out the step has no loss or metrics
             merged[key] = sum(values) / len(values)
     merged.update(lr=first["lr"], examples=first["step"] * global_batch)
     if "tokens" in first:
         merged["tokens"] = sum(r["tokens"] for r in rows)
+    if "up" in first:  # failures / elastic pools: how many nodes were up
+        merged["nodes_up"] = sum(r["up"] for r in rows)
     merged.update(bytes=sum(r["bytes"] for r in rows), wall_time_s=first["wall_time_s"])
     if "sim_time_s" in first:
         merged["sim_time_s"] = max(r["sim_time_s"] for r in rows)  # the cluster is as far as its slowest node
@@ -77,7 +79,8 @@ class RunRecord:
 
     train: one row per step: step, loss (mean over nodes), extra metrics (mean), lr, examples (global),
         tokens (global, when batches hold token ids), bytes (all nodes, cumulative), wall_time_s, and
-        sim_time_s (the latest node's virtual clock) when the run has a time model.
+        sim_time_s (the latest node's virtual clock) when the run has a time model; nodes_up with failures
+        or an elastic pool.
     val: one row per evaluation: step, local_loss (node 0's model), global_loss (the global model),
         and local_/global_ versions of every extra metric.
     diagnostics: rows of step, param_correlation, param_variance (fit's diagnostics_interval).

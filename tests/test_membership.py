@@ -208,6 +208,8 @@ def test_every_strategy_runs_through_failures_and_an_elastic_pool(make):
     trainer.fit(make(), 4, max_steps=24, active_nodes="ramp_up", failures=[(0, 10, 14), (3, 20, None)],
                 diagnostics_interval=6, **FIT)
     assert len(trainer.record.train) == 24 and trainer.record.val
+    m = build_membership(4, 24, active_nodes="ramp_up", failures=[(0, 10, 14), (3, 20, None)])
+    assert trainer.record.column("nodes_up") == [len(m.alive(t)) for t in range(1, 25)]
     assert all(row["loss"] == row["loss"] for row in trainer.record.train)  # someone computed every step
     assert trainer.record.config["membership"]["schedule"][0] == {"from_step": 1, "nodes_up": [0]}
 
