@@ -76,6 +76,11 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--island-size", type=int, default=None, help="fedavg: average within random islands of this size")
     p.add_argument("--topk", type=int, default=32, help="demo: DCT components sent per chunk (default 32)")
     p.add_argument("--cosine", action="store_true", help="cosine-anneal the LR after warmup")
+    p.add_argument("--active-nodes", default=None, choices=["doubling", "halving", "ramp_up", "ramp_down"],
+                   help="an elastic compute pool (the DiLoCo paper's schedules)")
+    p.add_argument("--failure-rate", type=float, default=0.0,
+                   help="each node fails with this probability per step (seeded by --seed)")
+    p.add_argument("--downtime", type=int, default=20, help="steps a failed node stays down (default 20)")
     p.add_argument("--val-interval", type=int, default=50)
     p.add_argument("--val-size", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
@@ -85,15 +90,17 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
 
 
 def _fit(args: argparse.Namespace, strategy_name: str, run_name: str | None):
-    from exogym import Trainer
+    from exogym import RandomFailures, Trainer
     from exogym.logger import CSVLogger
 
     model, train, val = get_task(args.task).build()
     strategy = STRATEGY_BUILDERS[strategy_name](args)
     logger = CSVLogger(args.log_dir, run_name)
     trainer = Trainer(model, train, val)
+    failures = RandomFailures(args.failure_rate, args.downtime, args.seed) if args.failure_rate else None
     trainer.fit(strategy, args.nodes, max_steps=args.steps, batch_size=args.batch_size, val_interval=args.val_interval,
-                val_size=args.val_size, seed=args.seed, device=args.device, logger=logger, progress=not args.quiet)
+                val_size=args.val_size, seed=args.seed, device=args.device, logger=logger, progress=not args.quiet,
+                active_nodes=args.active_nodes, failures=failures)
     return trainer.record, logger.run_dir
 
 

@@ -34,6 +34,10 @@ def test_cli_run_compare_and_plot(capsys):
     _png_size(Path("p.png"))
     with pytest.raises(SystemExit):
         main(["run", "--strategy", "nope"])
+    assert main(["run", "--task", "synthetic", "--strategy", "diloco", "--nodes", "4", "--steps", "40", "--quiet",
+                 "--active-nodes", "ramp_up", "--failure-rate", "0.05", "--run-name", "elastic"]) == 0
+    rows = Path("logs/elastic/train.csv").read_text().splitlines()
+    assert "nodes_up" in rows[0].split(",")
 
 
 def test_plot_from_records_and_folders_and_its_errors():

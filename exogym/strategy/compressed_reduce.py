@@ -32,11 +32,11 @@ class PendingMean:
     payloads decode to (what the others received from it)."""
 
     def __init__(self, compressor: Compressor | None, tensors: list[torch.Tensor], own: list[Payload],
-                 buffers: list, work: object, members: list[int], divisor: float):
+                 buffers: list, work: object, members: list[int], divisor: float, gathered_from: list[int]):
         self.compressor, self._tensors, self._own = compressor, tensors, own
         self._buffers, self._work, self.members, self.divisor = buffers, work, members, divisor
         self._result: list[torch.Tensor] | None = None
-        self._slot: dict[int, int] = {}  # rank -> its buffer's position in the all-gather (set by start_mean)
+        self._slot = {rank: i for i, rank in enumerate(gathered_from)}  # rank -> its buffer in the all-gather
 
     @torch.no_grad()
     def wait(self) -> list[torch.Tensor]:
@@ -91,15 +91,13 @@ def start_mean(tensors: Sequence[torch.Tensor], compressor: Compressor | None, *
             if get_rank() not in members:
                 flat.zero_()
             works.append(all_reduce(flat, async_op=async_op))
-        return PendingMean(None, tensors, [], buffers, _AllOf(works) if async_op else None, members, divisor)
+        return PendingMean(None, tensors, [], buffers, _AllOf(works) if async_op else None, members, divisor, up)
     keys = [None] * len(tensors) if keys is None else list(keys)
     own = [compressor.encode(t, key=k) for t, k in zip(tensors, keys)]
     packed = _pack(own)  # [P] uint8
     gathered = [torch.empty_like(packed) for _ in up]
     work = all_gather(gathered, packed, async_op=async_op)
-    pending = PendingMean(compressor, tensors, own, gathered, work if async_op else None, members, divisor)
-    pending._slot = {rank: i for i, rank in enumerate(up)}
-    return pending
+    return PendingMean(compressor, tensors, own, gathered, work if async_op else None, members, divisor, up)
 
 
 def compressed_mean(tensors: Sequence[torch.Tensor], compressor: Compressor | None, **kwargs) -> list[torch.Tensor]:
