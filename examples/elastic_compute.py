@@ -61,6 +61,7 @@ def main() -> None:
     results = []
     for name, label, schedule in runs:
         strategy = (DiLoCoStrategy(adamw, H=args.H) if name == "DiLoCo" else SimpleReduceStrategy(adamw))
+        torch.manual_seed(args.seed)  # the same initial model for every run
         trainer = Trainer(MnistCNN(), train, test)
         trainer.fit(strategy, k, max_steps=args.steps, batch_size=16, val_size=2000,
                     val_interval=max(1, args.steps // 10), device="cpu", seed=args.seed, progress=False,

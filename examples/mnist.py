@@ -77,6 +77,7 @@ def main() -> None:
           f"{global_batch} examples per run\n")
     rows, records = [], []
     for label, nodes, strategy in runs:
+        torch.manual_seed(args.seed)  # every run starts from the same initial model
         trainer = Trainer(MnistCNN(**model_kwargs), train, test)
         start = time.perf_counter()
         model = trainer.fit(strategy, nodes, max_steps=args.steps, batch_size=global_batch // nodes, val_size=1000,

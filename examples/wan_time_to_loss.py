@@ -54,6 +54,7 @@ def main() -> None:
           f"compute at {args.device_tflops} TFLOP/s per node; target validation loss {args.target}\n")
     results = []
     for label, strategy in strategies(args.lr):
+        torch.manual_seed(0)  # every run starts from the same initial model
         trainer = Trainer(MnistCNN(), train, test)
         trainer.fit(strategy, args.nodes, max_steps=args.steps, batch_size=16, val_size=1000,
                     val_interval=max(1, args.steps // 20), device="cpu", network=network,

@@ -22,6 +22,7 @@ class Task:
 
 def _mnist() -> tuple[torch.nn.Module, Dataset, Dataset]:
     from exogym.data.mnist import load_mnist
+    torch.manual_seed(0)  # the same initial model for every strategy a comparison runs
     return MnistCNN(), load_mnist("train"), load_mnist("test")
 
 
