@@ -106,8 +106,9 @@ class AveragingCommunicator(CommunicationModule):
     island_size=None: one island of every taking-part node; otherwise, each round, the nodes are
     shuffled (shared seed) into islands of island_size and average only within them (one subgroup
     all-reduce each). client_sampling=C < 1: each round only max(1, round(C*K)) sampled nodes train
-    and average (sampled from the nodes up when the round starts, under failures or an elastic pool); the others do no compute, and the nodes sampled for the next round that sat this
-    one out receive the new average from a sampled node at the round's end (one broadcast each).
+    and average (drawn from the nodes up when the round starts, under failures or an elastic pool);
+    the others do no compute, and the nodes sampled for the next round that sat this one out receive
+    the new average from a sampled node at the round's end (one broadcast each).
 
     quantization_bits=8 or 4 / compression=<exogym.compression Compressor>: each node sends its change since
     the last average (theta_i - theta_last), compressed; every node decodes all of them and moves the
