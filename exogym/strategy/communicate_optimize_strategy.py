@@ -77,8 +77,9 @@ class CommunicationModule:
         return f"{type(self).__name__}({knobs})"
 
     def __getstate__(self) -> dict[str, Any]:
-        # Groups may be torch.distributed process groups, which do not pickle; a resumed run makes them again.
-        return {k: v for k, v in self.__dict__.items() if k != "_groups"}
+        # Groups may be torch.distributed process groups, which do not pickle; a resumed run makes them again
+        # (and draws its participants again).
+        return {k: v for k, v in self.__dict__.items() if k not in ("_groups", "_participants")}
 
     def _group(self, ranks: Sequence[int]) -> Group:
         """The group of `ranks`, made once. Every node asks for the same groups in the same order
@@ -151,11 +152,16 @@ class AveragingCommunicator(CommunicationModule):
         every node: one coming up mid-round trains the rest of it."""
         if self.clients_per_round == self.num_nodes:
             return list(range(self.num_nodes))
-        pool = self._available(round_index)
-        if self.clients_per_round >= len(pool):
-            return pool
-        perm = torch.randperm(len(pool), generator=round_generator(self.seed, round_index, _SAMPLE))
-        return sorted(pool[i] for i in perm[:self.clients_per_round].tolist())
+        cache = self.__dict__.setdefault("_participants", {})  # asked every step: drawn once per round
+        if round_index not in cache:
+            pool = self._available(round_index)
+            if self.clients_per_round < len(pool):
+                perm = torch.randperm(len(pool), generator=round_generator(self.seed, round_index, _SAMPLE))
+                pool = sorted(pool[i] for i in perm[:self.clients_per_round].tolist())
+            if len(cache) > 2:  # only this round's and the next are asked for
+                cache.clear()
+            cache[round_index] = pool
+        return list(cache[round_index])
 
     def _available(self, round_index: int) -> list[int]:
         membership = current_membership()
