@@ -7,7 +7,8 @@ import torch
 
 from exogym import RandomFailures, Trainer
 from exogym.membership import build_membership
-from exogym.strategy import (DiLoCoStrategy, FedAvgStrategy, SimpleReduceStrategy, SPARTAStrategy,
+from exogym.strategy import (AveragingCommunicator, CommunicateOptimizeStrategy, DeMoStrategy, DiLoCoStrategy,
+                             FedAvgStrategy, SimpleReduceStrategy, SPARTADiLoCoStrategy, SPARTAStrategy,
                              StreamingDiLoCoStrategy)
 from exogym.strategy.communicate import alive_ranks, get_rank
 from toy import REGISTRY, LocalOnly, TinyMLP, make_classification, params
@@ -202,7 +203,12 @@ def test_global_model_excludes_nodes_that_are_down_even_node_0():
     lambda: FedAvgStrategy(H=2, lr=0.1, island_size=2),
     lambda: SPARTAStrategy(lr=0.01, p_sparta=0.1, async_delay=2),
     lambda: SPARTAStrategy(lr=0.01, p_sparta=0.1, compression_method="topk"),
-], ids=["ddp", "diloco", "diloco-int8", "fedavg-sampling", "fedavg-islands", "sparta-async", "sparta-topk"])
+    lambda: SPARTADiLoCoStrategy(lr=0.01, p_sparta=0.1, H=4),
+    lambda: CommunicateOptimizeStrategy([AveragingCommunicator(2, quantization_bits=8)], lr=0.01),
+    lambda: DeMoStrategy(lr=0.01),
+    lambda: LocalOnly(lr=0.1),
+], ids=["ddp", "diloco", "diloco-int8", "fedavg-sampling", "fedavg-islands", "sparta-async", "sparta-topk",
+        "sparta-diloco", "averaging-int8", "demo", "custom"])
 def test_every_strategy_runs_through_failures_and_an_elastic_pool(make):
     trainer = _trainer()
     trainer.fit(make(), 4, max_steps=24, active_nodes="ramp_up", failures=[(0, 10, 14), (3, 20, None)],
@@ -212,6 +218,24 @@ def test_every_strategy_runs_through_failures_and_an_elastic_pool(make):
     assert trainer.record.column("nodes_up") == [len(m.alive(t)) for t in range(1, 25)]
     assert all(row["loss"] == row["loss"] for row in trainer.record.train)  # someone computed every step
     assert trainer.record.config["membership"]["schedule"][0] == {"from_step": 1, "nodes_up": [0]}
+
+
+def test_demo_joiner_starts_with_an_empty_momentum_and_the_survivors_model():
+    REGISTRY.clear()
+
+    class ProbeDeMo(_Probe, DeMoStrategy):
+        def step(self):
+            if self.local_step + 1 == 6 and get_rank() == 1:  # just after coming up, before its own gradient
+                REGISTRY["momentum"] = [s["momentum"].clone() for s in self.optim.state.values()]
+            super().step()
+
+    _trainer().fit(ProbeDeMo(lr=0.01), 3, max_steps=8, failures=[(1, 3, 6)], **FIT)
+    assert REGISTRY["momentum"] and all(not m.any() for m in REGISTRY["momentum"])
+    for got, want in zip(REGISTRY[("start", 6, 1)], REGISTRY[("probe", 5, 0)][1]):
+        assert torch.equal(got, want)  # every replica is the same: a survivor's model, not an average
+    for step in (6, 7, 8):
+        models = [REGISTRY[("probe", step, r)][1] for r in range(3)]
+        assert all(torch.equal(a, b) for m in models[1:] for a, b in zip(models[0], m))
 
 
 def test_joiner_clock_catches_up_with_the_cluster():

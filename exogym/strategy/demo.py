@@ -168,6 +168,8 @@ class DeMoStrategy(Strategy):
     compression_chunk and weight_decay as keywords.
     """
 
+    identical_replicas = True  # every node applies the same sign update
+
     def __init__(self, optim_spec: OptimSpec | None = None, max_norm: float | None = None, *,
                  lr: float | None = None, compression_decay: float | None = None, compression_topk: int | None = None,
                  compression_chunk: int | None = None, weight_decay: float | None = None, **kwargs: Any):
@@ -186,8 +188,6 @@ class DeMoStrategy(Strategy):
         defaults = dict(lr=1e-3, compression_decay=0.999, compression_topk=32, compression_chunk=64, weight_decay=0.0)
         DeMo([torch.zeros(1, requires_grad=True)], **{**defaults, **optim_spec.kwargs})  # validate now, not per node
         self.optim_spec = optim_spec
-
-    identical_replicas = True  # every node applies the same sign update
 
     def step(self) -> None:
         self._clip_grads()
