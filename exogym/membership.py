@@ -56,10 +56,11 @@ class Membership:
     def joiners(self, step: int) -> tuple[int, ...]:
         """Nodes up at `step` that were down at the step before (none at step 1: every node starts from the
         initial model)."""
-        if step <= 1 or step not in self.starts:
+        i = bisect.bisect_right(self.starts, step) - 1  # asked every step: a search, not a scan of starts
+        if step <= 1 or self.starts[i] != step:
             return ()
-        before = set(self.alive(step - 1))
-        return tuple(r for r in self.alive(step) if r not in before)
+        before = set(self.members[i - 1])
+        return tuple(r for r in self.members[i] if r not in before)
 
     def survivors(self, step: int) -> tuple[int, ...]:
         """Nodes up at `step` and at the step before."""
@@ -86,10 +87,10 @@ def build_membership(num_nodes: int, max_steps: int, failures: Any = None,
         in_pool = range(pool(step)) if pool is not None else range(num_nodes)
         if rng is not None:
             up = [r for r in in_pool if step >= down_until[r]]
-            fails = rng.random(num_nodes) < failures.rate  # drawn for every node: the stream does not depend on the pool
-            for r in list(up):
-                held = [q for q in up if q in previous and q != r] if step > 1 else [q for q in up if q != r]
-                if fails[r] and held:
+            fails = rng.random(num_nodes) < failures.rate  # one draw per node: the stream ignores the pool
+            was_up = set(previous) if step > 1 else set(up)
+            for r in [r for r in up if fails[r]]:
+                if any(q != r and q in was_up for q in up):  # someone who held the model stays up
                     down_until[r] = step + failures.downtime
                     up.remove(r)
             alive = tuple(up)
@@ -123,7 +124,8 @@ def _failure_intervals(failures: Any, num_nodes: int, max_steps: int) -> list[li
         node, step_down, step_up = item
         check_int("failure node", node, minimum=0)
         if node >= num_nodes:
-            raise ValueError(f"failure {item!r} names node {node}, but there are only {num_nodes} nodes (0..{num_nodes - 1})")
+            raise ValueError(f"failure {item!r} names node {node}, but there are only {num_nodes} nodes "
+                             f"(0..{num_nodes - 1})")
         check_int("failure step_down", step_down, minimum=1)
         if step_down > max_steps:
             raise ValueError(f"failure {item!r} starts at step {step_down}, after the run's last step {max_steps}")

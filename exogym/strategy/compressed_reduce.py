@@ -76,9 +76,10 @@ def start_mean(tensors: Sequence[torch.Tensor], compressor: Compressor | None, *
                keys: Sequence[Hashable | None] | None = None, divisor: float | None = None,
                async_op: bool = False) -> PendingMean:
     """Start averaging `tensors` (the same shapes on every node) over the nodes `members` (default all; only
-    those up at this step count): sum over members / divisor (default len(members)). A node outside members still takes part (sending its
-    tensors, or zeros without compression) but its contribution is left out. keys: per tensor, the stream
-    each belongs to (error feedback's memory); None for a node whose contribution is left out.
+    those up at this step count): sum over members / divisor (default len(members)). A node outside members
+    still takes part (sending its tensors, or zeros without compression) but its contribution is left out.
+    keys: per tensor, the stream each belongs to (error feedback's memory); None for a node whose
+    contribution is left out.
     async_op=True: the transfer runs while the node computes; the tensors may be changed at once."""
     tensors = [t.detach() for t in tensors]
     up = alive_ranks()
