@@ -11,7 +11,7 @@ import torch
 from exogym.comm import Communicator, ReduceOp, nodes_up
 from exogym.flatten import flatten_by_dtype, unflatten_into
 
-__all__ = ["global_state_dict"]
+__all__ = ["global_state_dict", "mean_over"]
 
 
 @torch.no_grad()
@@ -26,15 +26,8 @@ def global_state_dict(model: torch.nn.Module, strategy, comm: Communicator) -> d
         raise KeyError(f"{type(strategy).__name__}.global_state() returned keys not in the model: {sorted(unknown)}")
     averaged = [k for k, v in state.items() if k not in overrides and v.is_floating_point()]
     up = nodes_up(comm)
-    everyone = len(up) == comm.num_nodes
     for flat, tensors in flatten_by_dtype(state[k] for k in averaged):
-        if everyone:
-            comm.all_reduce(flat, ReduceOp.AVG, comm.world)
-        else:  # a node that is down holds a stale model: it adds zeros
-            if comm.rank not in up:
-                flat.zero_()
-            comm.all_reduce(flat, ReduceOp.SUM, comm.world)
-            flat.div_(len(up))
+        mean_over(flat, up, comm)
         unflatten_into(flat, tensors)
     for k, v in overrides.items():
         state[k] = v.detach().to(state[k].device, state[k].dtype).clone()
@@ -43,3 +36,16 @@ def global_state_dict(model: torch.nn.Module, strategy, comm: Communicator) -> d
             comm.broadcast(flat, up[0], comm.world)
             unflatten_into(flat, tensors)
     return state
+
+
+@torch.no_grad()
+def mean_over(flat: torch.Tensor, members: tuple[int, ...] | list[int], comm: Communicator) -> None:
+    """In place, the mean of `flat` over the nodes `members`; every node calls it (those outside add zeros).
+    Uncounted: for measurements, which every node joins whether or not its own copy counts."""
+    if len(members) == comm.num_nodes:
+        comm.all_reduce(flat, ReduceOp.AVG, comm.world)
+        return
+    if comm.rank not in members:
+        flat.zero_()
+    comm.all_reduce(flat, ReduceOp.SUM, comm.world)
+    flat.div_(len(members))

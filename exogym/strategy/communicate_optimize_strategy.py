@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from exogym._validation import check_int, check_number
-from exogym.comm import ReduceOp, current_communicator, current_membership, nodes_up
+from exogym.averaging import mean_over
+from exogym.comm import current_communicator, current_membership, nodes_up
 from exogym.compression import Compressor, compressor_from
 from exogym.flatten import flatten_by_dtype, unflatten_into
 from exogym.strategy.communicate import Group, alive_ranks, all_reduce, broadcast, new_group
@@ -248,10 +249,7 @@ class AveragingCommunicator(CommunicationModule):
         current = [r for r in self.participants(local_step // self.H) if r in up] or list(up)
         state = {k: v.detach().clone() for k, v in self.model.state_dict().items() if v.is_floating_point()}
         for flat, tensors in flatten_by_dtype(state.values()):
-            if self.rank not in current:
-                flat.zero_()
-            comm.all_reduce(flat, ReduceOp.SUM, comm.world)
-            flat.div_(len(current))
+            mean_over(flat, current, comm)
             unflatten_into(flat, tensors)
         return state
 
