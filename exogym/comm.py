@@ -19,8 +19,8 @@ if TYPE_CHECKING:
     from exogym.membership import Membership
     from exogym.simtime import NodeClock
 
-__all__ = ["CollectiveError", "Group", "ReduceOp", "Communicator", "CommStats", "current_communicator", "bind_communicator",
-           "nodes_up", "current_membership"]
+__all__ = ["CollectiveError", "Group", "ReduceOp", "Communicator", "CommunicatorBase", "CommStats",
+           "current_communicator", "bind_communicator"]
 
 
 class CollectiveError(RuntimeError):
@@ -149,7 +149,6 @@ class Communicator(Protocol):
     world: Group
     clock: "NodeClock"
     step: int | None
-    membership: "Membership | None"  # exogym.membership: who is up at each step; None: every node, always
 
     # async_op=True returns a handle with wait() (torch.distributed's Work); otherwise None.
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, group: Group, *, account: bool = False,
@@ -162,6 +161,32 @@ class Communicator(Protocol):
                        group: Group, *, account: bool = False, async_op: bool = False) -> "Work | None": ...
     def barrier(self, group: Group, *, account: bool = False, async_op: bool = False) -> "Work | None": ...
     def new_group(self, ranks: Sequence[int]) -> Group: ...
+    def up(self, step: int | None = None) -> tuple[int, ...]: ...
+
+
+class CommunicatorBase:
+    """What every backend's node endpoint keeps: its byte counts, virtual clock, current step, and the run's
+    failure / elastic schedule, from which it answers who is up."""
+
+    def __init__(self, rank: int, num_nodes: int, membership: "Membership | None" = None):
+        from exogym.simtime import NodeClock
+        self.rank, self.num_nodes, self.membership = rank, num_nodes, membership
+        self.stats = CommStats()
+        self.clock = NodeClock()
+        self.world = Group(tuple(range(num_nodes)))
+        self.step: int | None = None  # the node's current step (from 1), for membership and error messages
+
+    def up(self, step: int | None = None) -> tuple[int, ...]:
+        """The ranks up at `step` (default: the node's current step): every rank (the world's own tuple),
+        unless the run has a failure or elastic schedule."""
+        step = self.step if step is None else step
+        if self.membership is None or step is None:
+            return self.world.ranks
+        return self.membership.alive(step)
+
+    def restore(self, stats: CommStats, clock: "NodeClock") -> None:
+        """A resumed node continues its byte counts and its virtual clock."""
+        self.stats, self.clock = stats, clock
 
 
 # A context variable, not a thread-local: sim nodes are greenlets of one thread, each with its own context.
@@ -178,17 +203,9 @@ def bind_communicator(comm: Communicator) -> Iterator[Communicator]:
         _bound.reset(token)
 
 
-def nodes_up(comm: Communicator) -> tuple[int, ...]:
-    """The ranks up at the node's current step (every rank without a failure or elastic schedule). For the
-    trainer's own measurements, which every node joins, up or down."""
-    membership = getattr(comm, "membership", None)
-    return comm.world.ranks if membership is None or comm.step is None else membership.alive(comm.step)
-
-
-def current_membership() -> "Membership | None":
-    """The running node's failure / elastic schedule; None without one, or outside a running node."""
-    comm = _bound.get()
-    return getattr(comm, "membership", None) if comm is not None else None
+def bound_communicator() -> Communicator | None:
+    """The running node's communicator, or None outside a running node."""
+    return _bound.get()
 
 
 def current_communicator() -> Communicator:

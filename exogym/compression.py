@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Hashable, Sequence
+from typing import Any, Hashable, Sequence
 
 import torch
 
@@ -62,6 +62,13 @@ class Compressor:
 
     def nbytes(self, shape: Sequence[int]) -> int:
         raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """The compressor's memory across calls (tensors and plain data); stateless ones have none."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what state_dict() returned ({} empties the memory)."""
 
     def __repr__(self) -> str:
         knobs = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
@@ -283,6 +290,12 @@ class ErrorFeedback(Compressor):
 
     def nbytes(self, shape: Sequence[int]) -> int:
         return self.compressor.nbytes(shape)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"residuals": dict(self.residuals)} if self.residuals else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.residuals = dict(state.get("residuals", {}))
 
     def __repr__(self) -> str:
         return f"ErrorFeedback({self.compressor!r})"

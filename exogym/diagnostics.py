@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from exogym.comm import Communicator, nodes_up
+from exogym.comm import Communicator
 
 __all__ = ["parameter_divergence"]
 
@@ -20,7 +20,7 @@ def parameter_divergence(model: torch.nn.Module, comm: Communicator) -> dict[str
     flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])  # [P]
     gathered = [torch.empty_like(flat) for _ in range(comm.num_nodes)]
     comm.all_gather(gathered, flat, comm.world)
-    stacked = torch.stack([gathered[r] for r in nodes_up(comm)]).double()  # [K up, P]
+    stacked = torch.stack([gathered[r] for r in comm.up()]).double()  # [K up, P]
     k = stacked.shape[0]
     variance = stacked.var(dim=0, unbiased=False).mean().item()
     if k < 2:

@@ -8,6 +8,7 @@ per step / per evaluation, written every `log_interval` steps), summary.json at 
 from __future__ import annotations
 
 import csv
+import inspect
 import json
 import os
 import time
@@ -30,7 +31,7 @@ def _json_safe(value: Any) -> Any:
         return value
     if hasattr(value, "to_dict"):
         return _json_safe(value.to_dict())
-    if isinstance(value, type):
+    if isinstance(value, type) or inspect.isfunction(value):  # by name: a repr would hold a memory address
         return f"{value.__module__}.{value.__qualname__}"
     return repr(value)
 

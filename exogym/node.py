@@ -11,43 +11,39 @@ import copy
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm.auto import tqdm
 
-from exogym.averaging import global_state_dict
 from exogym.checkpoint import CheckpointPlan, NodeState, finalize_checkpoint, save_node_state
 from exogym.comm import CollectiveError, Communicator, bind_communicator
 from exogym.data.sharding import NodeBatches, batch_size_of, move_to_device, split_batch, token_count
 from exogym.diagnostics import parameter_divergence
-from exogym.membership import Membership
+from exogym.global_model import global_state_dict
 from exogym.record import LiveLog, NodeLog
 from exogym.rejoin import hand_over_state
 from exogym.rng import GlobalRNGState
-from exogym.simtime import TimeModel
+from exogym.strategy.context import NodeContext
 
-__all__ = ["RunConfig", "TrainNode", "parse_model_output"]
+if TYPE_CHECKING:
+    from exogym.plan import RunConfig
+
+__all__ = ["TrainNode", "parse_model_output"]
 
 
-@dataclass(frozen=True)
-class RunConfig:
-    """The numbers every node of one run shares (validated and derived by the trainer)."""
+@dataclass
+class _StepRecord:
+    """One step's measurements until the next flush (losses stay on the device until then)."""
 
-    num_nodes: int
-    max_steps: int
-    batch_size: int
-    minibatch_size: int
-    val_interval: int
-    log_interval: int
-    autocast: bool
-    progress: bool
-    validate: bool  # every node takes part in building the global model, node 0 evaluates it
-    diagnostics_interval: int | None = None
-    time_model: TimeModel | None = None  # None: no simulated time
-    steps_per_epoch: int = 1  # the run's: one pass over the smallest node's shard
-    membership: Membership | None = None  # failures / elastic pool: who is up at each step; None: everyone
+    loss: torch.Tensor | None  # None: the node sat the step out (down, or not sampled)
+    metrics: dict[str, torch.Tensor]
+    lr: float
+    bytes_sent: int  # cumulative
+    wall_time_s: float
+    tokens: int  # cumulative
+    sim_time_s: float
 
 
 def parse_model_output(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -88,8 +84,7 @@ class TrainNode:
         self.resume, self.checkpoints = resume, checkpoints
         self.log = resume.log if resume is not None else NodeLog(rank)
         self.step = 0
-        # per step since the last flush: loss, metrics, lr, then cumulative bytes sent, wall time, tokens, sim time
-        self._unflushed: list[tuple[torch.Tensor, dict[str, torch.Tensor], float, int, float, int, float]] = []
+        self._unflushed: list[_StepRecord] = []  # the steps since the last flush
         self._step_flops: float | None = None
         self._tokens = self.log.rows[-1].get("tokens", 0) if self.log.rows else 0
         self._eval_model: torch.nn.Module | None = None
@@ -117,8 +112,7 @@ class TrainNode:
             batch = next(batches)  # drawn even when the node sits out: its data position is a function of the step
             loss, metrics = None, {}  # a node that sits out the step logs no loss (and no compute time)
             if not self._up(self.step + 1):  # down: no compute, no collectives, until it comes up again
-                self._unflushed.append((None, {}, s._current_lr(), comm.stats.bytes_sent,
-                                        time.perf_counter() - self.start_time, self._tokens, comm.clock.now))
+                self._record_step(comm, None, {}, s.current_lr())
                 self._after_step(comm, self.step + 1)
                 continue
             skip = s.skip_compute()
@@ -127,10 +121,9 @@ class TrainNode:
                 batch = move_to_device(batch, self.device)
                 self._tokens += token_count(batch) or 0
                 loss, metrics = self._timed_forward_backward(batch, comm)
-            lr = s._current_lr()  # the rate this step uses, before the schedule advances
+            lr = s.current_lr()  # the rate this step uses, before the schedule advances
             s.step()
-            self._unflushed.append((loss, metrics, lr, comm.stats.bytes_sent, time.perf_counter() - self.start_time,
-                                    self._tokens, comm.clock.now))
+            self._record_step(comm, loss, metrics, lr)
             self._after_step(comm, self.step + 1)
         final = global_state_dict(self.model, s, comm)
         self.log.comm = {"bytes_sent": comm.stats.bytes_sent, "bytes_by_op": dict(comm.stats.bytes_by_op),
@@ -138,6 +131,11 @@ class TrainNode:
         if cfg.time_model is not None:
             self.log.comm["sim_time"] = comm.clock.as_dict()
         return self.log, (final if self.rank == 0 else None)
+
+    def _record_step(self, comm: Communicator, loss: torch.Tensor | None, metrics: dict[str, torch.Tensor],
+                     lr: float) -> None:
+        self._unflushed.append(_StepRecord(loss, metrics, lr, comm.stats.bytes_sent,
+                                           time.perf_counter() - self.start_time, self._tokens, comm.clock.now))
 
     def _up(self, step: int) -> bool:
         """Whether this node is up at `step`; a node coming up at `step` first takes the global state."""
@@ -148,7 +146,7 @@ class TrainNode:
             return False
         joiners = m.joiners(step)
         if joiners:  # every node up at this step takes part (some send, the joiners receive)
-            hand_over_state(self.strategy, step, list(m.survivors(step)), list(joiners))
+            hand_over_state(self.model, self.strategy, step, list(m.survivors(step)), list(joiners))
         return True
 
     def _start(self, comm: Communicator) -> int:
@@ -156,15 +154,15 @@ class TrainNode:
         cfg, s = self.cfg, self.strategy
         if self.val_batches is not None:
             self.val_batches = [move_to_device(b, self.device) for b in self.val_batches]
-        s.max_steps, s.steps_per_epoch, s.shard_size = cfg.max_steps, cfg.steps_per_epoch, self.batches.shard_size
-        comm.membership = cfg.membership
-        if self.resume is None:
-            self.model.to(self.device)
-            s._init_node(self.model, self.rank, cfg.num_nodes)
-            s._finish_init()
-            first_step = 0
-        else:  # model and strategy come back initialised, optimizers and all
-            comm.stats, comm.clock = self.resume.comm_stats, self.resume.clock
+        self.model.to(self.device)
+        if self.resume is not None:
+            self.model.load_state_dict(self.resume.model)
+        s.setup(self.model, NodeContext(rank=self.rank, num_nodes=cfg.num_nodes, max_steps=cfg.max_steps,
+                                        steps_per_epoch=cfg.steps_per_epoch, shard_size=self.batches.shard_size))
+        first_step = 0
+        if self.resume is not None:  # the strategy's state (optimizers and all), counts and clock, where they were
+            s.load_state_dict(self.resume.strategy)
+            comm.restore(self.resume.comm_stats, self.resume.clock)
             first_step = self.resume.step
         self.model.train()
         if self.rank == 0 and cfg.progress:
@@ -190,8 +188,8 @@ class TrainNode:
 
     def _save_checkpoint(self, comm: Communicator, done: int) -> None:
         # The global random streams are this node's own while it runs (the backend swapped them in).
-        state = NodeState(done, self.model, self.strategy, GlobalRNGState.capture(self.device), comm.stats, self.log,
-                          comm.clock)
+        state = NodeState(done, self.model.state_dict(), self.strategy.state_dict(),
+                          GlobalRNGState.capture(self.device), comm.stats, self.log, comm.clock)
         save_node_state(self.checkpoints, self.rank, state)
         comm.barrier(comm.world)  # every node's file is on disk before node 0 publishes the checkpoint
         if self.rank == 0:
@@ -248,28 +246,28 @@ class TrainNode:
 
     def _flush(self) -> None:
         """Move the losses since the last flush to the host (one sync per log interval, not per step)."""
-        computed = [u for u in self._unflushed if u[0] is not None]  # steps the node did not sit out
-        names = list(computed[0][1]) if computed else []
-        losses = iter(torch.stack([u[0].float() for u in computed]).tolist() if computed else [])
-        metrics = {n: iter(torch.stack([u[1][n].float() for u in computed]).tolist()) for n in names}
+        computed = [u for u in self._unflushed if u.loss is not None]  # steps the node did not sit out
+        names = list(computed[0].metrics) if computed else []
+        losses = iter(torch.stack([u.loss.float() for u in computed]).tolist() if computed else [])
+        metrics = {n: iter(torch.stack([u.metrics[n].float() for u in computed]).tolist()) for n in names}
         first = self.step + 2 - len(self._unflushed)  # step number (from 1) of the oldest unflushed step
         rows = []
-        for i, (computed_loss, _, lr, sent, wall, tokens, sim_now) in enumerate(self._unflushed):
+        for i, u in enumerate(self._unflushed):
             row: dict[str, float] = {"step": first + i}
-            if computed_loss is not None:
+            if u.loss is not None:
                 loss = next(losses)
                 if not math.isfinite(loss):
                     raise FloatingPointError(f"the training loss on node {self.rank} is {loss} at step {first + i}; "
                                              "lower the learning rate, set max_norm, or check the data")
                 row.update(loss=loss, **{n: next(metrics[n]) for n in names})
-            row["lr"] = lr
+            row["lr"] = u.lr
             if self.cfg.membership is not None:
                 row["up"] = int(self.rank in self.cfg.membership.alive(first + i))
             if self._tokens:
-                row["tokens"] = tokens
-            row.update(bytes=sent, wall_time_s=wall)
+                row["tokens"] = u.tokens
+            row.update(bytes=u.bytes_sent, wall_time_s=u.wall_time_s)
             if self.cfg.time_model is not None:
-                row["sim_time_s"] = sim_now
+                row["sim_time_s"] = u.sim_time_s
             rows.append(row)
         self._unflushed.clear()
         self.log.rows.extend(rows)

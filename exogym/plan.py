@@ -10,11 +10,32 @@ import torch
 
 from exogym.checkpoint import CheckpointPlan, NodeState
 from exogym.data.sharding import NodeBatches
-from exogym.node import RunConfig, TrainNode
+from exogym.membership import Membership
+from exogym.node import TrainNode
 from exogym.record import LiveLog
 from exogym.rng import NodeRNG, node_seed
+from exogym.simtime import TimeModel
 
-__all__ = ["RunPlan"]
+__all__ = ["RunConfig", "RunPlan"]
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The numbers every node of one run shares (validated and derived by the trainer)."""
+
+    num_nodes: int
+    max_steps: int
+    batch_size: int
+    minibatch_size: int
+    val_interval: int
+    log_interval: int
+    autocast: bool
+    progress: bool
+    validate: bool  # every node takes part in building the global model, node 0 evaluates it
+    diagnostics_interval: int | None = None
+    time_model: TimeModel | None = None  # None: no simulated time
+    steps_per_epoch: int = 1  # the run's: one pass over the smallest node's shard
+    membership: Membership | None = None  # failures / elastic pool: who is up at each step; None: everyone
 
 
 @dataclass
@@ -41,11 +62,10 @@ class RunPlan:
         return self.cfg.num_nodes
 
     def make_node(self, rank: int, start_time: float) -> TrainNode:
-        if self.resume is not None:
-            state = self.resume[rank]
-            model, strategy = state.model, state.strategy
-        else:  # each node trains its own copy of the model and the strategy; the user's objects stay untouched
-            state, model, strategy = None, copy.deepcopy(self.model), copy.deepcopy(self.strategy)
+        # Each node trains its own copy of the model and the strategy (a resumed node then loads its saved
+        # state into them); the user's objects stay untouched.
+        state = self.resume[rank] if self.resume is not None else None
+        model, strategy = copy.deepcopy(self.model), copy.deepcopy(self.strategy)
         return TrainNode(rank, model, strategy, self.node_batches[rank], self.val_batches if rank == 0 else None,
                          self.devices[rank], self.cfg, start_time, self.live, resume=state,
                          checkpoints=self.checkpoints)

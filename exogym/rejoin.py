@@ -1,10 +1,12 @@
 """Nodes coming up (after a failure, or into an elastic pool) take the global state from a node that was up.
 
 At the first step of nodes coming up, before anyone computes, the nodes that were up and define the
-global model (Strategy._model_sources: all of them, averaged, or one when every replica is the same)
-build the state a joiner needs (Strategy._state_for_joiners); the first of them packs it into bytes and
-sends it by one broadcast to the joiners, who load it. Real traffic, counted like any collective: a
-node coming back downloads the model and the optimizer state.
+global model (Strategy.model_sources among them) build the joiner's model by the rule of
+exogym.global_model (the strategy's global entries, the rest averaged over the sources: a counted
+all-reduce among them). The first source packs that model and its strategy's state (Strategy.state_dict:
+the global part, and its local part as the joiner's best start: optimizer moments, schedule, step count)
+and sends it by one broadcast to the joiners, who load it and then drop what was the sender's own
+(Strategy.joined: residuals, corrections in flight). Real traffic, counted like any collective.
 """
 
 from __future__ import annotations
@@ -14,22 +16,26 @@ from typing import Any
 
 import torch
 
+from exogym.global_model import split_global_state
 from exogym.strategy.communicate import broadcast, get_rank
+from exogym.strategy.mean import mean_
 
 __all__ = ["hand_over_state"]
 
 
 @torch.no_grad()
-def hand_over_state(strategy: Any, step: int, survivors: list[int], joiners: list[int]) -> None:
+def hand_over_state(model: torch.nn.Module, strategy: Any, step: int, survivors: list[int],
+                    joiners: list[int]) -> None:
     """Every node up at `step` calls this before computing it; `survivors` were up at the step before,
     `joiners` were not."""
     rank = get_rank()
-    sources = strategy._model_sources(list(survivors), step - 1)
+    sources = strategy.model_sources(list(survivors), step - 1) or list(survivors)
     payload = None
     if rank in sources:
-        state = strategy._state_for_joiners(sources)
+        state, averaged, _ = split_global_state(model, strategy)
+        mean_([state[k] for k in averaged], group=sources)
         if rank == sources[0]:
-            payload = _pack(state)
+            payload = _pack({"model": state, "strategy": strategy.state_dict()})
     if rank not in joiners and rank != sources[0]:
         return
     group = [sources[0], *joiners]
@@ -38,7 +44,10 @@ def hand_over_state(strategy: Any, step: int, survivors: list[int], joiners: lis
     buffer = payload if payload is not None else torch.empty(int(size.item()), dtype=torch.uint8)
     broadcast(buffer, src=sources[0], group=group)
     if rank in joiners:
-        strategy._load_state_from_survivor(_unpack(buffer))
+        received = _unpack(buffer)
+        model.load_state_dict(received["model"])
+        strategy.load_state_dict(received["strategy"])
+        strategy.joined()
 
 
 def _pack(state: Any) -> torch.Tensor:
@@ -48,5 +57,6 @@ def _pack(state: Any) -> torch.Tensor:
 
 
 def _unpack(buffer: torch.Tensor) -> Any:
-    # Loaded on the CPU: load_state_dict copies into the joiner's own tensors, wherever they live.
-    return torch.load(io.BytesIO(buffer.numpy().tobytes()), map_location="cpu", weights_only=False)
+    # Tensors and plain data only (the state protocol), loaded on the CPU: load_state_dict copies them into
+    # the joiner's own tensors, wherever they live.
+    return torch.load(io.BytesIO(buffer.numpy().tobytes()), map_location="cpu", weights_only=True)

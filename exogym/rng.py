@@ -38,6 +38,22 @@ class GlobalRNGState:
         return cls(torch.get_rng_state(), random.getstate(), np.random.get_state(),
                    torch.cuda.get_rng_state(cuda) if cuda is not None else None, cuda)
 
+    def to_plain(self) -> dict[str, Any]:
+        """Tensors and plain data only (what a checkpoint may hold)."""
+        kind, keys, pos, has_gauss, cached = self.numpy
+        return {"torch_cpu": self.torch_cpu, "python": self.python,
+                "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+                "cuda": self.cuda, "cuda_device": str(self.cuda_device) if self.cuda_device is not None else None}
+
+    @classmethod
+    def from_plain(cls, d: dict[str, Any]) -> "GlobalRNGState":
+        kind, keys, pos, has_gauss, cached = d["numpy"]
+        version, internal, gauss = d["python"]
+        return cls(d["torch_cpu"].cpu(), (version, tuple(internal), gauss),
+                   (kind, keys.cpu().numpy().astype(np.uint32), pos, has_gauss, cached),
+                   d["cuda"].cpu() if d["cuda"] is not None else None,
+                   torch.device(d["cuda_device"]) if d["cuda_device"] is not None else None)
+
     def restore(self) -> None:
         torch.set_rng_state(self.torch_cpu)
         random.setstate(self.python)

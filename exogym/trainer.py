@@ -6,6 +6,7 @@ import copy
 import inspect
 import os
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -14,16 +15,16 @@ import torch
 from exogym._validation import check_int, reject_unknown_kwargs
 from exogym.backends.sim import run_sim
 from exogym.backends.torch_dist import launch_for_fit, run_torch
-from exogym.checkpoint import CheckpointPlan, load_checkpoint
+from exogym.checkpoint import CheckpointPlan, check_resume, find_checkpoint, load_checkpoint, read_manifest
 from exogym.data.sharding import DatasetOrFactory, is_factory
 from exogym.devices import DeviceLike, resolve_node_devices
 from exogym.fit_setup import (announce, build_node_batches, build_time_model, build_val_batches, partition_data,
                               peak_memory_mb, resolve_logger, versions)
 from exogym.logger import Logger, default_run_name
+from exogym.fingerprint import run_fingerprint
 from exogym.membership import RandomFailures, build_membership
 from exogym.network import Network
-from exogym.node import RunConfig
-from exogym.plan import RunPlan
+from exogym.plan import RunConfig, RunPlan
 from exogym.record import LiveLog, RunRecord
 from exogym.rng import GlobalRNGState
 from exogym.strategy.strategy import Strategy
@@ -66,7 +67,8 @@ class Trainer:
             log_interval: int = 10, progress: bool = True, logger: Logger | Sequence[Logger] | bool | None = None,
             run_name: str | None = None, checkpoint_interval: int | None = None,
             checkpoint_dir: str | os.PathLike | None = None, keep_checkpoints: int = 3,
-            resume_from: str | os.PathLike | None = None, diagnostics_interval: int | None = None,
+            resume_from: str | os.PathLike | None = None, extend_run: bool = False,
+            diagnostics_interval: int | None = None,
             network: Network | str | None = None, node_speeds: Sequence[float] | None = None,
             device_flops: float | Sequence[float] | None = None, compute_time: str = "flops",
             partition: str = "iid", dirichlet_alpha: float | None = None, shards_per_node: int | None = None,
@@ -83,8 +85,11 @@ class Trainer:
         logs/<run_name>/ (config.json, train.csv, val.csv, summary.json); False for none.
 
         checkpoint_interval=N saves every node's full state every N steps and at the end into
-        checkpoint_dir (default logs/<run_name>/checkpoints), keeping the newest keep_checkpoints;
-        resume_from=<checkpoint folder, or a folder of them> continues such a run exactly.
+        checkpoint_dir (default logs/<run_name>/checkpoints), keeping this run's newest keep_checkpoints;
+        resume_from=<a checkpoint, a folder of them, or a run folder> continues exactly that run: the fit call
+        must describe the same run (strategy and its settings, model, seed, data, nodes, schedule length), or a
+        CheckpointError lists every difference before any node starts. extend_run=True allows a larger
+        max_steps (the LR schedule keeps its original length; the record's config says so).
         diagnostics_interval=N records how far the nodes' parameters drift apart every N steps.
 
         Simulated time (on when any of these is given): network (a Network or a preset name: "high",
@@ -120,6 +125,11 @@ class Trainer:
         check_int("checkpoint_interval", checkpoint_interval, minimum=1, allow_none=True)
         check_int("keep_checkpoints", keep_checkpoints, minimum=1)
         check_int("diagnostics_interval", diagnostics_interval, minimum=1, allow_none=True)
+        if not isinstance(extend_run, bool):
+            raise TypeError(f"extend_run must be True or False, got {extend_run!r}")
+        if extend_run and resume_from is None:
+            raise TypeError("extend_run=True continues a checkpointed run past its planned length; it needs "
+                            "resume_from=")
         time_model = build_time_model(num_nodes, network, node_speeds, device_flops, compute_time)
         minibatch_size = batch_size if minibatch_size is None else minibatch_size
         if minibatch_size > batch_size or batch_size % minibatch_size:
@@ -187,16 +197,27 @@ class Trainer:
             announce(config, time_model)
 
         config["run_name"] = run_name
+        fingerprint = run_fingerprint(config, self.model, [nb.shard_size for nb in node_batches])
+        run_id, resume = uuid.uuid4().hex, None
+        if resume_from is not None:  # the same run, or a refusal listing what differs, before any node starts
+            folder = find_checkpoint(resume_from)
+            manifest = read_manifest(folder)
+            check_resume(manifest, folder, fingerprint, extend=extend_run)
+            resume = load_checkpoint(folder, manifest, devices=node_devices)
+            run_id = manifest["run_id"]
+            config["resumed"] = {"checkpoint": str(folder), "step": manifest["step"]}
+            if manifest["fingerprint"].get("max_steps") != total_steps:
+                config["resumed"]["extended"] = {
+                    "from_max_steps": manifest["fingerprint"]["max_steps"], "to_max_steps": total_steps,
+                    "lr_schedule": "kept its original length: after it ends, its last learning rate continues"}
+            if progress and is_main:
+                print(f"exogym: resuming run {manifest.get('run_name')!r} from step {manifest['step']} ({folder})",
+                      flush=True)
         checkpoints = None
         if checkpoint_interval is not None:
             root = Path(checkpoint_dir) if checkpoint_dir is not None else Path("logs") / run_name / "checkpoints"
-            checkpoints = CheckpointPlan(root, checkpoint_interval, keep_checkpoints, config)
-        resume = None
-        if resume_from is not None:
-            resume = load_checkpoint(resume_from, num_nodes=num_nodes, batch_size=batch_size, max_steps=total_steps,
-                                     devices=node_devices)
-            if progress and is_main:
-                print(f"exogym: resuming from step {resume[0].step} ({resume_from})", flush=True)
+            checkpoints = CheckpointPlan(root, checkpoint_interval, keep_checkpoints, config, run_id, fingerprint)
+            checkpoints.check_owner()
         live = LiveLog(logger, range(num_nodes) if launch is None else [launch.rank],  # a torchrun process: its own
                        global_batch=num_nodes * batch_size)
         plan = RunPlan(model=self.model, strategy=strategy, node_batches=node_batches, val_batches=val_batches,

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from exogym.backends.scheduler import CollectiveCall, CollectiveError, Pending, Scheduler
-from exogym.comm import CommStats, Group, ReduceOp, make_group, payload_nbytes, tensor_nbytes
+from exogym.comm import CommunicatorBase, Group, ReduceOp, make_group, payload_nbytes, tensor_nbytes
 from exogym.membership import Membership
-from exogym.simtime import NodeClock, TimeModel
+from exogym.simtime import TimeModel
 
 if TYPE_CHECKING:
     from exogym.plan import RunPlan
@@ -82,16 +82,13 @@ _COMPLETE: dict[str, Callable[[list[CollectiveCall]], None]] = {
 }
 
 
-class SimCommunicator:
+class SimCommunicator(CommunicatorBase):
     """Node `rank`'s side of the sim backend (implements `exogym.comm.Communicator`)."""
 
-    def __init__(self, scheduler: Scheduler, rank: int, num_nodes: int, time_model: TimeModel | None = None):
-        self.scheduler, self.rank, self.num_nodes, self.time_model = scheduler, rank, num_nodes, time_model
-        self.stats = CommStats()
-        self.clock = NodeClock()
-        self.world = Group(tuple(range(num_nodes)))
-        self.step: int | None = None  # the node's current step, for error messages
-        self.membership: Membership | None = None  # who is up at each step (set by the node); None: everyone
+    def __init__(self, scheduler: Scheduler, rank: int, num_nodes: int, time_model: TimeModel | None = None,
+                 membership: Membership | None = None):
+        super().__init__(rank, num_nodes, membership)
+        self.scheduler, self.time_model = scheduler, time_model
 
     def _meet(self, name: str, group: Group, signature: tuple, account: bool, payload: int, async_op: bool,
               **args: Any) -> "SimWork | None":
@@ -196,7 +193,7 @@ def run_sim(plan: "RunPlan") -> list[Any]:
         modes[r].capture()
 
     scheduler = Scheduler(k, on_resume=resume, on_pause=pause)
-    comms = [SimCommunicator(scheduler, r, k, plan.cfg.time_model) for r in range(k)]
+    comms = [SimCommunicator(scheduler, r, k, plan.cfg.time_model, plan.cfg.membership) for r in range(k)]
     try:
         return scheduler.run([lambda r=r: nodes[r].run(comms[r]) for r in range(k)])
     finally:

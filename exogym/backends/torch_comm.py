@@ -23,8 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from exogym.comm import CollectiveError, CommStats, Group, ReduceOp, make_group, payload_nbytes, tensor_nbytes
-from exogym.membership import Membership
+from exogym.comm import CollectiveError, CommunicatorBase, Group, ReduceOp, make_group, payload_nbytes, tensor_nbytes
 from exogym.simtime import NodeClock, TimeModel
 
 __all__ = ["TorchCommunicator", "TorchWork"]
@@ -58,20 +57,16 @@ class TorchWork:
         return True
 
 
-class TorchCommunicator:
+class TorchCommunicator(CommunicatorBase):
     """Node `rank`'s side of the torch backend, in a process where torch.distributed is initialised with
     world size `num_nodes` (rank r of the default group is node r)."""
 
     def __init__(self, rank: int, num_nodes: int, *, device: torch.device, backend: str,
                  timeout: timedelta, time_model: TimeModel | None = None):
-        self.rank, self.num_nodes, self.time_model = rank, num_nodes, time_model
+        super().__init__(rank, num_nodes)  # no failure schedule: real processes do not fail on one
+        self.time_model = time_model
         self.device = device if backend == "nccl" else torch.device("cpu")  # where the process group works
         self.backend, self.timeout = backend, timeout
-        self.stats = CommStats()
-        self.clock = NodeClock()
-        self.world = Group(tuple(range(num_nodes)))
-        self.step: int | None = None  # the node's current step, for error messages
-        self.membership: Membership | None = None  # who is up at each step (set by the node); None: everyone
         self._process_groups: dict[tuple[int, ...], Any] = {}  # ranks -> torch ProcessGroup (or NON_GROUP_MEMBER)
 
     # ---- groups ------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 import torch.distributed as dist
 
-from exogym.averaging import global_state_dict
+from exogym.global_model import global_state_dict
 from exogym.backends.torch_comm import TorchCommunicator
 
 if TYPE_CHECKING:

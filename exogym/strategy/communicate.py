@@ -22,7 +22,7 @@ from exogym.comm import Group, ReduceOp, Work
 
 __all__ = [
     "ReduceOp", "Group", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier",
-    "new_group", "get_rank", "get_world_size", "alive_ranks",
+    "new_group", "get_rank", "get_world_size", "alive_ranks", "in_running_node",
 ]
 
 
@@ -31,10 +31,9 @@ def _group(c: _comm.Communicator, group: Group | Sequence[int] | None) -> Group:
     g = c.world if group is None else group if isinstance(group, Group) else _comm.make_group(group, c.num_nodes)
     if c.rank not in g:
         raise ValueError(f"node {c.rank} called a collective on group {list(g.ranks)}, which it is not in")
-    membership = getattr(c, "membership", None)
-    if membership is None or c.step is None:
+    up = c.up()
+    if up is c.world.ranks:  # no failure or elastic schedule: everyone is up
         return g
-    up = membership.alive(c.step)
     if c.rank not in up:
         raise _comm.CollectiveError(f"node {c.rank} is down at step {c.step} but called a collective")
     return g if all(r in up for r in g.ranks) else Group(tuple(r for r in g.ranks if r in up))
@@ -125,10 +124,19 @@ def get_world_size() -> int:
     return _comm.current_communicator().num_nodes
 
 
-def alive_ranks(group: Group | Sequence[int] | None = None) -> list[int]:
-    """The members of `group` (default: all nodes) that take part in a collective at this step: every member,
-    unless the run's failure or elastic schedule has some of them down."""
-    return list(_group(_comm.current_communicator(), group).ranks)
+def alive_ranks(group: Group | Sequence[int] | None = None, *, step: int | None = None) -> list[int]:
+    """The members of `group` (default: all nodes) that take part in a collective at this step (or at `step`,
+    counted from 1): every member, unless the run's failure or elastic schedule has some of them down."""
+    c = _comm.current_communicator()
+    if step is None:
+        return list(_group(c, group).ranks)
+    up = c.up(step)
+    return [r for r in _group_ranks(c, group) if r in up]
+
+
+def in_running_node() -> bool:
+    """Whether the caller runs inside a node of a running fit (where collectives work)."""
+    return _comm.bound_communicator() is not None
 
 
 def _group_ranks(c: _comm.Communicator, group: Group | Sequence[int] | None) -> tuple[int, ...]:

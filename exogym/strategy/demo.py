@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 
@@ -11,7 +11,7 @@ from exogym._validation import check_int, check_number
 from exogym.flatten import flatten_by_dtype
 from exogym.strategy.communicate import alive_ranks, all_gather
 from exogym.strategy.optim import OptimSpec
-from exogym.strategy.strategy import Strategy
+from exogym.strategy.strategy import Strategy, parameter_state
 
 __all__ = ["DeMo", "DeMoStrategy", "ChunkDCT", "dct_matrix"]
 
@@ -168,8 +168,6 @@ class DeMoStrategy(Strategy):
     compression_chunk and weight_decay as keywords.
     """
 
-    identical_replicas = True  # every node applies the same sign update
-
     def __init__(self, optim_spec: OptimSpec | None = None, max_norm: float | None = None, *,
                  lr: float | None = None, compression_decay: float | None = None, compression_topk: int | None = None,
                  compression_chunk: int | None = None, weight_decay: float | None = None, **kwargs: Any):
@@ -194,9 +192,11 @@ class DeMoStrategy(Strategy):
         self.optim.step()
         super().step()
 
+    def global_state(self) -> Mapping[str, torch.Tensor]:
+        return parameter_state(self.model)  # every node applies the same sign update
+
     @torch.no_grad()
-    def _load_state_from_survivor(self, state: dict[str, Any]) -> None:
-        super()._load_state_from_survivor(state)
+    def joined(self) -> None:
         for s in self.optim.state.values():  # a node coming up starts with no momentum: the survivor's residual
             if "momentum" in s:             # is that node's own unsent gradient, which it still sends itself
                 s["momentum"].zero_()

@@ -9,11 +9,12 @@ import torch
 
 from exogym._validation import check_int, check_number
 from exogym.compression import Compressor, compressor_from
-from exogym.flatten import flatten_by_dtype, unflatten_into
 from exogym.strategy.communicate import alive_ranks, all_reduce
-from exogym.strategy.communicate_optimize_strategy import CommunicationModule, ModularStrategy, round_generator
-from exogym.strategy.compressed_reduce import compressed_mean
+from exogym.strategy.communicate_optimize_strategy import (CommunicationModule, ModularStrategy, compressor_state,
+                                                           round_generator)
+from exogym.strategy.mean import mean_
 from exogym.strategy.optim import OptimSpec, ensure_optim_spec
+from exogym.strategy.outer_model import OuterModel, kept_nodes
 
 __all__ = ["DiLoCoCommunicator", "DiLoCoStrategy", "outer_spec", "outer_choice"]
 
@@ -24,130 +25,107 @@ class DiLoCoCommunicator(CommunicationModule):
     """Every H steps: pseudo-gradient (global model - local model), one all-reduce of it, the outer
     optimizer step on the global model (the same on every node, so nothing is broadcast), reset.
 
-    The global model is kept on the CPU (it is touched once per round). normalize=True rescales the
-    averaged pseudo-gradient to unit L2 norm before the outer step ("sgd_normalized").
+    The global model is an OuterModel (exogym.strategy.outer_model), kept on the CPU (it is touched once
+    per round). normalize=True rescales the averaged pseudo-gradient to unit L2 norm before the outer step
+    ("sgd_normalized").
     drop_prob=p: each round each node's pseudo-gradient is lost with probability p (nodes agree via a
     shared seed); the others' are averaged, every node still takes the outer step, and a dropped node
     continues from its own parameters instead of resetting.
-    shard_weight: when a strategy sets it (DiLoCoStrategy(weight_by_shard_size=True) sets each node's
-    shard size), the pseudo-gradients are averaged weighted by it.
+    weight_by_shard_size=True: the pseudo-gradients are averaged weighted by each node's shard size.
     quantization_bits=8 or 4 / compression=<exogym.compression Compressor> (e.g. FP4Quantizer(), or
     ErrorFeedback(TopK(0.01, values=IntQuantizer(4)))): the pseudo-gradients are sent compressed, by one
-    all-gather, and every node averages the decoded ones in rank order (exogym.strategy.compressed_reduce).
+    all-gather, and every node averages the decoded ones in rank order (exogym.strategy.mean).
     Bytes per node per round: (K-1) x sum over parameters of compressor.nbytes(shape), instead of
     2 (K-1)/K x the model's bytes.
+    final_sync=True: a run whose last step is not a round's last ends with one more (shorter) round, so the
+    global model includes every step (counted like any round); False leaves those steps out of it.
     With failures or an elastic pool, a round averages the pseudo-gradients of the nodes that are up; a node
     coming up gets the global model and the outer optimizer's state, and starts its round from it.
     """
 
-    keeps_global_model = True
-
     def __init__(self, H: int = 100, outer_optim_spec: OptimSpec | None = None, *, normalize: bool = False,
                  drop_prob: float = 0.0, seed: int = 0, quantization_bits: int | None = None,
-                 compression: Compressor | None = None):
+                 compression: Compressor | None = None, weight_by_shard_size: bool = False, final_sync: bool = True):
         check_int("H", H, minimum=1)
         check_number("drop_prob", drop_prob, minimum=0.0)
         if drop_prob >= 1:
             raise ValueError(f"drop_prob must be < 1 (every pseudo-gradient would be lost), got {drop_prob!r}")
         check_int("seed", seed, minimum=0)
+        for name, flag in (("weight_by_shard_size", weight_by_shard_size), ("final_sync", final_sync)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
         self.H, self.normalize, self.drop_prob, self.seed = H, bool(normalize), drop_prob, seed
         self.compression = copy.deepcopy(compressor_from(quantization_bits, compression))  # its own memory
         self.outer_optim_spec = outer_spec(outer_optim_spec)
-        self.shard_weight: int | None = None  # set per node to its shard size for a size-weighted average
+        self.weight_by_shard_size, self.final_sync = weight_by_shard_size, final_sync
 
-    @torch.no_grad()
     def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
         self.model, self.rank, self.num_nodes = model, rank, num_nodes
-        self.names = [name for name, _ in model.named_parameters()]
-        self.master = [torch.nn.Parameter(p.detach().to("cpu", copy=True)) for p in model.parameters()]
-        self.outer_optim = self.outer_optim_spec.build(self.master)
+        self.outer = OuterModel(model, self.outer_optim_spec, normalize=self.normalize)
+
+    @property
+    def master(self) -> list[torch.nn.Parameter]:
+        """The global model's parameters (the outer model's)."""
+        return self.outer.master
 
     def communicate(self, model: torch.nn.Module, rank: int, num_nodes: int, local_step: int) -> None:
-        if local_step % self.H:
-            return
+        if local_step % self.H == 0:
+            self._round(local_step // self.H - 1)
+
+    def finish(self, local_step: int) -> None:
+        if self.final_sync and local_step % self.H:  # steps since the last round: one more, shorter, round
+            self._round(local_step // self.H)
+
+    def _round(self, round_index: int) -> None:
         up = alive_ranks()
-        kept = [r for r in self.kept_nodes(local_step // self.H - 1) if r in up]
+        kept = [r for r in self.kept_nodes(round_index) if r in up]
         if not kept:
             return  # every pseudo-gradient of the round was lost: nothing to apply, nothing to send
-        grads = self._pseudo_gradient(keep=self.rank in kept)
+        params = list(self.model.parameters())
+        grads = self.outer.pseudo_gradient(params, keep=self.rank in kept)
         self._reduce(grads, kept)
-        self._outer_step(grads)
+        self.outer.step(grads)
         if self.rank in kept:
-            self._reset()
+            self.outer.merge(params)  # every node starts the next round from the new global model
 
     def kept_nodes(self, round_index: int) -> list[int]:
         """The nodes whose pseudo-gradient arrives in round `round_index` (all of them unless drop_prob > 0)."""
-        if self.drop_prob == 0:
-            return list(range(self.num_nodes))
-        u = torch.rand(self.num_nodes, generator=round_generator(self.seed, round_index, _DROP))
-        return [r for r in range(self.num_nodes) if u[r] >= self.drop_prob]
-
-    # ---- the steps of one round ----------------------------------------------------------------
-    @torch.no_grad()
-    def _pseudo_gradient(self, keep: bool) -> list[torch.Tensor]:
-        """Delta_i = theta_global - theta_i (the outer gradient, Algorithm 1); zeros when it is lost."""
-        return [(g.to(p.device) - p.detach()) if keep else torch.zeros_like(p)
-                for g, p in zip(self.master, self.model.parameters())]
+        return kept_nodes(self.num_nodes, self.drop_prob, round_generator(self.seed, round_index, _DROP)
+                          if self.drop_prob else None)
 
     @torch.no_grad()
     def _reduce(self, grads: list[torch.Tensor], kept: list[int]) -> None:
-        """Average the pseudo-gradients that arrived: one all-reduce per dtype on the model's device.
-        With shard_weight set, a weighted mean: node i counts shard_weight_i / (sum over kept nodes)."""
+        """Average the pseudo-gradients that arrived (in place). With weight_by_shard_size, a weighted mean:
+        node i counts shard_size_i / (the kept nodes' total)."""
         if len(alive_ranks()) == 1:
             return
         total: float = len(kept)
-        if self.shard_weight is not None:
-            weight = torch.tensor([float(self.shard_weight) if self.rank in kept else 0.0], dtype=torch.float64)
-            total = all_reduce(weight).item()  # 8 bytes a round: the kept nodes' total weight
-        if self.compression is not None:
-            self._reduce_compressed(grads, kept, total)
-            return
-        for flat, tensors in flatten_by_dtype(grads):
-            if self.shard_weight is not None:
-                flat.mul_(self.shard_weight)
-            all_reduce(flat)
-            flat.div_(total)
-            unflatten_into(flat, tensors)
-
-    @torch.no_grad()
-    def _reduce_compressed(self, grads: list[torch.Tensor], kept: list[int], total: float) -> None:
-        """The same mean, of the kept nodes' compressed pseudo-gradients (a dropped node's is sent, unused)."""
-        scaled = [g * self.shard_weight for g in grads] if self.shard_weight is not None else grads
+        if self.weight_by_shard_size:
+            weight = float(self.context.shard_size)
+            mine = torch.tensor([weight if self.rank in kept else 0.0], dtype=torch.float64)
+            total = all_reduce(mine).item()  # 8 bytes a round: the kept nodes' total weight
+            for g in grads:
+                g.mul_(weight)
         keys = [("outer", i) if self.rank in kept else None for i in range(len(grads))]
-        means = compressed_mean(scaled, self.compression, members=kept, keys=keys, divisor=total)
-        for g, mean in zip(grads, means):
-            g.copy_(mean)
-
-    @torch.no_grad()
-    def _outer_step(self, grads: list[torch.Tensor]) -> None:
-        """theta_global <- OuterOpt(theta_global, mean Delta), identical on every node."""
-        for g, grad in zip(self.master, grads):
-            g.grad = grad.to(g.device, g.dtype)
-        if self.normalize:
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.grad) for g in self.master]))
-            for g in self.master:
-                g.grad.div_(norm.clamp_min(1e-12))
-        self.outer_optim.step()
-        self.outer_optim.zero_grad()
-
-    @torch.no_grad()
-    def _reset(self) -> None:
-        """Every node starts the next round from the new global model."""
-        for g, p in zip(self.master, self.model.parameters()):
-            p.copy_(g)
+        mean_(grads, self.compression, members=kept, divisor=total,
+              **({"keys": keys} if self.compression is not None else {}))
 
     def global_state(self, local_step: int) -> Mapping[str, torch.Tensor]:
-        return dict(zip(self.names, (g.detach() for g in self.master)))
+        return self.outer.global_state()
 
-    def state_for_joiners(self) -> Any:
-        return {"master": [g.detach().clone() for g in self.master], "outer_optim": self.outer_optim.state_dict()}
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        return {"global": {"outer": self.outer.state_dict()},
+                "local": {"compression": compressor_state(self.compression)}}
 
-    @torch.no_grad()
-    def load_state_from_survivor(self, state: Any) -> None:
-        for g, value in zip(self.master, state["master"]):
-            g.copy_(value)
-        self.outer_optim.load_state_dict(state["outer_optim"])
-        self._reset()  # the joiner's round starts from the global model
+    def load_state_dict(self, state: Mapping[str, Mapping[str, Any]]) -> None:
+        self.outer.load_state_dict(state["global"]["outer"])
+        if self.compression is not None:
+            self.compression.load_state_dict(state["local"]["compression"])
+
+    def joined(self) -> None:
+        self.outer.merge(list(self.model.parameters()))  # the joiner's round starts from the global model
+        if self.compression is not None:
+            self.compression.load_state_dict({})  # the survivor's unsent error is not the joiner's
 
 
 def outer_spec(outer_optim_spec: OptimSpec | str | type | None = None, *, outer_lr: float | None = None,
@@ -189,6 +167,9 @@ class DiLoCoStrategy(ModularStrategy):
     nesterov=True configure the SGD ones.
     weight_by_shard_size=True: average the pseudo-gradients weighted by each node's number of training
     examples (the paper's data-size weighting, for unequal shards: dataset factories or non-IID splits).
+    final_sync=True (default): when the run's last step is not the end of a round, the nodes synchronise once
+    more, so the returned model and the final validation include every step (a run shorter than H is one
+    short round); False returns the global model of the last full round.
     quantization_bits=8 or 4, or compression=<exogym.compression Compressor>: send the pseudo-gradients
     compressed (see DiLoCoCommunicator); bytes per node per round (K-1) x the compressed model's bytes.
     """
@@ -200,20 +181,13 @@ class DiLoCoStrategy(ModularStrategy):
                  outer_lr: float | None = None, outer_momentum: float | None = None, nesterov: bool | None = None,
                  drop_prob: float = 0.0, seed: int = 0, weight_by_shard_size: bool = False,
                  quantization_bits: int | None = None, compression: Compressor | None = None,
-                 max_norm: float | None = None, **kwargs: Any):
+                 final_sync: bool = True, max_norm: float | None = None, **kwargs: Any):
         super().__init__(optim_spec, max_norm, inner_optim=inner_optim, lr=_one_of("lr", lr, "inner_lr", inner_lr),
                          weight_decay=weight_decay, **kwargs)
-        if not isinstance(weight_by_shard_size, bool):
-            raise TypeError(f"weight_by_shard_size must be True or False, got {weight_by_shard_size!r}")
-        self.weight_by_shard_size = weight_by_shard_size
         self._use_modules([diloco_module(H, outer_optim_spec, outer_optim, outer_lr=outer_lr,
                                          outer_momentum=outer_momentum, nesterov=nesterov, drop_prob=drop_prob,
-                                         seed=seed, quantization_bits=quantization_bits, compression=compression)])
-
-    def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
-        super()._init_node(model, rank, num_nodes)
-        if self.weight_by_shard_size:
-            self.modules[0].shard_weight = self.shard_size
+                                         seed=seed, quantization_bits=quantization_bits, compression=compression,
+                                         weight_by_shard_size=weight_by_shard_size, final_sync=final_sync)])
 
     @property
     def H(self) -> int:
@@ -233,8 +207,8 @@ def outer_choice(outer_optim_spec: Any, outer_optim: Any, **kwargs: Any) -> tupl
 
 def diloco_module(H: int, outer_optim_spec: Any, outer_optim: Any, **kwargs: Any) -> DiLoCoCommunicator:
     """A DiLoCoCommunicator from a strategy's arguments (both outer optimizer spellings, "sgd_normalized")."""
-    module_kwargs = {k: kwargs.pop(k) for k in ("drop_prob", "seed", "quantization_bits", "compression")
-                     if k in kwargs}
+    module_kwargs = {k: kwargs.pop(k) for k in ("drop_prob", "seed", "quantization_bits", "compression",
+                                                 "weight_by_shard_size", "final_sync") if k in kwargs}
     spec, normalize = outer_choice(outer_optim_spec, outer_optim, **kwargs)
     return DiLoCoCommunicator(H, spec, normalize=normalize, **module_kwargs)
 

@@ -7,16 +7,16 @@ from __future__ import annotations
 import copy
 import math
 from collections import deque
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
 from exogym._validation import check_int, check_number
 from exogym.compression import Quantizer, TopK, compressor_from
-from exogym.flatten import flatten_by_dtype, unflatten_into
-from exogym.strategy.communicate import alive_ranks, all_reduce
-from exogym.strategy.communicate_optimize_strategy import CommunicationModule, ModularStrategy, round_generator
-from exogym.strategy.compressed_reduce import compressed_mean, start_mean
+from exogym.strategy.communicate import alive_ranks
+from exogym.strategy.communicate_optimize_strategy import (CommunicationModule, ModularStrategy, compressor_state,
+                                                           round_generator)
+from exogym.strategy.mean import mean_, start_mean
 from exogym.strategy.optim import OptimSpec
 
 __all__ = ["SparseCommunicator", "TopKSparseCommunicator", "SPARTAStrategy", "SPARSIFICATION_MODES"]
@@ -104,16 +104,7 @@ class SparseCommunicator(CommunicationModule):
     @torch.no_grad()
     def _reduce(self, values: list[torch.Tensor]) -> None:
         """Average the selected values over the nodes: one all-reduce per dtype (or one all-gather, quantized)."""
-        if self.compression is not None:
-            sent = [v for v in values if v.numel()]
-            for v, mean in zip(sent, compressed_mean(sent, self.compression)):
-                v.copy_(mean)
-            return
-        up = len(alive_ranks())
-        for flat, tensors in flatten_by_dtype(v for v in values if v.numel()):
-            all_reduce(flat)
-            flat.div_(up)
-            unflatten_into(flat, tensors)
+        mean_([v for v in values if v.numel()], self.compression)
 
     @torch.no_grad()
     def _write_back(self, local_step: int, params: list[torch.Tensor], chosen: list[torch.Tensor],
@@ -134,8 +125,14 @@ class SparseCommunicator(CommunicationModule):
             for i, idx, correction in self.pending.popleft()[1]:
                 params[i].view(-1).index_add_(0, idx.to(params[i].device), correction)
 
-    def load_state_from_survivor(self, state: Any) -> None:
-        self.pending.clear()  # corrections of averages sent before the node went down no longer apply
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        return {"global": {}, "local": {"pending": [(due, corrections) for due, corrections in self.pending]}}
+
+    def load_state_dict(self, state: Mapping[str, Mapping[str, Any]]) -> None:
+        self.pending = deque((due, [tuple(c) for c in corrections]) for due, corrections in state["local"]["pending"])
+
+    def joined(self) -> None:
+        self.pending.clear()  # the survivor's corrections belong to averages the joiner did not send
 
     def expected_fraction(self, sizes: list[int]) -> float:
         """The fraction of the model's entries sent per step, on average (for bytes-per-step estimates)."""
@@ -183,14 +180,18 @@ class TopKSparseCommunicator(CommunicationModule):
             g.add_(mean)
             p.copy_(g + (d - sent))
 
-    def state_for_joiners(self) -> Any:
-        return [g.clone() for g in self.shared]
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        return {"global": {"shared": list(self.shared)}, "local": {"compression": compressor_state(self.compression)}}
 
     @torch.no_grad()
-    def load_state_from_survivor(self, state: Any) -> None:
-        for g, value, p in zip(self.shared, state, self.model.parameters()):
+    def load_state_dict(self, state: Mapping[str, Mapping[str, Any]]) -> None:
+        for g, value in zip(self.shared, state["global"]["shared"]):
             g.copy_(value)
-            p.copy_(g)  # nothing unsent yet
+
+    @torch.no_grad()
+    def joined(self) -> None:
+        for g, p in zip(self.shared, self.model.parameters()):
+            p.copy_(g)  # the joiner has sent everything: nothing unsent yet
 
 
 class SPARTAStrategy(ModularStrategy):

@@ -1,8 +1,8 @@
 """The Strategy base class and SimpleReduceStrategy (DDP).
 
 A strategy owns a node's optimizer(s) and decides when and what the nodes communicate.
-Each node gets its own deep copy of the strategy the user passed; `_init_node` binds the
-copy to that node's model.
+Each node gets its own deep copy of the strategy the user passed; `setup(model, context)` binds the
+copy to that node's model and tells it the run's facts (exogym.strategy.context.NodeContext).
 """
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ from typing import Any, Callable, Mapping
 import torch
 
 from exogym._validation import check_number, init_keywords, reject_unknown_kwargs
-from exogym.flatten import flatten_by_dtype, unflatten_into
-from exogym.strategy.communicate import alive_ranks, all_reduce
+from exogym.strategy.context import NodeContext
 from exogym.strategy.lr_schedule import LRSchedule
+from exogym.strategy.mean import mean_
 from exogym.strategy.optim import OptimSpec, ensure_optim_spec
 
-__all__ = ["Strategy", "SimpleReduceStrategy"]
+__all__ = ["Strategy", "SimpleReduceStrategy", "NodeContext", "parameter_state"]
 
 
 class Strategy:
-    """Base class: LR schedule, gradient clipping, step counting, and the hooks a node calls.
+    """Base class: LR schedule, gradient clipping, step counting, the state protocol, and the hooks a node calls.
 
     Subclasses set `self.optim_spec` in `__init__` (then `self.optim` is built for them in
     `_init_node`) or build their own optimizer in `_init_node`, and implement `step()`,
@@ -32,14 +32,17 @@ class Strategy:
         min_lr_factor x lr; setting warmup_steps or cosine_anneal selects it), a torch
         LRScheduler class built with lr_scheduler_kwargs, or a callable f(optimizer).
     max_norm: clip the global gradient norm of the node's parameters before each step.
+
+    What a node calls, in order: `setup(model, context)` once; per step `skip_compute()`, `zero_grad()`,
+    the forward/backward, `current_lr()`, `step()`; `finish()` after the last step. Around them, the state
+    protocol: `state_dict()` / `load_state_dict()` (checkpoints, nodes coming up), `global_state()` and
+    `model_sources()` (the global model), `joined()` (a node that came up).
     """
 
-    identical_replicas = False  # True: every node holds the same model after each step (DDP), so a joiner copies one
     supports_membership_changes = True  # False: the strategy cannot run with failures or an elastic pool
-
-    max_steps: int  # set by the node before _init_node (the schedule needs the run length)
-    steps_per_epoch: int  # likewise: steps in one pass over the smallest node's shard, equal on every node
-    shard_size: int  # likewise: examples in this node's training data per epoch (differs across nodes)
+    # Entries of state_dict() that are the same on every node by construction (DDP's optimizer state):
+    # they go into its "global" part, the rest into "local".
+    global_keys: frozenset[str] = frozenset()
 
     def __new__(cls, *args: Any, **kwargs: Any):
         # Keep the constructor arguments, so a run's config.json can say exactly how the strategy was built.
@@ -71,21 +74,52 @@ class Strategy:
         self.max_norm = max_norm
         self.scheduler = None
 
-    # ---- called by the node ------------------------------------------------------------------
+    # ---- the node contract -------------------------------------------------------------------
+    def setup(self, model: torch.nn.Module, context: NodeContext) -> None:
+        """Bind this node's copy of the strategy to its model, once, before the first step (a resumed or
+        joining node then loads its state with load_state_dict)."""
+        name = type(self).__name__
+        if not hasattr(self, "lr_schedule"):
+            raise TypeError(f"{name} was built without running Strategy.__init__: call super().__init__(...) "
+                            f"in {name}.__init__ (it sets up the LR schedule, max_norm and the step count)")
+        self.context = context
+        self._init_node(model, context.rank, context.num_nodes)
+        if getattr(self, "optim", None) is None:
+            fix = (f"set self.optim_spec in {name}.__init__ (e.g. OptimSpec(torch.optim.AdamW, lr=1e-3)) or build "
+                   "self.optim in _init_node")
+            if self.lr_schedule is not None:
+                raise TypeError(f"{name} has an lr_scheduler but no self.optim after _init_node; {fix}")
+            if type(self).zero_grad is Strategy.zero_grad:  # the default zero_grad and step need one
+                raise TypeError(f"{name} has no optimizer (self.optim) after _init_node; {fix}")
+        if self.lr_schedule is not None and self.scheduler is None:
+            self.scheduler = self.lr_schedule.build(self.optim, max_steps=context.max_steps)
+
     def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
+        """Bind to one node (the original ExoGym hook; subclasses extend it and call super())."""
         self.model, self.rank, self.num_nodes = model, rank, num_nodes
         self.local_step = 0
         if getattr(self, "optim_spec", None) is not None:
             self.optim_spec = ensure_optim_spec(self.optim_spec)
             self.optim = self.optim_spec.build(model)
 
-    def _finish_init(self) -> None:
-        """Attach the LR schedule to whatever optimizer `_init_node` left in `self.optim`."""
-        if self.lr_schedule is not None and self.scheduler is None:
-            if getattr(self, "optim", None) is None:
-                raise TypeError(f"{type(self).__name__} has an lr_scheduler but no self.optim after _init_node; "
-                                "set self.optim_spec in __init__ or build self.optim in _init_node")
-            self.scheduler = self.lr_schedule.build(self.optim, max_steps=getattr(self, "max_steps", 1))
+    @property
+    def max_steps(self) -> int:
+        return self._context().max_steps
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self._context().steps_per_epoch
+
+    @property
+    def shard_size(self) -> int:
+        return self._context().shard_size
+
+    def _context(self) -> NodeContext:
+        context = getattr(self, "context", None)
+        if context is None:
+            raise AttributeError(f"{type(self).__name__} is not bound to a node yet: the run's facts (max_steps, "
+                                 "steps_per_epoch, shard_size) are known from setup() on, not in __init__")
+        return context
 
     def zero_grad(self) -> None:
         self.optim.zero_grad()
@@ -102,57 +136,59 @@ class Strategy:
             self.scheduler.step()
         self.local_step += 1
 
-    def _current_lr(self) -> float:
+    def finish(self) -> None:
+        """Called on every node up after its last step, before the final validation: a strategy whose global
+        model lags its nodes (DiLoCo between rounds) synchronises once more here."""
+
+    def current_lr(self) -> float:
         """The learning rate of the node's (inner) optimizer for its next step."""
         optim = getattr(self, "optim", None)
         return float(optim.param_groups[0]["lr"]) if optim is not None else float("nan")
 
-    def global_state(self) -> Mapping[str, torch.Tensor] | None:
-        """State-dict entries that define the global model and are equal on every node.
+    # ---- the state protocol ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        """This node's strategy state, tensors and plain data only: {"global": entries the same on every node
+        by construction, "local": this node's own}. The default: the step count, the optimizer and the LR
+        schedule (a strategy with more state extends both methods, calling super())."""
+        optim = getattr(self, "optim", None)
+        entries = {"step": self.local_step, "optim": optim.state_dict() if optim is not None else None,
+                   "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
+        return {"global": {k: v for k, v in entries.items() if k in self.global_keys},
+                "local": {k: v for k, v in entries.items() if k not in self.global_keys}}
 
-        None (the default): the global model is the average of the nodes' models. A strategy
-        with its own global model (DiLoCo's outer parameters) returns those entries; the rest
-        are still averaged.
-        """
+    def load_state_dict(self, state: Mapping[str, Mapping[str, Any]]) -> None:
+        """Restore what state_dict() returned (after setup(); exact, for checkpoints and nodes coming up)."""
+        entries = {**state["global"], **state["local"]}
+        self.local_step = entries["step"]
+        if entries["optim"] is not None:
+            self.optim.load_state_dict(entries["optim"])
+        if entries["scheduler"] is not None:
+            self.scheduler.load_state_dict(entries["scheduler"])
+
+    def joined(self) -> None:
+        """On a node coming up, after it loaded a survivor's state: drop what was that survivor's own
+        (unsent residuals, corrections in flight). Nothing by default."""
+
+    def global_state(self) -> Mapping[str, torch.Tensor] | None:
+        """State-dict entries of the global model that are equal on every node by construction (DDP's
+        replicated parameters, DiLoCo's outer parameters); the rest of the global model is the average over
+        model_sources(). None (the default): the global model is the average of the nodes' models."""
         return None
 
-    # ---- nodes coming up (failures, elastic pools; exogym.rejoin) ------------------------------
-    def _model_sources(self, survivors: list[int], steps_done: int) -> list[int]:
-        """The nodes, among those up at the step before, whose models define the global model a joiner gets
-        after `steps_done` steps: all of them (averaged), or one when every replica is the same. Called on
-        every node up (a joiner's own step count is stale until it loads the survivors' state)."""
-        return survivors[:1] if self.identical_replicas else survivors
-
-    @torch.no_grad()
-    def _state_for_joiners(self, sources: list[int]) -> dict[str, Any]:
-        """Every node of `sources` calls this together; the first one's result is sent to the nodes coming up:
-        the global model (the average over `sources`, one all-reduce among them), and the first source's
-        optimizer, schedule and step count. Subclasses add their own state (and extend the loader)."""
-        model = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        if len(sources) > 1:
-            for flat, tensors in flatten_by_dtype(v for v in model.values() if v.is_floating_point()):
-                all_reduce(flat, group=sources)
-                flat.div_(len(sources))
-                unflatten_into(flat, tensors)
-        optim = getattr(self, "optim", None)
-        return {"model": model, "optim": optim.state_dict() if optim is not None else None,
-                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                "local_step": self.local_step}
-
-    @torch.no_grad()
-    def _load_state_from_survivor(self, state: dict[str, Any]) -> None:
-        """On a node coming up: take the state `_state_for_joiners` made."""
-        self.model.load_state_dict(state["model"])
-        if state["optim"] is not None:
-            self.optim.load_state_dict(state["optim"])
-        if state["scheduler"] is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        self.local_step = state["local_step"]
+    def model_sources(self, candidates: list[int], steps_done: int) -> list[int]:
+        """Among `candidates` (the nodes up, or those that were up before nodes came up), the ones whose
+        average is the rest of the global model after `steps_done` steps: all of them by default."""
+        return list(candidates)
 
     # ---- helpers for subclasses --------------------------------------------------------------
     def _clip_grads(self) -> None:
         if self.max_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
+
+
+def parameter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state-dict entries that are parameters (tied weights under each of their names)."""
+    return {k: v.detach() for k, v in model.state_dict(keep_vars=True).items() if isinstance(v, torch.nn.Parameter)}
 
 
 class SimpleReduceStrategy(Strategy):
@@ -162,7 +198,7 @@ class SimpleReduceStrategy(Strategy):
     With failures or an elastic pool, the gradients are averaged over the nodes that are up.
     """
 
-    identical_replicas = True
+    global_keys = frozenset({"optim"})  # the same gradients, the same optimizer steps, on every node
 
     def __init__(self, optim_spec: OptimSpec | str | type | None = None, max_norm: float | None = None, *,
                  lr: float | None = None, **kwargs: Any):
@@ -171,13 +207,11 @@ class SimpleReduceStrategy(Strategy):
         self.optim_spec = ensure_optim_spec(optim_spec, OptimSpec(torch.optim.AdamW, lr=1e-3), lr=lr)
 
     def step(self) -> None:
-        up = len(alive_ranks()) if self.num_nodes > 1 else 1
-        if up > 1:
-            # One bucket per dtype: one collective per step instead of one per parameter.
-            for flat, grads in flatten_by_dtype(p.grad for p in self.model.parameters() if p.grad is not None):
-                all_reduce(flat)
-                flat.div_(up)
-                unflatten_into(flat, grads)
+        if self.num_nodes > 1:  # one bucket per dtype: one collective per step instead of one per parameter
+            mean_([p.grad for p in self.model.parameters() if p.grad is not None])
         self._clip_grads()
         self.optim.step()
         super().step()
+
+    def global_state(self) -> Mapping[str, torch.Tensor]:
+        return parameter_state(self.model)  # every replica holds the same parameters

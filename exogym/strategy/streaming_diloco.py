@@ -12,10 +12,12 @@ import torch
 
 from exogym._validation import check_int, check_number
 from exogym.compression import Compressor, compressor_from
-from exogym.strategy.communicate_optimize_strategy import CommunicationModule, ModularStrategy, round_generator
-from exogym.strategy.compressed_reduce import PendingMean, start_mean
+from exogym.strategy.communicate_optimize_strategy import (CommunicationModule, ModularStrategy, compressor_state,
+                                                           round_generator)
 from exogym.strategy.diloco import _one_of, outer_choice, outer_spec
+from exogym.strategy.mean import PendingMean, start_mean
 from exogym.strategy.optim import OptimSpec
+from exogym.strategy.outer_model import OuterModel, kept_nodes
 
 __all__ = ["StreamingDiLoCoCommunicator", "StreamingDiLoCoStrategy", "FRAGMENT_PATTERNS"]
 
@@ -43,7 +45,6 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
     its global model would then differ from the others'.
     """
 
-    keeps_global_model = True
     supports_membership_changes = False
 
     def __init__(self, H: int = 100, outer_optim_spec: OptimSpec | None = None, *, num_fragments: int = 4,
@@ -75,11 +76,14 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
     @torch.no_grad()
     def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
         self.model, self.rank, self.num_nodes = model, rank, num_nodes
-        self.names = [name for name, _ in model.named_parameters()]
-        self.fragments = self.split(self.names)
-        self.master = [torch.nn.Parameter(p.detach().to("cpu", copy=True)) for p in model.parameters()]
-        self.outer_optim = self.outer_optim_spec.build(self.master)  # steps only the fragment whose grads are set
-        self.in_flight: deque[tuple[int, int, list[int], PendingMean]] = deque()  # (due step, fragment, kept, mean)
+        self.outer = OuterModel(model, self.outer_optim_spec)  # steps only the fragment whose grads are set
+        self.fragments = self.split(self.outer.names)
+        self.in_flight: deque[tuple[int, int, list[int], PendingMean | _Arrived]] = deque()  # (due, fragment, kept, mean)
+
+    @property
+    def master(self) -> list[torch.nn.Parameter]:
+        """The global model's parameters (the outer model's)."""
+        return self.outer.master
 
     # ---- which parameters, when (the same answer on every node) ---------------------------------
     def split(self, names: list[str]) -> list[list[int]]:
@@ -103,10 +107,8 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
 
     def kept_nodes(self, sync_index: int) -> list[int]:
         """The nodes whose pseudo-gradient arrives in sync `sync_index` (counted over all fragments, from 0)."""
-        if self.drop_prob == 0:
-            return list(range(self.num_nodes))
-        u = torch.rand(self.num_nodes, generator=round_generator(self.seed, sync_index, _DROP))
-        return [r for r in range(self.num_nodes) if u[r] >= self.drop_prob]
+        return kept_nodes(self.num_nodes, self.drop_prob, round_generator(self.seed, sync_index, _DROP)
+                          if self.drop_prob else None)
 
     def communicate(self, model: torch.nn.Module, rank: int, num_nodes: int, local_step: int) -> None:
         fragment = self.fragment_sent_after(local_step)
@@ -115,21 +117,15 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
         self._apply_due(local_step)
 
     # ---- the steps of one fragment's sync -------------------------------------------------------
-    @torch.no_grad()
-    def _pseudo_gradient(self, fragment: int, keep: bool) -> list[torch.Tensor]:
-        """Delta_i = theta_global - theta_i on the fragment's parameters; zeros when it is lost."""
-        params = list(self.model.parameters())
-        return [(self.master[i].to(params[i].device) - params[i].detach()) if keep else torch.zeros_like(params[i])
-                for i in self.fragments[fragment]]
-
     def _send(self, fragment: int, local_step: int) -> None:
         """Start the mean of the fragment's pseudo-gradients; it is applied tau steps later."""
         kept = self.kept_nodes(local_step // (self.H // self.num_fragments) - 1)
         if not kept:
             return  # every pseudo-gradient of this sync was lost: nothing to apply, nothing to send
-        grads = self._pseudo_gradient(fragment, keep=self.rank in kept)
+        grads = self.outer.pseudo_gradient(list(self.model.parameters()), self.fragments[fragment],
+                                           keep=self.rank in kept)
         if self.num_nodes == 1:
-            self.in_flight.append((local_step + self.tau, fragment, kept, _Local(grads)))
+            self.in_flight.append((local_step + self.tau, fragment, kept, _Arrived(grads)))
             return
         keys = [("outer", i) if self.rank in kept else None for i in self.fragments[fragment]]
         mean = start_mean(grads, self.compression, members=kept, keys=keys, async_op=self.tau > 0)
@@ -137,41 +133,33 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
 
     def _apply_due(self, local_step: int) -> None:
         """Apply the means that have arrived (every one still in flight at the run's last step)."""
-        last = local_step == self.max_steps
+        last = local_step == self.context.max_steps
         while self.in_flight and (self.in_flight[0][0] <= local_step or last):
             _, fragment, kept, mean = self.in_flight.popleft()
-            self._outer_step(fragment, mean.wait())
+            self.outer.step(mean.wait(), self.fragments[fragment])
             if self.rank in kept:
-                self._merge(fragment)
-
-    @torch.no_grad()
-    def _outer_step(self, fragment: int, grads: list[torch.Tensor]) -> None:
-        """theta_global[f] <- OuterOpt(theta_global[f], mean Delta), identical on every node."""
-        for i, grad in zip(self.fragments[fragment], grads):
-            self.master[i].grad = grad.to(self.master[i].device, self.master[i].dtype)
-        self.outer_optim.step()  # parameters without a grad (the other fragments) are left alone
-        self.outer_optim.zero_grad()
-
-    @torch.no_grad()
-    def _merge(self, fragment: int) -> None:
-        """theta_i[f] <- lerp(theta_global[f], theta_i[f], alpha): alpha=0 takes the global model."""
-        params = list(self.model.parameters())
-        for i in self.fragments[fragment]:
-            g = self.master[i].to(params[i].device)
-            params[i].copy_(g if self.alpha == 0 else torch.lerp(g, params[i], self.alpha))
+                self.outer.merge(list(self.model.parameters()), self.fragments[fragment], self.alpha)
 
     def global_state(self, local_step: int) -> Mapping[str, torch.Tensor]:
-        return dict(zip(self.names, (g.detach() for g in self.master)))
+        return self.outer.global_state()
 
-    def __getstate__(self) -> dict[str, Any]:
-        # A checkpoint mid-flight: wait for the means in flight (their handles do not pickle), apply them when due.
-        for _, _, _, mean in getattr(self, "in_flight", ()):
-            mean.wait()
-        return super().__getstate__()
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        # Means in flight are waited for (their handles are transfers, not state) and kept as arrived values,
+        # applied when due: a checkpoint mid-flight resumes exactly.
+        in_flight = [(due, fragment, kept, mean.wait()) for due, fragment, kept, mean in self.in_flight]
+        return {"global": {"outer": self.outer.state_dict()},
+                "local": {"in_flight": in_flight, "compression": compressor_state(self.compression)}}
+
+    def load_state_dict(self, state: Mapping[str, Mapping[str, Any]]) -> None:
+        self.outer.load_state_dict(state["global"]["outer"])
+        self.in_flight = deque((due, fragment, list(kept), _Arrived(list(grads)))
+                               for due, fragment, kept, grads in state["local"]["in_flight"])
+        if self.compression is not None:
+            self.compression.load_state_dict(state["local"]["compression"])
 
 
-class _Local:
-    """One node: the mean of its own pseudo-gradient is itself, and nothing is sent."""
+class _Arrived:
+    """A mean that needs no transfer: one node's own pseudo-gradient, or one restored from a checkpoint."""
 
     def __init__(self, grads: list[torch.Tensor]):
         self.grads = grads
