@@ -123,6 +123,8 @@ class TrainNode:
                 loss, metrics = self._timed_forward_backward(batch, comm)
             lr = s.current_lr()  # the rate this step uses, before the schedule advances
             s.step()
+            if self.step + 1 == cfg.max_steps:
+                s.finish()  # e.g. DiLoCo's last, shorter round: the global model includes every step
             self._record_step(comm, loss, metrics, lr)
             self._after_step(comm, self.step + 1)
         final = global_state_dict(self.model, s, comm)

@@ -34,7 +34,8 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
     once every H steps. Its averaged pseudo-gradient arrives tau steps later (an async collective: the
     transfer overlaps those steps' compute); then the outer optimizer moves the fragment of the global
     model and each node merges: theta_i <- lerp(theta_global, theta_i, alpha) (alpha=0: DiLoCo's reset).
-    At the run's last step every fragment still in flight is waited for and applied.
+    At the run's last step every fragment still in flight is waited for and applied, and (final_sync=True)
+    every other fragment is synchronised once more, so the global model includes every step.
 
     Bytes per node per fragment sync: 2 (K-1)/K x the fragment's bytes (ring all-reduce), or
     (K-1) x sum over its parameters of compressor.nbytes(shape) with quantization_bits / compression (one
@@ -49,7 +50,8 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
 
     def __init__(self, H: int = 100, outer_optim_spec: OptimSpec | None = None, *, num_fragments: int = 4,
                  fragment_pattern: str = "strided", tau: int = 1, alpha: float = 0.5, drop_prob: float = 0.0,
-                 seed: int = 0, quantization_bits: int | None = None, compression: Compressor | None = None):
+                 seed: int = 0, quantization_bits: int | None = None, compression: Compressor | None = None,
+                 final_sync: bool = True):
         check_int("H", H, minimum=1)
         check_int("num_fragments", num_fragments, minimum=1)
         if H % num_fragments:
@@ -68,6 +70,9 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
         if drop_prob >= 1:
             raise ValueError(f"drop_prob must be < 1 (every pseudo-gradient would be lost), got {drop_prob!r}")
         check_int("seed", seed, minimum=0)
+        if not isinstance(final_sync, bool):
+            raise TypeError(f"final_sync must be True or False, got {final_sync!r}")
+        self.final_sync = final_sync
         self.H, self.num_fragments, self.fragment_pattern = H, num_fragments, fragment_pattern
         self.tau, self.alpha, self.drop_prob, self.seed = tau, float(alpha), drop_prob, seed
         self.outer_optim_spec = outer_spec(outer_optim_spec)
@@ -116,20 +121,38 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
             self._send(fragment, local_step)
         self._apply_due(local_step)
 
+    def finish(self, local_step: int) -> None:
+        """Every fragment with steps since its last sync is synchronised once more, at once (the one sent at the
+        last step has just been applied), so the global model includes every step."""
+        if not self.final_sync:
+            return
+        just_sent = self.fragment_sent_after(local_step)
+        next_sync = local_step // (self.H // self.num_fragments)
+        for fragment in range(self.num_fragments):
+            if fragment != just_sent:
+                self._start_sync(fragment, local_step, sync_index=next_sync, due=local_step)
+                next_sync += 1
+        self._apply_due(local_step)
+
     # ---- the steps of one fragment's sync -------------------------------------------------------
     def _send(self, fragment: int, local_step: int) -> None:
-        """Start the mean of the fragment's pseudo-gradients; it is applied tau steps later."""
-        kept = self.kept_nodes(local_step // (self.H // self.num_fragments) - 1)
+        """The schedule's sync of `fragment` after `local_step`: applied tau steps later."""
+        self._start_sync(fragment, local_step, sync_index=local_step // (self.H // self.num_fragments) - 1,
+                         due=local_step + self.tau)
+
+    def _start_sync(self, fragment: int, local_step: int, *, sync_index: int, due: int) -> None:
+        """Start the mean of the fragment's pseudo-gradients; it is applied after step `due`."""
+        kept = self.kept_nodes(sync_index)
         if not kept:
             return  # every pseudo-gradient of this sync was lost: nothing to apply, nothing to send
         grads = self.outer.pseudo_gradient(list(self.model.parameters()), self.fragments[fragment],
                                            keep=self.rank in kept)
         if self.num_nodes == 1:
-            self.in_flight.append((local_step + self.tau, fragment, kept, _Arrived(grads)))
+            self.in_flight.append((due, fragment, kept, _Arrived(grads)))
             return
         keys = [("outer", i) if self.rank in kept else None for i in self.fragments[fragment]]
-        mean = start_mean(grads, self.compression, members=kept, keys=keys, async_op=self.tau > 0)
-        self.in_flight.append((local_step + self.tau, fragment, kept, mean))
+        mean = start_mean(grads, self.compression, members=kept, keys=keys, async_op=due > local_step)
+        self.in_flight.append((due, fragment, kept, mean))
 
     def _apply_due(self, local_step: int) -> None:
         """Apply the means that have arrived (every one still in flight at the run's last step)."""
@@ -181,7 +204,9 @@ class StreamingDiLoCoStrategy(ModularStrategy):
 
     H (steps between two syncs of the same fragment), num_fragments (F; H divisible by F),
     fragment_pattern "strided" | "sequential", tau (overlap, 0 <= tau < H/F), alpha (mix, in [0, 1]);
-    with num_fragments=1, tau=0, alpha=0 it is DiLoCo. Inner and outer optimizers as in DiLoCoStrategy
+    with num_fragments=1, tau=0, alpha=0 it is DiLoCo. final_sync=True (default): at the end of the run, every
+    fragment with steps since its last sync is synchronised once more (counted), so the returned model and the
+    final validation include every step; False leaves them out. Inner and outer optimizers as in DiLoCoStrategy
     (default AdamW lr 1e-3 inside; Nesterov SGD lr 0.7, momentum 0.9 outside).
     """
 
@@ -192,7 +217,8 @@ class StreamingDiLoCoStrategy(ModularStrategy):
                  inner_optim: OptimSpec | str | type | None = None, outer_optim: OptimSpec | str | type | None = None,
                  lr: float | None = None, inner_lr: float | None = None, weight_decay: float | None = None,
                  outer_lr: float | None = None, outer_momentum: float | None = None, nesterov: bool | None = None,
-                 drop_prob: float = 0.0, seed: int = 0, max_norm: float | None = None, **kwargs: Any):
+                 drop_prob: float = 0.0, seed: int = 0, final_sync: bool = True, max_norm: float | None = None,
+                 **kwargs: Any):
         super().__init__(optim_spec, max_norm, inner_optim=inner_optim, lr=_one_of("lr", lr, "inner_lr", inner_lr),
                          weight_decay=weight_decay, **kwargs)
         spec, normalize = outer_choice(outer_optim_spec, outer_optim, outer_lr=outer_lr,
@@ -202,7 +228,8 @@ class StreamingDiLoCoStrategy(ModularStrategy):
                              "separately, which is not the same rule); use 'sgd' or another outer optimizer")
         self._use_modules([StreamingDiLoCoCommunicator(
             H, spec, num_fragments=num_fragments, fragment_pattern=fragment_pattern, tau=tau, alpha=alpha,
-            drop_prob=drop_prob, seed=seed, quantization_bits=quantization_bits, compression=compression)])
+            drop_prob=drop_prob, seed=seed, quantization_bits=quantization_bits, compression=compression,
+            final_sync=final_sync)])
 
     @property
     def H(self) -> int:

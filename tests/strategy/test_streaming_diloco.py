@@ -64,14 +64,15 @@ class RecordingStreaming(StreamingDiLoCoCommunicator):
 def test_every_fragment_syncs_once_per_h_steps_at_1_over_f_of_the_bytes(pattern, expected):
     H, F, steps = 8, 2, 24
     RecordingStreaming.SENT = []
-    module = watched_module(RecordingStreaming)(H, num_fragments=F, fragment_pattern=pattern, tau=1)
+    module = watched_module(RecordingStreaming)(H, num_fragments=F, fragment_pattern=pattern, tau=1,
+                                                final_sync=False)  # the schedule's syncs only
     _, streaming = fit(CommunicateOptimizeStrategy([module], SGD), model=Stack(), steps=steps)
     layers = [[2 * l, 2 * l + 1] for l in range(4)]  # weight and bias of each layer
     assert NODES[0][1].fragments == [[i for l in group for i in layers[l]] for group in expected]
     assert RecordingStreaming.SENT == [(s, (s // (H // F) - 1) % F) for s in range(H // F, steps + 1, H // F)]
     for start in range(0, steps, H):  # in every window of H steps, each fragment exactly once
         assert sorted(f for s, f in RecordingStreaming.SENT if start < s <= start + H) == list(range(F))
-    _, diloco = fit(DiLoCoStrategy(SGD, H=H), model=Stack(), steps=steps)
+    _, diloco = fit(DiLoCoStrategy(SGD, H=H, final_sync=False), model=Stack(), steps=steps)
 
     def syncs(record):
         cumulative = [row["bytes"] for row in record.train]
@@ -85,7 +86,8 @@ def test_every_fragment_syncs_once_per_h_steps_at_1_over_f_of_the_bytes(pattern,
 
 
 def test_four_fragments_of_four_layers():
-    _, record = fit(StreamingDiLoCoStrategy(SGD, H=8, num_fragments=4, tau=1), model=Stack(), steps=16)
+    _, record = fit(StreamingDiLoCoStrategy(SGD, H=8, num_fragments=4, tau=1, final_sync=False), model=Stack(),
+                    steps=16)
     assert record.bytes_per_node == [2 * all_reduce_bytes(4 * 4 * 72, 2)] * 2  # two rounds of the whole model
 
 
@@ -149,8 +151,8 @@ def test_overlap_hides_the_transfer_behind_tau_steps_of_compute():
     net, steps, syncs = Network(bandwidth="inf", latency=0.5), 18, 4  # sends after 4, 8, 12, 16; all applied by 18
 
     def sim_time(tau):
-        _, record = fit(StreamingDiLoCoStrategy(SGD, H=8, num_fragments=2, tau=tau), model=Stack(), steps=steps,
-                        network=net, device_flops=1e6)
+        _, record = fit(StreamingDiLoCoStrategy(SGD, H=8, num_fragments=2, tau=tau, final_sync=False), model=Stack(),
+                        steps=steps, network=net, device_flops=1e6)
         return record, record.sim_time_per_node[0]["compute_s"] / steps
 
     blocking, c = sim_time(0)
