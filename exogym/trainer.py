@@ -113,6 +113,7 @@ class Trainer:
                               [p for p in inspect.signature(Trainer.fit).parameters if p not in ("self", "unknown")])
         if not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be an exogym Strategy instance, got {strategy!r}")
+        strategy.check_constructed()
         check_int("num_nodes", num_nodes, minimum=1)
         check_int("num_epochs", num_epochs, minimum=1)
         check_int("max_steps", max_steps, minimum=1, allow_none=True)

@@ -79,9 +79,7 @@ class Strategy:
         """Bind this node's copy of the strategy to its model, once, before the first step (a resumed or
         joining node then loads its state with load_state_dict)."""
         name = type(self).__name__
-        if not hasattr(self, "lr_schedule"):
-            raise TypeError(f"{name} was built without running Strategy.__init__: call super().__init__(...) "
-                            f"in {name}.__init__ (it sets up the LR schedule, max_norm and the step count)")
+        self.check_constructed()
         self.context = context
         self._init_node(model, context.rank, context.num_nodes)
         if getattr(self, "optim", None) is None:
@@ -93,6 +91,13 @@ class Strategy:
                 raise TypeError(f"{name} has no optimizer (self.optim) after _init_node; {fix}")
         if self.lr_schedule is not None and self.scheduler is None:
             self.scheduler = self.lr_schedule.build(self.optim, max_steps=context.max_steps)
+
+    def check_constructed(self) -> None:
+        """Trainer.fit asks before any node starts: a subclass that skipped Strategy.__init__ cannot run."""
+        if not hasattr(self, "lr_schedule"):
+            name = type(self).__name__
+            raise TypeError(f"{name} was built without running Strategy.__init__: call super().__init__(...) "
+                            f"in {name}.__init__ (it sets up the LR schedule, max_norm and the step count)")
 
     def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
         """Bind to one node (the original ExoGym hook; subclasses extend it and call super())."""
