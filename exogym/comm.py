@@ -11,7 +11,7 @@ import contextlib
 import contextvars
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -162,15 +162,18 @@ class Communicator(Protocol):
     def barrier(self, group: Group, *, account: bool = False, async_op: bool = False) -> "Work | None": ...
     def new_group(self, ranks: Sequence[int]) -> Group: ...
     def up(self, step: int | None = None) -> tuple[int, ...]: ...
+    def shared(self, key: Hashable, make: Callable[[], Any]) -> Any: ...
 
 
 class CommunicatorBase:
     """What every backend's node endpoint keeps: its byte counts, virtual clock, current step, and the run's
     failure / elastic schedule, from which it answers who is up."""
 
-    def __init__(self, rank: int, num_nodes: int, membership: "Membership | None" = None):
+    def __init__(self, rank: int, num_nodes: int, membership: "Membership | None" = None,
+                 shared: dict[Hashable, Any] | None = None):
         from exogym.simtime import NodeClock
         self.rank, self.num_nodes, self.membership = rank, num_nodes, membership
+        self._shared = {} if shared is None else shared  # the sim hands every node of a run the same dict
         self.stats = CommStats()
         self.clock = NodeClock()
         self.world = Group(tuple(range(num_nodes)))
@@ -183,6 +186,13 @@ class CommunicatorBase:
         if self.membership is None or step is None:
             return self.world.ranks
         return self.membership.alive(step)
+
+    def shared(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        """The object stored under `key` for every node this process runs (made by make() on first use): in
+        the sim, one for the whole run; on torch.distributed, one per process (each node its own)."""
+        if key not in self._shared:
+            self._shared[key] = make()
+        return self._shared[key]
 
     def restore(self, stats: CommStats, clock: "NodeClock") -> None:
         """A resumed node continues its byte counts and its virtual clock."""

@@ -86,8 +86,8 @@ class SimCommunicator(CommunicatorBase):
     """Node `rank`'s side of the sim backend (implements `exogym.comm.Communicator`)."""
 
     def __init__(self, scheduler: Scheduler, rank: int, num_nodes: int, time_model: TimeModel | None = None,
-                 membership: Membership | None = None):
-        super().__init__(rank, num_nodes, membership)
+                 membership: Membership | None = None, shared: dict | None = None):
+        super().__init__(rank, num_nodes, membership, shared)
         self.scheduler, self.time_model = scheduler, time_model
 
     def _meet(self, name: str, group: Group, signature: tuple, account: bool, payload: int, async_op: bool,
@@ -193,7 +193,8 @@ def run_sim(plan: "RunPlan") -> list[Any]:
         modes[r].capture()
 
     scheduler = Scheduler(k, on_resume=resume, on_pause=pause)
-    comms = [SimCommunicator(scheduler, r, k, plan.cfg.time_model, plan.cfg.membership) for r in range(k)]
+    shared: dict = {}  # state every node holds identically, kept once for the run (exogym.strategy.communicate)
+    comms = [SimCommunicator(scheduler, r, k, plan.cfg.time_model, plan.cfg.membership, shared) for r in range(k)]
     try:
         return scheduler.run([lambda r=r: nodes[r].run(comms[r]) for r in range(k)])
     finally:

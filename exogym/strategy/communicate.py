@@ -13,7 +13,7 @@ takes part (one tensor per such member in all_gather and reduce_scatter lists; d
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
@@ -22,7 +22,7 @@ from exogym.comm import Group, ReduceOp, Work
 
 __all__ = [
     "ReduceOp", "Group", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier",
-    "new_group", "get_rank", "get_world_size", "alive_ranks", "in_running_node",
+    "new_group", "get_rank", "get_world_size", "alive_ranks", "in_running_node", "shared_state",
 ]
 
 
@@ -132,6 +132,14 @@ def alive_ranks(group: Group | Sequence[int] | None = None, *, step: int | None 
         return list(_group(c, group).ranks)
     up = c.up(step)
     return [r for r in _group_ranks(c, group) if r in up]
+
+
+def shared_state(key: Hashable, make: Callable[[], Any]) -> Any:
+    """One object per `key` for all the nodes this process runs: in the sim backend every node of the run gets
+    the same one (state a strategy keeps identical on every node by construction is then held once); on
+    torch.distributed each process (node) makes its own. `key` must be the same on every node (e.g. a value
+    drawn in the strategy's __init__, which every node's copy shares)."""
+    return _comm.current_communicator().shared(key, make)
 
 
 def in_running_node() -> bool:

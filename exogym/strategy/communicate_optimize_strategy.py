@@ -156,6 +156,7 @@ class ModularStrategy(Strategy):
         if not skip:
             self._clip_grads()
             self.optim.step()
+            self.optim.zero_grad(set_to_none=True)  # dead until the next backward: K nodes need not hold K copies
         for m in self.modules:
             m.communicate(self.model, self.rank, self.num_nodes, self.local_step + 1)
         with warnings.catch_warnings():

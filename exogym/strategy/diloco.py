@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import uuid
 from typing import Any, Mapping
 
 import torch
@@ -14,7 +15,7 @@ from exogym.strategy.communicate_optimize_strategy import (CommunicationModule, 
                                                            round_generator)
 from exogym.strategy.mean import mean_
 from exogym.strategy.optim import OptimSpec, ensure_optim_spec
-from exogym.strategy.outer_model import OuterModel, kept_nodes
+from exogym.strategy.outer_model import kept_nodes, outer_model_for
 
 __all__ = ["DiLoCoCommunicator", "DiLoCoStrategy", "outer_spec", "outer_choice"]
 
@@ -58,10 +59,11 @@ class DiLoCoCommunicator(CommunicationModule):
         self.compression = copy.deepcopy(compressor_from(quantization_bits, compression))  # its own memory
         self.outer_optim_spec = outer_spec(outer_optim_spec)
         self.weight_by_shard_size, self.final_sync = weight_by_shard_size, final_sync
+        self._outer_key = uuid.uuid4().hex  # every node's copy of this module shares it: one outer model
 
     def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
         self.model, self.rank, self.num_nodes = model, rank, num_nodes
-        self.outer = OuterModel(model, self.outer_optim_spec, normalize=self.normalize)
+        self.outer = outer_model_for(self._outer_key, model, self.outer_optim_spec, normalize=self.normalize)
 
     @property
     def master(self) -> list[torch.nn.Parameter]:
@@ -84,7 +86,7 @@ class DiLoCoCommunicator(CommunicationModule):
         params = list(self.model.parameters())
         grads = self.outer.pseudo_gradient(params, keep=self.rank in kept)
         self._reduce(grads, kept)
-        self.outer.step(grads)
+        self.outer.step(grads, sync=round_index)
         if self.rank in kept:
             self.outer.merge(params)  # every node starts the next round from the new global model
 

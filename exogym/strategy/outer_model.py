@@ -5,6 +5,12 @@ DiLoCo, Streaming DiLoCo and SPARTA-DiLoCo keep a global model theta_g that ever
 pieces, each testable alone: pseudo_gradient (Delta_i = theta_g - theta_i), step (the outer optimizer on
 the averaged Delta), merge (theta_i <- lerp(theta_g, theta_i, alpha); alpha=0 is DiLoCo's reset). Every
 method takes parameter indices, so Streaming DiLoCo works on one fragment at a time.
+
+Kept once: a module makes its outer model with `outer_model_for(...)`, which in the sim backend gives every
+node of the run the same object (exogym.strategy.communicate.shared_state). The outer step of a sync is then
+applied once, by the first node to get there (the rest find it done: every node would compute the same
+bits, from the same mean); each node's own parameters still merge from it. On torch.distributed each process
+holds its own, as a real node would.
 """
 
 from __future__ import annotations
@@ -13,9 +19,10 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from exogym.strategy.communicate import shared_state
 from exogym.strategy.optim import OptimSpec
 
-__all__ = ["OuterModel", "kept_nodes"]
+__all__ = ["OuterModel", "outer_model_for", "kept_nodes"]
 
 
 class OuterModel:
@@ -30,6 +37,7 @@ class OuterModel:
         self.master = [torch.nn.Parameter(p.detach().to("cpu", copy=True)) for p in model.parameters()]
         self.optim = spec.build(self.master)
         self.normalize = normalize
+        self.applied_through = -1  # the last sync whose outer step is in theta_g (syncs count up from 0)
 
     def _indices(self, indices: Sequence[int] | None) -> Sequence[int]:
         return range(len(self.master)) if indices is None else indices
@@ -43,9 +51,13 @@ class OuterModel:
                 for i in self._indices(indices)]
 
     @torch.no_grad()
-    def step(self, grads: list[torch.Tensor], indices: Sequence[int] | None = None) -> None:
-        """theta_g <- OuterOpt(theta_g, mean Delta) on `indices`, identical on every node. Parameters without
-        a gradient (the other fragments) are left alone by the optimizer."""
+    def step(self, grads: list[torch.Tensor], indices: Sequence[int] | None = None, *, sync: int) -> None:
+        """theta_g <- OuterOpt(theta_g, mean Delta) on `indices` for sync number `sync`, identical on every node
+        (kept once: applied by the first node to call it). Parameters without a gradient (the other
+        fragments) are left alone by the optimizer."""
+        if sync <= self.applied_through:
+            return  # another node of this process has applied this sync's step to the one shared copy
+        self.applied_through = sync
         chosen = list(self._indices(indices))
         for i, grad in zip(chosen, grads):
             self.master[i].grad = grad.to(self.master[i].device, self.master[i].dtype)
@@ -68,13 +80,21 @@ class OuterModel:
         return dict(zip(self.names, (g.detach() for g in self.master)))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"master": [g.detach() for g in self.master], "optim": self.optim.state_dict()}
+        return {"master": [g.detach() for g in self.master], "optim": self.optim.state_dict(),
+                "applied_through": self.applied_through}
 
     @torch.no_grad()
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         for g, value in zip(self.master, state["master"]):
             g.copy_(value)
         self.optim.load_state_dict(state["optim"])
+        self.applied_through = state["applied_through"]
+
+
+def outer_model_for(key: str, model: torch.nn.Module, spec: OptimSpec, *, normalize: bool = False) -> OuterModel:
+    """The outer model of the module whose nodes share `key`: one for the run in the sim (every node holds the
+    same theta_g by construction), one per process on torch.distributed."""
+    return shared_state(("outer_model", key), lambda: OuterModel(model, spec, normalize=normalize))
 
 
 def kept_nodes(num_nodes: int, drop_prob: float, generator: torch.Generator | None) -> list[int]:

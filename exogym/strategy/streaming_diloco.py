@@ -5,6 +5,7 @@ Distributed Free Lunch", 2025, arXiv 2501.18512)."""
 from __future__ import annotations
 
 import copy
+import uuid
 from collections import deque
 from typing import Any, Mapping
 
@@ -17,7 +18,7 @@ from exogym.strategy.communicate_optimize_strategy import (CommunicationModule, 
 from exogym.strategy.diloco import _one_of, outer_choice, outer_spec
 from exogym.strategy.mean import PendingMean, start_mean
 from exogym.strategy.optim import OptimSpec
-from exogym.strategy.outer_model import OuterModel, kept_nodes
+from exogym.strategy.outer_model import OuterModel, kept_nodes, outer_model_for
 
 __all__ = ["StreamingDiLoCoCommunicator", "StreamingDiLoCoStrategy", "FRAGMENT_PATTERNS"]
 
@@ -73,6 +74,7 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
         if not isinstance(final_sync, bool):
             raise TypeError(f"final_sync must be True or False, got {final_sync!r}")
         self.final_sync = final_sync
+        self._outer_key = uuid.uuid4().hex  # every node's copy of this module shares it: one outer model
         self.H, self.num_fragments, self.fragment_pattern = H, num_fragments, fragment_pattern
         self.tau, self.alpha, self.drop_prob, self.seed = tau, float(alpha), drop_prob, seed
         self.outer_optim_spec = outer_spec(outer_optim_spec)
@@ -81,9 +83,14 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
     @torch.no_grad()
     def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
         self.model, self.rank, self.num_nodes = model, rank, num_nodes
-        self.outer = OuterModel(model, self.outer_optim_spec)  # steps only the fragment whose grads are set
+        # It steps only the fragment whose grads are set. Kept once for the run when every sync blocks (tau=0);
+        # with overlap a node may still read theta_g of a fragment another node has already moved, so each
+        # node keeps its own.
+        self.outer = (outer_model_for(self._outer_key, model, self.outer_optim_spec) if self.tau == 0
+                      else OuterModel(model, self.outer_optim_spec))
         self.fragments = self.split(self.outer.names)
-        self.in_flight: deque[tuple[int, int, list[int], PendingMean | _Arrived]] = deque()  # (due, fragment, kept, mean)
+        # (due step, fragment, kept nodes, mean, sync index)
+        self.in_flight: deque[tuple[int, int, list[int], PendingMean | _Arrived, int]] = deque()
 
     @property
     def master(self) -> list[torch.nn.Parameter]:
@@ -148,18 +155,18 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
         grads = self.outer.pseudo_gradient(list(self.model.parameters()), self.fragments[fragment],
                                            keep=self.rank in kept)
         if self.num_nodes == 1:
-            self.in_flight.append((due, fragment, kept, _Arrived(grads)))
+            self.in_flight.append((due, fragment, kept, _Arrived(grads), sync_index))
             return
         keys = [("outer", i) if self.rank in kept else None for i in self.fragments[fragment]]
         mean = start_mean(grads, self.compression, members=kept, keys=keys, async_op=due > local_step)
-        self.in_flight.append((due, fragment, kept, mean))
+        self.in_flight.append((due, fragment, kept, mean, sync_index))
 
     def _apply_due(self, local_step: int) -> None:
         """Apply the means that have arrived (every one still in flight at the run's last step)."""
         last = local_step == self.context.max_steps
         while self.in_flight and (self.in_flight[0][0] <= local_step or last):
-            _, fragment, kept, mean = self.in_flight.popleft()
-            self.outer.step(mean.wait(), self.fragments[fragment])
+            _, fragment, kept, mean, sync = self.in_flight.popleft()
+            self.outer.step(mean.wait(), self.fragments[fragment], sync=sync)
             if self.rank in kept:
                 self.outer.merge(list(self.model.parameters()), self.fragments[fragment], self.alpha)
 
@@ -169,14 +176,14 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
     def state_dict(self) -> dict[str, dict[str, Any]]:
         # Means in flight are waited for (their handles are transfers, not state) and kept as arrived values,
         # applied when due: a checkpoint mid-flight resumes exactly.
-        in_flight = [(due, fragment, kept, mean.wait()) for due, fragment, kept, mean in self.in_flight]
+        in_flight = [(due, fragment, kept, mean.wait(), sync) for due, fragment, kept, mean, sync in self.in_flight]
         return {"global": {"outer": self.outer.state_dict()},
                 "local": {"in_flight": in_flight, "compression": compressor_state(self.compression)}}
 
     def load_state_dict(self, state: Mapping[str, Mapping[str, Any]]) -> None:
         self.outer.load_state_dict(state["global"]["outer"])
-        self.in_flight = deque((due, fragment, list(kept), _Arrived(list(grads)))
-                               for due, fragment, kept, grads in state["local"]["in_flight"])
+        self.in_flight = deque((due, fragment, list(kept), _Arrived(list(grads)), sync)
+                               for due, fragment, kept, grads, sync in state["local"]["in_flight"])
         if self.compression is not None:
             self.compression.load_state_dict(state["local"]["compression"])
 
