@@ -159,6 +159,7 @@ class TrainNode:
         self.model.to(self.device)
         if self.resume is not None:
             self.model.load_state_dict(self.resume.model)
+        comm.match_steps = getattr(s, "collectives_match_steps", True)  # the sim pairs collectives by step too
         s.setup(self.model, NodeContext(rank=self.rank, num_nodes=cfg.num_nodes, max_steps=cfg.max_steps,
                                         steps_per_epoch=cfg.steps_per_epoch, shard_size=self.batches.shard_size))
         first_step = 0

@@ -36,6 +36,7 @@ class CollectiveCall:
     args: dict[str, Any]
     step: int | None = None
     blocking: bool = True  # False: async_op=True, the node runs on and waits on a handle later
+    match_step: bool = True  # False: the strategy meets at different steps on purpose (collectives_match_steps)
 
     def describe(self) -> str:
         return f"{self.op}{self.signature[1:]}"
@@ -118,7 +119,9 @@ class Scheduler:
         and the collective is computed; a non-blocking one returns at once (wait on it with `wait`).
 
         Calls on one group are matched by order, as torch.distributed does: each node's n-th call on a
-        group meets the other members' n-th call on it.
+        group meets the other members' n-th call on it. They must also have been issued at the same step
+        (an async call counts at the step it was issued, not the one that waits on it): a node that skipped
+        or repeated a collective would otherwise be paired with another step's call, silently.
         """
         seq = self._seq[rank].get(group, 0)
         self._seq[rank][group] = seq + 1
@@ -133,6 +136,13 @@ class Scheduler:
                 raise CollectiveError(
                     f"mismatched collective #{seq} on group {list(group)}: node {first_rank} (step {first.step}) "
                     f"called {first.describe()}, node {rank} (step {call.step}) called {call.describe()}")
+            if first.step != call.step and first.match_step and call.match_step:
+                raise CollectiveError(
+                    f"collective #{seq} on group {list(group)} paired calls from different steps: node {first_rank} "
+                    f"called {first.describe()} at step {first.step}, node {rank} called {call.describe()} at step "
+                    f"{call.step}; every member must make the same collectives at the same step (one of them "
+                    "skipped or repeated a call). A strategy whose nodes meet at different steps on purpose sets "
+                    "the class attribute collectives_match_steps = False")
         pending.calls[rank] = call
         if len(pending.calls) < len(group):
             if call.blocking:

@@ -89,11 +89,13 @@ class SimCommunicator(CommunicatorBase):
                  membership: Membership | None = None, shared: dict | None = None):
         super().__init__(rank, num_nodes, membership, shared)
         self.scheduler, self.time_model = scheduler, time_model
+        self.match_steps = True  # the strategy's collectives_match_steps (set by the node)
 
     def _meet(self, name: str, group: Group, signature: tuple, account: bool, payload: int, async_op: bool,
               **args: Any) -> "SimWork | None":
         call = CollectiveCall(name, (name, *signature), dict(args, rank=self.rank, clock=self.clock,
-                                                             arrival=self.clock.now), self.step, blocking=not async_op)
+                                                             arrival=self.clock.now), self.step, blocking=not async_op,
+                              match_step=self.match_steps)
         complete = _COMPLETE[name]
         timed = account and self.time_model is not None
         if timed:

@@ -43,6 +43,9 @@ class Strategy:
     # Entries of state_dict() that are the same on every node by construction (DDP's optimizer state):
     # they go into its "global" part, the rest into "local".
     global_keys: frozenset[str] = frozenset()
+    # The sim backend checks that the members of a collective issued it at the same step (an async call counts at
+    # the step it was issued). False: this strategy's nodes meet at different steps on purpose.
+    collectives_match_steps = True
 
     def __new__(cls, *args: Any, **kwargs: Any):
         # Keep the constructor arguments, so a run's config.json can say exactly how the strategy was built.
