@@ -86,6 +86,7 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: the best available)")
     p.add_argument("--log-dir", default="logs", help="where run folders go (default logs/)")
+    p.add_argument("--overwrite", action="store_true", help="replace run folders that already hold a run")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -100,7 +101,7 @@ def _fit(args: argparse.Namespace, strategy_name: str, run_name: str | None):
     failures = RandomFailures(args.failure_rate, args.downtime, args.seed) if args.failure_rate else None
     trainer.fit(strategy, args.nodes, max_steps=args.steps, batch_size=args.batch_size, val_interval=args.val_interval,
                 val_size=args.val_size, seed=args.seed, device=args.device, logger=logger, progress=not args.quiet,
-                active_nodes=args.active_nodes, failures=failures)
+                active_nodes=args.active_nodes, failures=failures, overwrite=args.overwrite)
     return trainer.record, logger.run_dir
 
 

@@ -5,19 +5,22 @@ Each function validates what it builds and raises before any node starts.
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from pathlib import Path
+from typing import Any, Sequence
 
 import torch
 
 from exogym._validation import check_number
 from exogym.data.partition import Partition, dirichlet_partition, shards_partition
 from exogym.data.sharding import DatasetOrFactory, NodeBatches, fixed_batches, is_factory, node_dataset
-from exogym.logger import CSVLogger, Logger, MultiLogger
+from exogym.logger import CSVLogger, Logger, MultiLogger, WandbLogger, _FolderLogger
 from exogym.network import Network
+from exogym.run_folder import RunClaim, check_run_name, claim_run
 from exogym.simtime import TimeModel
 
 __all__ = ["DEFAULT_DEVICE_FLOPS", "partition_data", "build_node_batches", "build_val_batches", "build_time_model",
-           "resolve_logger", "announce", "peak_memory_mb", "versions"]
+           "resolve_logger", "run_name_of", "claim_run_folders", "announce", "peak_memory_mb", "versions"]
 
 DEFAULT_DEVICE_FLOPS = 1e12  # a nominal sustained 1 TFLOP/s per node; pass device_flops for your hardware
 
@@ -129,6 +132,49 @@ def resolve_logger(logger: Any, run_name: str | None) -> Logger | None:
         return MultiLogger(logger)
     raise TypeError(f"logger must be an exogym.logger.Logger (CSVLogger, WandbLogger, TensorBoardLogger), a list "
                     f"of them, or False for none; got {logger!r}")
+
+
+def _loggers(logger: Logger | None) -> list[Logger]:
+    if isinstance(logger, MultiLogger):
+        return [inner for lg in logger.loggers for inner in _loggers(lg)]
+    return [] if logger is None else [logger]
+
+
+def run_name_of(logger: Logger | None, run_name: str | None) -> str | None:
+    """The run's explicit name: fit's run_name, or the one its CSV/TensorBoard loggers were given (None: a default
+    name is claimed). Names that disagree are an error: one run has one folder name."""
+    if run_name is not None:
+        check_run_name(run_name)
+    names = {lg.run_name for lg in _loggers(logger) if isinstance(lg, _FolderLogger) and lg.run_name is not None}
+    if run_name is not None and names - {run_name} or run_name is None and len(names) > 1:
+        given = ([f"fit(run_name={run_name!r})"] if run_name is not None else []) + \
+            [f"a logger's run_name={n!r}" for n in sorted(names)]
+        raise ValueError(f"one run has one folder name, got {', '.join(given)}; give the name once (fit's "
+                         "run_name) or the same name everywhere")
+    return run_name if run_name is not None else next(iter(names), None)
+
+
+def claim_run_folders(logger: Logger | None, name: str | None, default_name: str, *,
+                      extra_roots: Sequence[str | os.PathLike] = (), overwrite: bool = False,
+                      resume_after: int | None = None) -> RunClaim | None:
+    """Claim <root>/<name> for the run under every folder its loggers write (and extra_roots: the default
+    checkpoint folder's logs/), before any node starts; hand the claimed name to the loggers. resume_after: the
+    run continues in its own folder from its checkpoint at that step (rows after it are dropped). None when
+    nothing is written into a run folder."""
+    loggers = _loggers(logger)
+    folder_loggers = [lg for lg in loggers if isinstance(lg, _FolderLogger)]
+    roots = [lg.log_dir for lg in folder_loggers] + [Path(r) for r in extra_roots]
+    if not roots:
+        return None
+    claim = claim_run(roots, name, default_name, overwrite=overwrite, resume=resume_after is not None)
+    for lg in folder_loggers:
+        lg.run_name, lg.claim = claim.name, claim
+        if resume_after is not None:
+            lg.continue_after(resume_after)
+    for lg in loggers:
+        if isinstance(lg, WandbLogger) and lg.run_name is None:
+            lg.run_name = claim.name  # wandb names its own folders with a unique run id; this is the display name
+    return claim
 
 
 def peak_memory_mb(devices: list[torch.device]) -> dict[str, float]:

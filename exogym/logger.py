@@ -3,6 +3,10 @@
 `fit(logger=...)` takes one of these (or a list of them). By default a CSVLogger writes into
 `logs/<run_name>/`: config.json (the run's full configuration), train.csv and val.csv (one row
 per step / per evaluation, written every `log_interval` steps), summary.json at the end.
+
+A run folder belongs to one run (exogym.run_folder): `fit` claims `<log_dir>/<run_name>/` for the
+CSV and TensorBoard loggers atomically before any node starts; a taken default name gets a -2, -3
+suffix, a taken explicit name is an error unless fit(overwrite=True), or the run resumes itself.
 """
 
 from __future__ import annotations
@@ -15,10 +19,14 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["Logger", "CSVLogger", "WandbLogger", "TensorBoardLogger", "MultiLogger", "default_run_name"]
+from exogym.run_folder import RunClaim, claim_run
+
+__all__ = ["Logger", "CSVLogger", "WandbLogger", "TensorBoardLogger", "MultiLogger", "default_run_name",
+           "truncate_rows_after"]
 
 
 def default_run_name(config: dict[str, Any]) -> str:
+    """strategy-nodes-time; exogym.run_folder adds -2, -3, ... when that folder is taken."""
     return f"{config.get('strategy', 'run')}-{config.get('num_nodes', 1)}n-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
@@ -49,27 +57,70 @@ class Logger:
         """Called once after the last step (also when the run failed: summary["status"] says)."""
 
 
-class CSVLogger(Logger):
-    """Writes logs/<run_name>/{config.json, train.csv, val.csv, summary.json}."""
+class _FolderLogger(Logger):
+    """A logger writing into <log_dir>/<run_name>/, a folder it holds for one run (see exogym.run_folder)."""
 
-    def __init__(self, log_dir: str | os.PathLike = "logs", run_name: str | None = None):
+    def __init__(self, log_dir: str | os.PathLike, run_name: str | None):
         self.log_dir, self.run_name = Path(log_dir), run_name
         self.run_dir: Path | None = None
+        self.claim: RunClaim | None = None  # set by fit, which claims the folders of all its loggers at once
+        self._own_claim = False
+        self.after_step: int | None = None
+
+    def continue_after(self, step: int) -> None:
+        """Continue a run resumed from its checkpoint at `step`, in the run folder it already has.
+
+        Call before start(). start() then reopens <log_dir>/<run_name>/ (which must hold that run, not a
+        running one) instead of claiming a new folder, and the rows the run logged after `step` (logged
+        before it stopped, and about to be trained again) are dropped: the folder then holds the whole run
+        once. fit(resume_from=...) calls this when it resumes a run into its own folder.
+        """
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"continue_after needs the checkpoint's step, an int >= 0, got {step!r}")
+        if self.run_dir is not None:
+            raise RuntimeError("continue_after must be called before start()")
+        self.after_step = step
+
+    def _open_run_dir(self, config: dict[str, Any]) -> Path:
+        if self.claim is None:  # used on its own, outside fit: claim the folder now
+            self.claim = claim_run([self.log_dir], self.run_name, default_run_name(config),
+                                   resume=self.after_step is not None)
+            self._own_claim = True
+        self.run_name = self.claim.name
+        self.run_dir = self.log_dir / self.run_name
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        return self.run_dir
+
+    def _release(self, summary: dict[str, Any]) -> None:
+        if self._own_claim and self.claim is not None:
+            self.claim.release(str(summary.get("status", "completed")))
+
+
+class CSVLogger(_FolderLogger):
+    """Writes logs/<run_name>/{config.json, train.csv, val.csv, summary.json} (see continue_after to resume)."""
+
+    def __init__(self, log_dir: str | os.PathLike = "logs", run_name: str | None = None):
+        super().__init__(log_dir, run_name)
         self._files: dict[str, Any] = {}
         self._writers: dict[str, csv.DictWriter] = {}
 
     def start(self, config: dict[str, Any]) -> None:
-        self.run_name = self.run_name or default_run_name(config)
-        self.run_dir = self.log_dir / self.run_name
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.json").write_text(json.dumps(_json_safe(config), indent=2) + "\n")
+        run_dir = self._open_run_dir(config)
+        if self.after_step is not None:
+            for table in run_dir.glob("*.csv"):
+                truncate_rows_after(table, self.after_step)
+            (run_dir / "summary.json").unlink(missing_ok=True)  # written again when the run ends
+        (run_dir / "config.json").write_text(json.dumps(_json_safe(config), indent=2) + "\n")
 
     def log(self, table: str, row: dict[str, float]) -> None:
         if table not in self._writers:
-            f = open(self.run_dir / f"{table}.csv", "w", newline="")
+            path = self.run_dir / f"{table}.csv"
+            header = _csv_header(path) if self.after_step is not None else None
+            f = open(path, "a" if header else "w", newline="")  # a resumed run appends under the header it has
             self._files[table] = f
-            self._writers[table] = csv.DictWriter(f, fieldnames=list(row), extrasaction="ignore")
-            self._writers[table].writeheader()
+            self._writers[table] = csv.DictWriter(f, fieldnames=header or list(row), extrasaction="ignore")
+            if not header:
+                self._writers[table].writeheader()
         self._writers[table].writerow(row)
         self._files[table].flush()
 
@@ -80,6 +131,40 @@ class CSVLogger(Logger):
         self._writers.clear()
         if self.run_dir is not None:
             (self.run_dir / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2) + "\n")
+        self._release(summary)
+
+
+def _csv_header(path: Path) -> list[str] | None:
+    try:
+        with open(path, newline="") as f:
+            return next(csv.reader(f), None) or None
+    except FileNotFoundError:
+        return None
+
+
+def truncate_rows_after(path: str | os.PathLike, step: int) -> int:
+    """Keep the header and the rows of a CSV table whose "step" is <= `step` (atomically: a crash leaves the old
+    file or the new one); return how many rows were kept. A row cut off by a crash mid-write is dropped too."""
+    path = Path(path)
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    if not rows:
+        return 0
+    header, kept = rows[0], []
+    at = header.index("step") if "step" in header else None
+    for row in rows[1:]:
+        if len(row) != len(header) or at is None:
+            continue
+        try:
+            if float(row[at]) <= step:
+                kept.append(row)
+        except ValueError:
+            continue
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        csv.writer(f).writerows([header, *kept])
+    os.replace(tmp, path)
+    return len(kept)
 
 
 class WandbLogger(Logger):
@@ -109,20 +194,23 @@ class WandbLogger(Logger):
             self.run.finish()
 
 
-class TensorBoardLogger(Logger):
-    """TensorBoard event files under log_dir/run_name (`pip install exogym[tensorboard]`)."""
+class TensorBoardLogger(_FolderLogger):
+    """TensorBoard event files under log_dir/run_name (`pip install exogym[tensorboard]`). A resumed run
+    (continue_after) purges the events after the checkpoint's step, as CSVLogger drops those rows."""
 
     def __init__(self, log_dir: str | os.PathLike = "logs", run_name: str | None = None):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:
             raise ImportError("TensorBoardLogger needs tensorboard: pip install 'exogym[tensorboard]'") from e
-        self._writer_cls, self.log_dir, self.run_name = SummaryWriter, Path(log_dir), run_name
+        super().__init__(log_dir, run_name)
+        self._writer_cls = SummaryWriter
         self.writer = None
 
     def start(self, config: dict[str, Any]) -> None:
-        self.run_name = self.run_name or default_run_name(config)
-        self.writer = self._writer_cls(log_dir=str(self.log_dir / self.run_name))
+        run_dir = self._open_run_dir(config)
+        purge = None if self.after_step is None else self.after_step + 1
+        self.writer = self._writer_cls(log_dir=str(run_dir), purge_step=purge)
         self.writer.add_text("config", "```\n" + json.dumps(_json_safe(config), indent=2) + "\n```")
 
     def log(self, table: str, row: dict[str, float]) -> None:
@@ -133,6 +221,7 @@ class TensorBoardLogger(Logger):
     def finish(self, summary: dict[str, Any]) -> None:
         if self.writer is not None:
             self.writer.close()
+        self._release(summary)
 
 
 class MultiLogger(Logger):

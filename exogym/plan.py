@@ -56,6 +56,7 @@ class RunPlan:
     live: LiveLog  # the sim shares one across nodes; a torch.distributed process keeps its own
     checkpoints: CheckpointPlan | None = None
     resume: list[NodeState] | None = None  # per node, from load_checkpoint
+    node_timeout: float | None = None  # seconds a node may run without progress (fit's node_timeout); None: no limit
 
     @property
     def num_nodes(self) -> int:

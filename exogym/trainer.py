@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 import os
 import time
 import uuid
@@ -12,14 +13,15 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from exogym._validation import check_int, reject_unknown_kwargs
+from exogym._validation import check_int, check_number, reject_unknown_kwargs
 from exogym.backends.sim import run_sim
+from exogym.backends.watchdog import DEFAULT_NODE_TIMEOUT
 from exogym.backends.torch_dist import launch_for_fit, run_torch
 from exogym.checkpoint import CheckpointPlan, check_resume, find_checkpoint, load_checkpoint, read_manifest
 from exogym.data.sharding import DatasetOrFactory, is_factory
 from exogym.devices import DeviceLike, resolve_node_devices
-from exogym.fit_setup import (announce, build_node_batches, build_time_model, build_val_batches, partition_data,
-                              peak_memory_mb, resolve_logger, versions)
+from exogym.fit_setup import (announce, build_node_batches, build_time_model, build_val_batches, claim_run_folders,
+                              partition_data, peak_memory_mb, resolve_logger, run_name_of, versions)
 from exogym.logger import Logger, default_run_name
 from exogym.fingerprint import run_fingerprint
 from exogym.membership import RandomFailures, build_membership
@@ -27,6 +29,7 @@ from exogym.network import Network
 from exogym.plan import RunConfig, RunPlan
 from exogym.record import LiveLog, RunRecord
 from exogym.rng import GlobalRNGState
+from exogym.run_folder import check_writable
 from exogym.strategy.strategy import Strategy
 
 __all__ = ["Trainer", "LocalTrainer", "BACKENDS"]
@@ -65,7 +68,7 @@ class Trainer:
             val_interval: int = 100, autocast: bool = False, seed: int = 42, backend: str = "sim",
             device: DeviceLike | None = None, devices: Sequence[DeviceLike] | None = None,
             log_interval: int = 10, progress: bool = True, logger: Logger | Sequence[Logger] | bool | None = None,
-            run_name: str | None = None, checkpoint_interval: int | None = None,
+            run_name: str | None = None, overwrite: bool = False, checkpoint_interval: int | None = None,
             checkpoint_dir: str | os.PathLike | None = None, keep_checkpoints: int = 3,
             resume_from: str | os.PathLike | None = None, extend_run: bool = False,
             diagnostics_interval: int | None = None,
@@ -74,7 +77,7 @@ class Trainer:
             partition: str = "iid", dirichlet_alpha: float | None = None, shards_per_node: int | None = None,
             failures: Sequence[tuple[int, int, int | None]] | RandomFailures | None = None,
             active_nodes: str | Sequence[tuple[int, int]] | Callable[[int], int] | None = None,
-            **unknown: Any) -> torch.nn.Module:
+            node_timeout: float | None = DEFAULT_NODE_TIMEOUT, **unknown: Any) -> torch.nn.Module:
         """Train with `strategy` on `num_nodes` nodes; return the global model (by default the nodes' average).
 
         batch_size is per node (the global batch is num_nodes x batch_size); minibatch_size splits it
@@ -83,6 +86,11 @@ class Trainer:
         same val_size examples every val_interval steps and at the end. The measurements land in
         `self.record`, and go to `logger` every log_interval steps: by default a CSVLogger writing
         logs/<run_name>/ (config.json, train.csv, val.csv, summary.json); False for none.
+        A run folder belongs to one run: it is claimed atomically before any node starts. The default
+        run_name (strategy, nodes, time) gets a -2, -3, ... suffix when taken; an explicit run_name (fit's, or
+        the logger's) whose folder holds a run is an error, unless overwrite=True (that run's folder, and other
+        runs' checkpoints in checkpoint_dir, are deleted) or the run resumes from that run's own checkpoint: it
+        then continues in the same folder, whose train.csv holds the whole run once.
 
         checkpoint_interval=N saves every node's full state every N steps and at the end into
         checkpoint_dir (default logs/<run_name>/checkpoints), keeping this run's newest keep_checkpoints;
@@ -91,6 +99,12 @@ class Trainer:
         CheckpointError lists every difference before any node starts. extend_run=True allows a larger
         max_steps (the LR schedule keeps its original length; the record's config says so).
         diagnostics_interval=N records how far the nodes' parameters drift apart every N steps.
+        checkpoint_dir and the log folder are checked writable before any node starts.
+
+        node_timeout (seconds, default 600; None: no limit): a node that runs that long without finishing a
+        step or reaching a collective is stuck. The sim backend stops the run with a NodeTimeoutError naming
+        the node, its step and its Python stack; the torch backend uses it as the process group's timeout and
+        names the node(s) that never reached the collective the others wait in.
 
         Simulated time (on when any of these is given): network (a Network or a preset name: "high",
         "medium", "low", "home", "ideal"), node_speeds (per-node factors, 0.5 = half as fast),
@@ -131,18 +145,24 @@ class Trainer:
         if extend_run and resume_from is None:
             raise TypeError("extend_run=True continues a checkpointed run past its planned length; it needs "
                             "resume_from=")
+        check_number("node_timeout", node_timeout, positive=True, allow_none=True)
+        if node_timeout is not None and not math.isfinite(node_timeout):
+            raise ValueError(f"node_timeout must be a finite number of seconds or None (no limit), got {node_timeout}")
+        if not isinstance(overwrite, bool):
+            raise TypeError(f"overwrite must be True or False, got {overwrite!r}")
+        if overwrite and resume_from is not None:
+            raise ValueError("overwrite=True would delete the run that resume_from continues; drop one of them")
         time_model = build_time_model(num_nodes, network, node_speeds, device_flops, compute_time)
         minibatch_size = batch_size if minibatch_size is None else minibatch_size
         if minibatch_size > batch_size or batch_size % minibatch_size:
             raise ValueError(f"minibatch_size must divide batch_size={batch_size}, got {minibatch_size}")
-        run_name_given = run_name
-        run_name = run_name or default_run_name({"strategy": type(strategy).__name__, "num_nodes": num_nodes})
         logger = resolve_logger(logger, run_name)
+        run_name = run_name_of(logger, run_name)  # None: a default name is claimed below
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; use one of {list(BACKENDS)}")
         # Under torchrun (RANK, WORLD_SIZE set) backend="torch" runs only this process's node, and rank 0 logs.
         launch = launch_for_fit(backend, num_nodes, checkpoint_dir_shared=checkpoint_interval is None or
-                                checkpoint_dir is not None or run_name_given is not None)
+                                checkpoint_dir is not None or run_name is not None)
         is_main = launch is None or launch.rank == 0
         logger = logger if is_main else None
         node_devices = resolve_node_devices(
@@ -150,6 +170,8 @@ class Trainer:
             devices if devices is not None or device is not None else self.devices)
         if launch is not None:
             node_devices = launch.node_devices(node_devices)
+        if checkpoint_interval is not None and checkpoint_dir is not None:
+            check_writable(checkpoint_dir, "checkpoint_dir")
         if autocast and any(d.type == "cuda" and not torch.cuda.is_bf16_supported() for d in node_devices):
             raise ValueError("autocast=True trains in bfloat16, which this GPU does not support; use autocast=False")
 
@@ -197,15 +219,17 @@ class Trainer:
         if progress and is_main:
             announce(config, time_model)
 
-        config["run_name"] = run_name
         fingerprint = run_fingerprint(config, self.model, [nb.shard_size for nb in node_batches])
-        run_id, resume = uuid.uuid4().hex, None
+        run_id, resume, resume_after = uuid.uuid4().hex, None, None
         if resume_from is not None:  # the same run, or a refusal listing what differs, before any node starts
             folder = find_checkpoint(resume_from)
             manifest = read_manifest(folder)
             check_resume(manifest, folder, fingerprint, extend=extend_run)
             resume = load_checkpoint(folder, manifest, devices=node_devices)
             run_id = manifest["run_id"]
+            saved_name = manifest.get("run_name")
+            if isinstance(saved_name, str) and run_name in (None, saved_name):  # that very run: its own folder
+                run_name, resume_after = saved_name, manifest["step"]
             config["resumed"] = {"checkpoint": str(folder), "step": manifest["step"]}
             if manifest["fingerprint"].get("max_steps") != total_steps:
                 config["resumed"]["extended"] = {
@@ -214,17 +238,32 @@ class Trainer:
             if progress and is_main:
                 print(f"exogym: resuming run {manifest.get('run_name')!r} from step {manifest['step']} ({folder})",
                       flush=True)
-        checkpoints = None
-        if checkpoint_interval is not None:
-            root = Path(checkpoint_dir) if checkpoint_dir is not None else Path("logs") / run_name / "checkpoints"
-            checkpoints = CheckpointPlan(root, checkpoint_interval, keep_checkpoints, config, run_id, fingerprint)
-            checkpoints.check_owner()
-        live = LiveLog(logger, range(num_nodes) if launch is None else [launch.rank],  # a torchrun process: its own
-                       global_batch=num_nodes * batch_size)
-        plan = RunPlan(model=self.model, strategy=strategy, node_batches=node_batches, val_batches=val_batches,
-                       devices=node_devices, cfg=cfg, seed=seed, live=live, checkpoints=checkpoints, resume=resume)
-        if logger is not None:
-            logger.start(config)
+        # The run folder(s), claimed last: everything that can be checked before any node starts has been.
+        default_ckpt = checkpoint_interval is not None and checkpoint_dir is None
+        claim = claim_run_folders(logger, run_name,
+                                  default_run_name({"strategy": type(strategy).__name__, "num_nodes": num_nodes}),
+                                  extra_roots=["logs"] if default_ckpt and is_main else [], overwrite=overwrite,
+                                  resume_after=resume_after) if is_main else None
+        run_name = claim.name if claim is not None else run_name or default_run_name(config)
+        config["run_name"] = run_name
+        try:
+            checkpoints = None
+            if checkpoint_interval is not None:
+                root = Path(checkpoint_dir) if checkpoint_dir is not None else Path("logs") / run_name / "checkpoints"
+                checkpoints = CheckpointPlan(check_writable(root, "checkpoint_dir"), checkpoint_interval,
+                                             keep_checkpoints, config, run_id, fingerprint)
+                checkpoints.check_owner(overwrite=overwrite)
+            live = LiveLog(logger, range(num_nodes) if launch is None else [launch.rank],  # torchrun: its own
+                           global_batch=num_nodes * batch_size)
+            plan = RunPlan(model=self.model, strategy=strategy, node_batches=node_batches, val_batches=val_batches,
+                           devices=node_devices, cfg=cfg, seed=seed, live=live, checkpoints=checkpoints,
+                           resume=resume, node_timeout=node_timeout)
+            if logger is not None:
+                logger.start(config)
+        except BaseException:
+            if claim is not None:
+                claim.abandon()
+            raise
         start = time.perf_counter()
         caller_rng = GlobalRNGState.capture()  # the caller's random streams are theirs: put them back after
         try:
@@ -232,6 +271,8 @@ class Trainer:
         except BaseException as e:
             if logger is not None:
                 logger.finish({"status": "failed", "error": f"{type(e).__name__}: {e}"})
+            if claim is not None:
+                claim.release("failed")
             raise
         finally:
             caller_rng.restore()
@@ -241,6 +282,8 @@ class Trainer:
                                            peak_memory_mb=peak_memory_mb(node_devices))
         if logger is not None:
             logger.finish({"status": "completed", **self.record.summary()})
+        if claim is not None:
+            claim.release("completed")
         final_model = copy.deepcopy(self.model).to(node_devices[0])
         final_model.load_state_dict(final_state, strict=True)
         return final_model

@@ -11,7 +11,9 @@ a parallel region, so K OS threads taking turns keep waking K cold pools; measur
 the same arithmetic, while greenlets share one warm pool. Everything runs on one OS thread,
 so no state here needs a lock, and nothing can hang: a collective that cannot complete
 (mismatched calls, a member that finished or waits elsewhere) is an error the moment it is
-certain, naming the nodes, their steps and their calls.
+certain, naming the nodes, their steps and their calls; a node that keeps the baton without
+finishing a step or reaching a collective for node_timeout seconds is stopped by the watchdog
+(exogym/backends/watchdog.py), which names it, its step and its Python stack.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, Callable
 
 import greenlet
 
+from exogym.backends.watchdog import Watchdog, WatchdogInterrupt
 from exogym.comm import CollectiveError
 
 __all__ = ["Scheduler", "CollectiveCall", "Pending"]
@@ -60,8 +63,12 @@ class Pending:
 class Scheduler:
     """Runs one function per node under the baton; `rendezvous` is the only place a node waits."""
 
-    def __init__(self, num_nodes: int, *, on_resume: Callable[[int], None], on_pause: Callable[[int], None]):
+    def __init__(self, num_nodes: int, *, on_resume: Callable[[int], None], on_pause: Callable[[int], None],
+                 node_timeout: float | None = None, step_of: Callable[[int], int | None] = lambda rank: None):
         self.num_nodes = num_nodes
+        self.node_timeout, self._step_of = node_timeout, step_of  # the watchdog's limit; a node's current step
+        self.running: int | None = None  # the node holding the baton (None: the hub)
+        self.arrivals = 0  # collectives entered so far, by any node: progress, for the watchdog
         self._on_resume, self._on_pause = on_resume, on_pause  # swap per-node state (RNG, grad mode)
         self._ready: deque[int] = deque(range(num_nodes))
         self._blocked: dict[int, tuple] = {}  # rank -> key of the collective it waits in
@@ -71,7 +78,29 @@ class Scheduler:
         self._hub: greenlet.greenlet | None = None
 
     def run(self, node_fns: list[Callable[[], Any]]) -> list[Any]:
-        """Run node_fns[r] as node r; return their results, or raise the first exception a node raises."""
+        """Run node_fns[r] as node r; return their results, or raise the first exception a node raises
+        (a NodeTimeoutError when the watchdog stopped a node)."""
+        dog = Watchdog(self.node_timeout, self._progress)
+        try:
+            with dog:
+                try:
+                    return self._run(node_fns)
+                except WatchdogInterrupt:
+                    dog.delivered = True
+                    raise
+        except WatchdogInterrupt:
+            error = dog.error
+            waiting = self._describe_waiting()
+            if waiting:
+                error.args = (f"{error.args[0]}\nThe others:\n{waiting}",)
+            raise error from None
+
+    def _progress(self) -> tuple:
+        """What the watchdog samples (from its thread): who runs, how many collectives so far, its step."""
+        rank = self.running
+        return rank, self.arrivals, None if rank is None else self._step_of(rank)
+
+    def _run(self, node_fns: list[Callable[[], Any]]) -> list[Any]:
         results: list[Any] = [None] * self.num_nodes
         self._hub = greenlet.getcurrent()
 
@@ -84,9 +113,11 @@ class Scheduler:
             while self._ready:
                 rank = self._ready.popleft()
                 self._on_resume(rank)
+                self.running = rank
                 try:
                     nodes[rank].switch()  # returns when the node waits in a collective or finishes
                 finally:
+                    self.running = None
                     self._on_pause(rank)
             if self._blocked:
                 raise CollectiveError("deadlock: every unfinished node waits in a collective that cannot "
@@ -123,6 +154,7 @@ class Scheduler:
         (an async call counts at the step it was issued, not the one that waits on it): a node that skipped
         or repeated a collective would otherwise be paired with another step's call, silently.
         """
+        self.arrivals += 1
         seq = self._seq[rank].get(group, 0)
         self._seq[rank][group] = seq + 1
         gone = self._finished.intersection(group)

@@ -194,9 +194,11 @@ def run_sim(plan: "RunPlan") -> list[Any]:
         rngs[r].deactivate()
         modes[r].capture()
 
-    scheduler = Scheduler(k, on_resume=resume, on_pause=pause)
+    comms: list[SimCommunicator] = []
+    scheduler = Scheduler(k, on_resume=resume, on_pause=pause, node_timeout=plan.node_timeout,
+                          step_of=lambda r: comms[r].step)
     shared: dict = {}  # state every node holds identically, kept once for the run (exogym.strategy.communicate)
-    comms = [SimCommunicator(scheduler, r, k, plan.cfg.time_model, plan.cfg.membership, shared) for r in range(k)]
+    comms.extend(SimCommunicator(scheduler, r, k, plan.cfg.time_model, plan.cfg.membership, shared) for r in range(k))
     try:
         return scheduler.run([lambda r=r: nodes[r].run(comms[r]) for r in range(k)])
     finally:
