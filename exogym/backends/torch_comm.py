@@ -23,6 +23,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from exogym.backends.torch_heartbeat import CollectiveLedger, Heartbeat, is_timeout, missing_members_report
+from exogym.backends.watchdog import NodeTimeoutError
 from exogym.comm import CollectiveError, CommunicatorBase, Group, ReduceOp, make_group, payload_nbytes, tensor_nbytes
 from exogym.simtime import NodeClock, TimeModel
 
@@ -37,8 +39,10 @@ def _torch_op(op: ReduceOp) -> Any:
 class TorchWork:
     """The handle of a collective (torch.distributed's Work): results are in the caller's tensors after wait()."""
 
-    def __init__(self, works: list[Any], finish: Callable[[], None], what: str):
+    def __init__(self, works: list[Any], finish: Callable[[], None], what: str,
+                 explain: Callable[[BaseException], BaseException | None] = lambda e: None):
         self._works, self._finish, self._done, self._what = works, finish, False, what
+        self._explain = explain  # a better error for a failed wait (a timeout: who never came), or None
 
     def is_completed(self) -> bool:
         return self._done or all(w.is_completed() for w in self._works)
@@ -49,6 +53,9 @@ class TorchWork:
                 for w in self._works:
                     w.wait()
             except Exception as e:  # a timeout or a peer gone: say which collective was waiting
+                better = self._explain(e)
+                if better is not None:
+                    raise better from e
                 e.add_note(f"(waiting in {self._what})")
                 raise
             self._done = True
@@ -68,6 +75,8 @@ class TorchCommunicator(CommunicatorBase):
         self.device = device if backend == "nccl" else torch.device("cpu")  # where the process group works
         self.backend, self.timeout = backend, timeout
         self._process_groups: dict[tuple[int, ...], Any] = {}  # ranks -> torch ProcessGroup (or NON_GROUP_MEMBER)
+        self.ledger = CollectiveLedger()  # the collectives entered, for naming who never came when one times out
+        self.heartbeat: Heartbeat | None = None  # publishes the ledger (set by the backend when it has a store)
 
     # ---- groups ------------------------------------------------------------------------------
     def new_group(self, ranks: Sequence[int]) -> Group:
@@ -167,8 +176,10 @@ class TorchCommunicator(CommunicatorBase):
         every member issues them in the same order); wait now unless async_op."""
         works, timed = [], account and self.time_model is not None
         arrivals: list[Any] = [self.clock.now]  # the members' arrival times on their virtual clocks, in rank order
+        number, step = 0, self.step
         if group.size > 1:
             pg = self._process_group(group, op)
+            number = self.ledger.enter(op, group.ranks, step)
             works.append(launch(pg))
             if timed:
                 mine = torch.tensor(arrivals, dtype=torch.float64, device=self.device)
@@ -179,11 +190,23 @@ class TorchCommunicator(CommunicatorBase):
             finish()
             if timed:
                 self._settle(op, group, payload, [float(a) for a in arrivals], blocking=not async_op)
-        work = TorchWork(works, done, f"{op} on group {list(group.ranks)}, called at step {self.step}")
+        work = TorchWork(works, done, f"{op} on group {list(group.ranks)}, called at step {self.step}",
+                         lambda e: self._explain_timeout(e, op, group, number, step))
         if async_op:
             return work
         work.wait()
         return None
+
+    def _explain_timeout(self, e: BaseException, op: str, group: Group, number: int,
+                         step: int | None) -> NodeTimeoutError | None:
+        """On a timeout: the members that never entered this collective, from their heartbeats."""
+        if self.heartbeat is None or not is_timeout(e):
+            return None
+        ledgers = self.heartbeat.read(group.ranks)
+        message, missing = missing_members_report(self.rank, op, group.ranks, number, step, self.timeout, ledgers)
+        culprit = missing[0] if missing else self.rank
+        culprit_step = (ledgers.get(culprit) or {}).get("step", step)
+        return NodeTimeoutError(message, culprit, culprit_step)
 
     def _settle(self, op: str, group: Group, payload: int, arrivals: list[float], *, blocking: bool) -> None:
         """This node's clock after the collective, by the sim's rule (TimeModel.settle): the transfer starts at the

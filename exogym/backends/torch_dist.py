@@ -25,19 +25,26 @@ import torch.distributed as dist
 
 from exogym.global_model import global_state_dict
 from exogym.backends.torch_comm import TorchCommunicator
+from exogym.backends.torch_heartbeat import Heartbeat
 
 if TYPE_CHECKING:
     from exogym.plan import RunPlan
     from exogym.record import NodeLog
 
 __all__ = ["run_torch", "LaunchEnv", "launch_env", "launch_for_fit", "check_launch", "pick_backend",
-           "PROCESS_GROUP_TIMEOUT"]
+           "PROCESS_GROUP_TIMEOUT", "process_group_timeout"]
 
-# How long a collective may wait for the other members before torch.distributed gives up with an error (torch's own
-# default for gloo). A node that raises or dies ends a local run at once anyway; this bounds what cannot be seen from
-# outside: nodes deadlocked in mismatched collectives (which the sim backend reports at once). A node may wait this
-# long, e.g. while node 0 validates. Read when a run starts: set exogym.backends.torch_dist.PROCESS_GROUP_TIMEOUT.
-PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)
+# How long a collective may wait for the other members before torch.distributed gives up is fit's node_timeout (the
+# sim's watchdog limit, default 600 s). A node that raises or dies ends a local run at once anyway; this bounds what
+# cannot be seen from outside: a node that never reaches a collective, or nodes deadlocked in mismatched ones, which
+# the error then names (exogym/backends/torch_heartbeat.py). node_timeout=None asks for no limit; torch.distributed
+# needs a finite one, so that is PROCESS_GROUP_TIMEOUT (a week).
+PROCESS_GROUP_TIMEOUT = timedelta(days=7)
+
+
+def process_group_timeout(node_timeout: float | None) -> timedelta:
+    """The process group's timeout for fit's node_timeout (seconds; None: PROCESS_GROUP_TIMEOUT)."""
+    return PROCESS_GROUP_TIMEOUT if node_timeout is None else timedelta(seconds=node_timeout)
 
 
 @dataclass(frozen=True)
@@ -121,19 +128,41 @@ def run_torch(plan: "RunPlan") -> list[tuple["NodeLog", dict[str, torch.Tensor] 
     return _run_launched(plan, env)
 
 
-def _run_node(plan: "RunPlan", rank: int, backend: str, start_time: float,
-              timeout: timedelta) -> tuple[Any, TorchCommunicator, Any, Any]:
-    """The body of one node's process, once its process group is up: returns (node, comm, log, state or None)."""
+_runs_started = 0  # per process: keys in a store shared by several runs (torchrun: one per job) stay apart
+
+
+def _run_node(plan: "RunPlan", rank: int, backend: str, start_time: float, timeout: timedelta,
+              store: Any = None) -> tuple[Any, TorchCommunicator, Any, Any]:
+    """The body of one node's process, once its process group is up: returns (node, comm, log, state or None).
+    `store`: a client of the run's key-value store, where this node's heartbeat goes (None: none)."""
+    global _runs_started
+    _runs_started += 1
     device = plan.devices[rank]
     if device.type == "cuda":
         torch.cuda.set_device(device)
     comm = TorchCommunicator(rank, plan.num_nodes, device=device, backend=backend, timeout=timeout,
                              time_model=plan.cfg.time_model)
-    node = plan.make_node(rank, start_time)
-    plan.node_rng(rank).activate()  # this process is the node: its streams stay in place for the whole run
-    log, state = node.run(comm)
+    if store is not None:
+        comm.heartbeat = Heartbeat(store, rank, comm.ledger, lambda: comm.step, timeout.total_seconds(),
+                                   prefix=f"exogym/heartbeat/{_runs_started}").start()
+    try:
+        node = plan.make_node(rank, start_time)
+        plan.node_rng(rank).activate()  # this process is the node: its streams stay in place for the whole run
+        log, state = node.run(comm)
+    finally:
+        if comm.heartbeat is not None:
+            comm.heartbeat.stop()
     log.comm["process_peak_rss_mb"] = _peak_rss_mb()  # the caller's record measures one process; each node is one
     return node, comm, log, state
+
+
+def _launch_store() -> Any:
+    """Under torchrun: a client of the job's store (MASTER_ADDR:MASTER_PORT) for the heartbeat; None if unreachable."""
+    try:
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                             timeout=timedelta(seconds=30))
+    except Exception:  # noqa: BLE001 - the run works without it; a timeout then names only the waiting node
+        return None
 
 
 def _peak_rss_mb() -> float | None:
@@ -151,9 +180,10 @@ def _run_launched(plan: "RunPlan", env: LaunchEnv) -> list[tuple["NodeLog", dict
     device = plan.devices[env.rank]  # each process has a GPU of its own (LOCAL_RANK), so a GPU node means nccl
     backend = "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
     owns_group = not dist.is_initialized()  # a script may have set up torch.distributed itself; then it keeps it
+    timeout = process_group_timeout(plan.node_timeout)
     if owns_group:
         dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
-                                timeout=PROCESS_GROUP_TIMEOUT)
+                                timeout=timeout)
     elif dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
         raise ValueError(f"torch.distributed is already initialised with rank {dist.get_rank()} of "
                          f"{dist.get_world_size()}, but RANK={env.rank}, WORLD_SIZE={env.world_size}; call "
@@ -161,7 +191,7 @@ def _run_launched(plan: "RunPlan", env: LaunchEnv) -> list[tuple["NodeLog", dict
     else:  # the script's own process group decides where collectives run
         backend = "nccl" if device.type == "cuda" and "nccl" in str(dist.get_backend()) else "gloo"
     try:
-        node, comm, log, state = _run_node(plan, env.rank, backend, time.perf_counter(), PROCESS_GROUP_TIMEOUT)
+        node, comm, log, state = _run_node(plan, env.rank, backend, time.perf_counter(), timeout, _launch_store())
         # node.run hands the global model to node 0 only; every process returns it: one more (uncounted) average.
         everyone = global_state_dict(node.model, node.strategy, comm)
         state = everyone if state is None else state

@@ -15,7 +15,7 @@ flushes them (the caller feeds the run's logger, as the sim backend does), then 
 global model on the CPU, or its exception with the traceback. The caller waits on the pipes, so a node that raises
 or dies is seen at once: the others are ended and the run fails, naming the node. Nothing waits forever: once a
 node has finished, the others get a grace period (they only have the final average left), and collectives time
-out after torch_dist.PROCESS_GROUP_TIMEOUT.
+out after fit's node_timeout, and the error names the node(s) that never came (torch_heartbeat.py).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import torch.multiprocessing as torch_mp
 
 from exogym.backends import torch_dist
 from exogym.backends.torch_dist import _run_node, pick_backend
+from exogym.backends.watchdog import NodeTimeoutError
 
 if TYPE_CHECKING:
     from exogym.plan import RunPlan
@@ -80,7 +81,7 @@ def run_spawned(plan: "RunPlan") -> list[tuple["NodeLog", dict[str, torch.Tensor
     _check_picklable(node_plan)
     backend = pick_backend(plan.devices)
     # The store is the rendezvous point; listening on port 0 lets the OS pick a free port, with no race.
-    timeout = torch_dist.PROCESS_GROUP_TIMEOUT
+    timeout = torch_dist.process_group_timeout(plan.node_timeout)
     store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False, timeout=timeout)
     threads = max(1, torch.get_num_threads() // k)  # the nodes share the caller's CPU threads
     ctx = _context()
@@ -173,12 +174,17 @@ def _died(rank: int, proc: Any) -> _Failure:
     return _Failure(rank, time.monotonic(), f"node {rank}'s process {how}")
 
 
-def _failure_error(failures: list[_Failure], finished: list[int]) -> NodeProcessError:
+def _failure_error(failures: list[_Failure], finished: list[int]) -> Exception:
     """The error for the caller: the root cause first (the earliest exception that is not a torch.distributed error
-    caused by a peer going away, else a process that died silently, else the earliest), the rest in one line each."""
+    caused by a peer going away, else a process that died silently, else the earliest), the rest in one line each.
+    A collective that timed out is a NodeTimeoutError naming the node(s) that never reached it, as on the sim."""
     raised = sorted((f for f in failures if f.traceback), key=lambda f: f.stamp)
     died = [f for f in failures if not f.traceback]
     first = next((f for f in raised if not f.from_peer), died[0] if died else raised[0])
+    if isinstance(first.exception, NodeTimeoutError):
+        timeout = first.exception
+        timeout.add_note(f"(reported by node {first.rank}, which waited for it; the run's node processes were ended)")
+        return timeout
     lines = [f"node {first.rank} failed, so the run was stopped: {first.summary}"]
     if first.traceback:
         lines += ["", f"node {first.rank}'s traceback (in its own process):", first.traceback.rstrip()]
@@ -187,7 +193,7 @@ def _failure_error(failures: list[_Failure], finished: list[int]) -> NodeProcess
         lines += ["", "then:"] + [f"  node {f.rank}: {_shorten(f.summary)}" for f in others]
     if "timed out" in first.summary.lower():
         lines += ["", "a collective waited longer than the process-group timeout "
-                      "(exogym.backends.torch_dist.PROCESS_GROUP_TIMEOUT): the nodes were probably waiting in "
+                      "(fit's node_timeout): the nodes were probably waiting in "
                       "different collectives (every node must call the same collectives in the same order; the sim "
                       "backend names the mismatch at once)"]
     if finished and first.from_peer:
@@ -262,7 +268,8 @@ def _node_main(rank: int, plan: "RunPlan", port: int, backend: str, conn: Connec
         store = dist.TCPStore(_HOST, port, is_master=False, timeout=timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=plan.num_nodes, timeout=timeout)
         plan.live = _ForwardingLive(outbox)
-        _, _, log, state = _run_node(plan, rank, backend, start, timeout)
+        heartbeat_store = dist.TCPStore(_HOST, port, is_master=False, timeout=timedelta(seconds=30))
+        _, _, log, state = _run_node(plan, rank, backend, start, timeout, heartbeat_store)
         outbox.send("done", log, None if state is None else {k: v.detach().cpu() for k, v in state.items()})
     except BaseException as e:  # noqa: BLE001 - everything goes back to the caller, even KeyboardInterrupt
         try:

@@ -39,6 +39,9 @@ class NodeTimeoutError(RuntimeError):
         super().__init__(message)
         self.rank, self.step = rank, step
 
+    def __reduce__(self) -> tuple:  # crosses from a torch backend node's process to the caller intact
+        return type(self), (str(self), self.rank, self.step)
+
 
 class WatchdogInterrupt(BaseException):
     """Raised inside the stuck node by the watchdog (a BaseException, so the node's `except Exception` blocks do
