@@ -8,10 +8,13 @@ Words used throughout:
 """
 
 from exogym.backends.torch_spawn import NodeProcessError
+from exogym.backends.watchdog import NodeTimeoutError
 from exogym.comm import CollectiveError
 from exogym.membership import RandomFailures
 from exogym.record import RunRecord
+from exogym.run_folder import RunFolderError
 from exogym.trainer import LocalTrainer, Trainer
 
-__all__ = ["Trainer", "LocalTrainer", "RunRecord", "CollectiveError", "NodeProcessError", "RandomFailures"]
+__all__ = ["Trainer", "LocalTrainer", "RunRecord", "CollectiveError", "NodeProcessError", "NodeTimeoutError",
+           "RunFolderError", "RandomFailures"]
 __version__ = "0.1.0"

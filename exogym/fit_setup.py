@@ -145,7 +145,8 @@ def run_name_of(logger: Logger | None, run_name: str | None) -> str | None:
     name is claimed). Names that disagree are an error: one run has one folder name."""
     if run_name is not None:
         check_run_name(run_name)
-    names = {lg.run_name for lg in _loggers(logger) if isinstance(lg, _FolderLogger) and lg.run_name is not None}
+    names = {lg.requested_name for lg in _loggers(logger)
+             if isinstance(lg, _FolderLogger) and lg.requested_name is not None}
     if run_name is not None and names - {run_name} or run_name is None and len(names) > 1:
         given = ([f"fit(run_name={run_name!r})"] if run_name is not None else []) + \
             [f"a logger's run_name={n!r}" for n in sorted(names)]

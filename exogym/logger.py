@@ -62,9 +62,11 @@ class _FolderLogger(Logger):
 
     def __init__(self, log_dir: str | os.PathLike, run_name: str | None):
         self.log_dir, self.run_name = Path(log_dir), run_name
+        self.requested_name = run_name  # what the user asked for; run_name becomes the claimed name of each run
         self.run_dir: Path | None = None
         self.claim: RunClaim | None = None  # set by fit, which claims the folders of all its loggers at once
         self._own_claim = False
+        self._running = False  # between start() and finish()
         self.after_step: int | None = None
 
     def continue_after(self, step: int) -> None:
@@ -77,23 +79,26 @@ class _FolderLogger(Logger):
         """
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"continue_after needs the checkpoint's step, an int >= 0, got {step!r}")
-        if self.run_dir is not None:
+        if self._running:
             raise RuntimeError("continue_after must be called before start()")
         self.after_step = step
 
     def _open_run_dir(self, config: dict[str, Any]) -> Path:
         if self.claim is None:  # used on its own, outside fit: claim the folder now
-            self.claim = claim_run([self.log_dir], self.run_name, default_run_name(config),
+            self.claim = claim_run([self.log_dir], self.requested_name, default_run_name(config),
                                    resume=self.after_step is not None)
             self._own_claim = True
         self.run_name = self.claim.name
         self.run_dir = self.log_dir / self.run_name
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._running = True
         return self.run_dir
 
     def _release(self, summary: dict[str, Any]) -> None:
         if self._own_claim and self.claim is not None:
             self.claim.release(str(summary.get("status", "completed")))
+        # Ready for another run (a logger passed to several fits): each claims its own folder.
+        self.claim, self._own_claim, self.after_step, self._running = None, False, None, False
 
 
 class CSVLogger(_FolderLogger):

@@ -57,6 +57,11 @@ def test_default_names_in_the_same_second_each_get_their_own_folder(monkeypatch)
     assert all(_steps(Path("logs") / r / "train.csv") == [1, 2, 3] for r in runs)
     assert all(json.loads((Path("logs") / r / MARKER).read_text())["status"] == "completed" for r in runs)
 
+    reused = CSVLogger("again")  # one logger object passed to several fits: a folder per run too
+    for _ in range(2):
+        _trainer().fit(_strategy(), 2, max_steps=2, logger=reused, **FIT)
+    assert len(list(Path("again").iterdir())) == 2
+
 
 def test_a_taken_explicit_name_is_an_error_before_any_node_starts_unless_overwrite():
     _trainer().fit(_strategy(), 2, max_steps=6, run_name="exp", **FIT)
