@@ -56,6 +56,7 @@ class RunPlan:
     live: LiveLog  # the sim shares one across nodes; a torch.distributed process keeps its own
     checkpoints: CheckpointPlan | None = None
     resume: list[NodeState] | None = None  # per node, from load_checkpoint
+    port: int | None = None  # backend='torch' spawned by fit: the rendezvous port (None: a free one)
 
     @property
     def num_nodes(self) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator, Union
 
 import torch
-from torch.utils.data import Dataset, DistributedSampler, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset
 from torch.utils.data import default_collate
 
 __all__ = ["DatasetOrFactory", "node_dataset", "NodeBatches", "fixed_batches", "split_batch", "batch_size_of",
@@ -47,8 +47,9 @@ class NodeBatches:
     every step has the same global batch."""
 
     def __init__(self, ds: Dataset, *, rank: int, num_nodes: int, batch_size: int, shuffle: bool, seed: int,
-                 shard: bool):
+                 shard: bool, loader: dict[str, Any] | None = None):
         self.ds, self.batch_size = ds, batch_size
+        self.loader = dict(loader or {})  # DataLoader options (exogym.data.loader_options): how, not which
         self.sampler = DistributedSampler(ds, num_replicas=num_nodes if shard else 1, rank=rank if shard else 0,
                                           shuffle=shuffle, seed=seed)
         self.steps_per_epoch = self.sampler.num_samples // batch_size
@@ -59,20 +60,38 @@ class NodeBatches:
 
     def iterate(self, from_step: int) -> Iterator[Any]:
         """Batches from step `from_step` on (a resumed run continues mid-epoch on the same permutation)."""
+        if self.loader:  # the same index lists, loaded by a DataLoader (workers, pinned memory, your collate_fn)
+            return iter(DataLoader(self.ds, batch_sampler=_Indices(self, from_step), **self.loader))
+        return (_collate(self.ds, idx) for idx in self.index_batches(from_step))
+
+    def index_batches(self, from_step: int) -> Iterator[list[int]]:
+        """The example indices of each batch from step `from_step` on, epoch after epoch."""
         epoch, first = divmod(from_step, self.steps_per_epoch)
         while True:
             self.sampler.set_epoch(epoch)  # a new permutation each epoch, the same on every node
             indices = list(self.sampler)
             for i in range(first, self.steps_per_epoch):
-                yield _collate(self.ds, indices[i * self.batch_size:(i + 1) * self.batch_size])
+                yield indices[i * self.batch_size:(i + 1) * self.batch_size]
             epoch, first = epoch + 1, 0
 
 
-def fixed_batches(ds: Dataset, *, size: int, batch_size: int, seed: int) -> list[Any]:
+class _Indices:
+    """A DataLoader batch_sampler over a node's index batches (endless: the node stops at max_steps)."""
+
+    def __init__(self, batches: NodeBatches, from_step: int):
+        self.batches, self.from_step = batches, from_step
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self.batches.index_batches(self.from_step)
+
+
+def fixed_batches(ds: Dataset, *, size: int, batch_size: int, seed: int,
+                  collate_fn: Callable[[list[Any]], Any] | None = None) -> list[Any]:
     """The same `size` examples for every evaluation (a seeded choice), in batches of `batch_size`."""
     gen = torch.Generator().manual_seed(seed)
     indices = torch.randperm(len(ds), generator=gen)[:size].tolist()
-    return [_collate(ds, indices[i:i + batch_size]) for i in range(0, len(indices), batch_size)]
+    return [_collate(ds, indices[i:i + batch_size]) if collate_fn is None else
+            collate_fn([ds[j] for j in indices[i:i + batch_size]]) for i in range(0, len(indices), batch_size)]
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:

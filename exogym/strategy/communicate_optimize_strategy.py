@@ -20,6 +20,7 @@ import torch
 
 from exogym._validation import check_number
 from exogym.compression import Compressor
+from exogym.spellings import Respelled
 from exogym.strategy.communicate import Group, new_group
 from exogym.strategy.context import NodeContext
 from exogym.strategy.optim import OptimSpec, ensure_optim_spec
@@ -29,7 +30,7 @@ __all__ = ["CommunicationModule", "CommunicateOptimizeStrategy", "ModularStrateg
            "round_generator"]
 
 
-class CommunicationModule:
+class CommunicationModule(metaclass=Respelled):
     """One kind of communication, run after every inner step of a CommunicateOptimizeStrategy.
 
     `communicate(model, rank, num_nodes, local_step)` is called on every node after its
