@@ -71,7 +71,7 @@ class Respelled(type):
     so the object (and what it records of its arguments, config.json) only sees canonical keywords and values.
     A class may add `_respell(args, kwargs) -> (args, kwargs)` for values spelled the original way."""
 
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+    def __call__(cls, /, *args: Any, **kwargs: Any) -> Any:  # positional-only: OptimSpec takes cls=
         kwargs = canonical_keywords(cls, kwargs)
         respell = getattr(cls, "_respell", None)
         if respell is not None:

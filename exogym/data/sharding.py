@@ -8,6 +8,7 @@ a dataset of its own instead, which is shuffled but not split.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Iterator, Union
 
 import torch
@@ -25,14 +26,31 @@ def is_factory(data: object) -> bool:
 
 
 def node_dataset(data: DatasetOrFactory, rank: int, num_nodes: int, is_val: bool) -> Dataset:
-    """The dataset node `rank` draws from (the whole dataset when it is to be sharded)."""
-    ds = data(rank, num_nodes, is_val) if is_factory(data) else data
+    """The dataset node `rank` draws from (the whole dataset when it is to be sharded).
+
+    A factory is called f(rank, num_nodes, is_val); one whose third parameter is named `train_dataset` (the
+    original EXO Gym's convention: True for the training data) is called f(rank, num_nodes, train_dataset=...).
+    """
+    if is_factory(data):
+        ds = data(rank, num_nodes, train_dataset=not is_val) if _takes_train_flag(data) else data(rank, num_nodes,
+                                                                                                   is_val)
+    else:
+        ds = data
     kind = "validation" if is_val else "training"
     if isinstance(ds, IterableDataset) or not hasattr(ds, "__len__") or not hasattr(ds, "__getitem__"):
         source = f"the dataset factory returned for node {rank}" if is_factory(data) else "the dataset"
         raise TypeError(f"the {kind} data must be a map-style Dataset (with __len__ and __getitem__); "
                         f"{source} is {type(ds).__name__}")
     return ds
+
+
+def _takes_train_flag(factory: Callable[..., Any]) -> bool:
+    try:
+        params = [p for p in inspect.signature(factory).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        return False
+    return len(params) >= 3 and params[2].name == "train_dataset"
 
 
 def _collate(ds: Dataset, indices: list[int]) -> Any:
