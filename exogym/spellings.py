@@ -233,12 +233,18 @@ def _wandb(merged: dict[str, Any]) -> None:
     x_axis = merged.pop("log_x_axis", "step")
     if x_axis not in ("step", "examples"):
         raise ValueError(f"log_x_axis must be 'step' or 'examples', got {x_axis!r}")
-    if project is None:
-        if x_axis != "step":
-            raise TypeError("log_x_axis='examples' sets the x-axis of the W&B logger that wandb_project= creates; "
-                            "add wandb_project=..., or pass logger=WandbLogger(project, x_axis='examples')")
-        return
     from exogym.logger import CSVLogger, Logger, WandbLogger
+
+    if project is None:
+        given = merged.get("logger")
+        given = [given] if isinstance(given, Logger) else given if isinstance(given, (list, tuple)) else []
+        wandb_loggers = [lg for lg in given if isinstance(lg, WandbLogger)]
+        for lg in wandb_loggers:  # the W&B loggers passed in take the x-axis
+            lg.x_axis = x_axis
+        if x_axis != "step" and not wandb_loggers:
+            raise TypeError("log_x_axis='examples' sets the x-axis of a W&B logger, and this run has none; add "
+                            "wandb_project=..., or pass logger=WandbLogger(project, x_axis='examples')")
+        return
 
     wandb_logger = WandbLogger(project=project, run_name=merged["run_name"], x_axis=x_axis)
     logger = merged.get("logger")

@@ -185,6 +185,9 @@ def test_diloco_scaling_fit_calls(wandb_calls):
         assert trainer.record.config["extra"] == {"dataset_name": "shakespeare"}  # fit(kwargs=...), recorded
         assert trainer.record.config["port"] == 12355 + run_index  # the rendezvous port of backend="torch"
     assert [c for c in wandb_calls if c[0] == "start"][-1] == ("start", "DiLoCo-Scaling", "run2", "examples")
+    trainer.fit(SimpleReduceStrategy(), 2, max_steps=1, batch_size=8, logger=WandbLogger("mine", "r"),
+                log_x_axis="examples", progress=False)  # a W&B logger passed in takes the x-axis too
+    assert [c for c in wandb_calls if c[0] == "start"][-1] == ("start", "mine", "r", "examples")
 
 
 def test_nanogpt_train_fit_call_with_the_scripts_defaults(tmp_path, monkeypatch):
@@ -240,7 +243,7 @@ def test_trainer_fit_positional_order_and_errors():
         trainer.fit(SimpleReduceStrategy(), 2, correlation_interval=1, diagnostics_interval=1)
     with pytest.raises(TypeError, match=r"'wandb_projet' \(did you mean 'wandb_project'\?\)"):
         trainer.fit(SimpleReduceStrategy(), 2, wandb_projet="x")
-    with pytest.raises(TypeError, match="log_x_axis='examples' sets the x-axis of the W&B logger"):
+    with pytest.raises(TypeError, match="log_x_axis='examples' sets the x-axis of a W&B logger, and this run has"):
         trainer.fit(SimpleReduceStrategy(), 2, log_x_axis="examples")
 
 
