@@ -210,6 +210,8 @@ class CommunicateOptimizeStrategy(ModularStrategy):
     module in list order communicates when its schedule says so; bytes are the sum of the modules'.
     """
 
+    _original_ignored_keywords = False  # H= or p= here was meant for a module: a TypeError, not a warning
+
     def __init__(self, communication_modules: Sequence[CommunicationModule],
                  optim_spec: OptimSpec | str | type | None = None, max_norm: float | None = None, *,
                  inner_optim: OptimSpec | str | type | None = None, lr: float | None = None,

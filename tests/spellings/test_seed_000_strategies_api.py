@@ -114,9 +114,10 @@ def test_custom_strategy_template_is_ddp():
     sgd = OptimSpec(torch.optim.SGD, lr=0.1)
     custom, _ = _fit(Custom(optim_spec=sgd), nodes=3, steps=5)
     ddp, _ = _fit(SimpleReduceStrategy(sgd), nodes=3, steps=5)
-    assert all(torch.equal(a, b) for a, b in zip(custom.state_dict().values(), ddp.state_dict().values()))
+    # DDP returns its replica, the custom strategy the average of three equal replicas: equal to rounding
+    torch.testing.assert_close(custom.state_dict(), ddp.state_dict(), rtol=1e-6, atol=1e-7)
     alone, _ = _fit(toy.LocalOnly(lr=0.1), nodes=3, steps=5)  # without the exchange the models differ
-    assert not all(torch.equal(a, b) for a, b in zip(custom.state_dict().values(), alone.state_dict().values()))
+    assert max((a - b).abs().max() for a, b in zip(custom.state_dict().values(), alone.state_dict().values())) > 1e-3
 
 
 def test_lr_schedule_and_clipping_snippets():

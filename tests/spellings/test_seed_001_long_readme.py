@@ -111,9 +111,9 @@ def test_custom_strategy_helpers_are_ddp_with_clipping():
         return _trainer().fit(strategy, 3, max_steps=4, batch_size=8, **QUIET).state_dict()
     custom = run(Custom(optim_spec="sgd", max_norm=0.05))
     ddp = run(SimpleReduceStrategy("sgd", max_norm=0.05))
-    assert all(torch.equal(a, b) for a, b in zip(custom.values(), ddp.values()))
+    torch.testing.assert_close(custom, ddp, rtol=1e-6, atol=1e-7)  # DDP's replica vs the mean of equal replicas
     unclipped = run(Custom(optim_spec="sgd"))
-    assert not all(torch.equal(a, b) for a, b in zip(custom.values(), unclipped.values()))
+    assert max((a - b).abs().max() for a, b in zip(custom.values(), unclipped.values())) > 1e-4
 
 
 def test_dataset_factory_with_the_readmes_parameter_names():
