@@ -28,7 +28,7 @@ def main(steps: int = 200) -> list[tuple[str, float, int]]:
             ("FedAvg H=10", FedAvgStrategy(optim_spec=adamw, H=10)),
             ("DeMo", DeMoStrategy(lr=3e-3, compression_topk=8))]
     rows = []
-    print(f"| strategy | validation loss (global model) | MB sent per node |\n|---|---|---|")
+    print("| strategy | validation loss (global model) | MB sent per node |\n|---|---|---|")
     for name, strategy in runs:
         torch.manual_seed(0)
         trainer = Trainer(MLP(), points(4096, seed=1), points(512, seed=2))

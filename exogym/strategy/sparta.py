@@ -19,7 +19,8 @@ from exogym.strategy.communicate_optimize_strategy import (CommunicationModule, 
 from exogym.strategy.mean import mean_, start_mean
 from exogym.strategy.optim import OptimSpec
 
-__all__ = ["SparseCommunicator", "TopKSparseCommunicator", "SPARTAStrategy", "SPARSIFICATION_MODES", "RandomIndexSelector"]
+__all__ = ["SparseCommunicator", "TopKSparseCommunicator", "SPARTAStrategy", "SPARSIFICATION_MODES",
+           "RandomIndexSelector"]
 
 SPARSIFICATION_MODES = ("random", "sequential", "partitioned", "blockwise")
 _RANDOM, _PARTITIONED, _BLOCK = 4, 5, 6  # salts of the shared random streams
