@@ -4,7 +4,9 @@ Scripts written for diloco-sim keep working: the model is built from model_cls(*
 the loss is loss_fn(model(x), y), nodes synchronise every diloco_interval local steps with an
 outer Nesterov SGD (lr 0.7, momentum 0.9) by default, and the hooks receive TrainStats every
 step and EvalStats every eval_interval steps. Everything else (sharding, per-node random
-streams, byte counts, the sim backend) is exogym's.
+streams, byte counts, the sim backend) is exogym's. Checkpoints (exogym's format, resumable with
+Trainer.fit(resume_from=...)) go to save_dir every ckpt_interval outer steps; save_dir without
+ckpt_interval saves one, at the end of training.
 """
 
 from __future__ import annotations
@@ -143,6 +145,8 @@ class DilocoSimulator:
         ckpt = {}
         if self.ckpt_interval is not None:  # diloco-sim counts checkpoints in outer steps
             ckpt = dict(checkpoint_interval=self.ckpt_interval * self.diloco_interval, checkpoint_dir=self.save_dir)
+        elif self.save_dir is not None:  # a folder without an interval: one checkpoint, at the end of training
+            ckpt = dict(checkpoint_dir=self.save_dir)
         final = self.trainer.fit(self._strategy(), self.num_nodes, num_epochs=self.num_epochs,
                                  max_steps=self.max_local_step, batch_size=self.batch_size,
                                  val_size=self.eval_iters * self.batch_size, val_interval=self.eval_interval,

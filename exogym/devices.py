@@ -6,7 +6,7 @@ from typing import Sequence, Union
 
 import torch
 
-__all__ = ["DeviceLike", "resolve_node_devices", "default_device"]
+__all__ = ["DeviceLike", "resolve_node_devices", "default_device", "MemoryCap", "memory_fraction"]
 
 DeviceLike = Union[str, int, torch.device]
 
@@ -58,3 +58,41 @@ def resolve_node_devices(num_nodes: int, device: DeviceLike | None,
         return [resolved[r % len(resolved)] for r in range(num_nodes)]
     dev = _to_device(device) if device is not None else _to_device(default_device())
     return [dev] * num_nodes
+
+
+class MemoryCap:
+    """fit(max_memory_usage=f): each GPU device the nodes use may allocate at most f of its memory (an allocation
+    beyond raises torch's out-of-memory error, as on a smaller card); reset to the whole device after the run."""
+
+    def __init__(self, fraction: float | None, devices: Sequence[torch.device]):
+        self.fraction = fraction
+        self.devices = sorted({d for d in devices if d.type in ("cuda", "mps")}, key=str) if fraction else []
+
+    def apply(self) -> None:
+        self._set(self.fraction)
+
+    def reset(self) -> None:
+        self._set(1.0)
+
+    def _set(self, fraction: float | None) -> None:
+        for d in self.devices:
+            if d.type == "cuda":
+                torch.cuda.set_per_process_memory_fraction(fraction, d)
+            else:
+                torch.mps.set_per_process_memory_fraction(fraction)
+
+
+def memory_fraction(max_memory_usage: float | None, devices: Sequence[torch.device]) -> MemoryCap:
+    """Validate fit's max_memory_usage (a fraction in (0, 1]) against the nodes' devices."""
+    if max_memory_usage is None:
+        return MemoryCap(None, devices)
+    if isinstance(max_memory_usage, bool) or not isinstance(max_memory_usage, (int, float)) \
+            or not 0 < max_memory_usage <= 1:
+        raise ValueError(f"max_memory_usage is the fraction of each GPU's memory the run may use, in (0, 1]; "
+                         f"got {max_memory_usage!r}")
+    cpu = sorted({str(d) for d in devices if d.type == "cpu"})
+    if cpu:
+        raise ValueError(f"max_memory_usage={max_memory_usage} caps GPU memory (torch's per-process memory fraction "
+                         f"on cuda and mps); nodes on {', '.join(cpu)} have no such cap in torch. Drop "
+                         "max_memory_usage, or run on device='cuda' / 'mps'")
+    return MemoryCap(float(max_memory_usage), devices)

@@ -26,7 +26,7 @@ DEFAULT_DEVICE_FLOPS = 1e12  # a nominal sustained 1 TFLOP/s per node; pass devi
 
 
 def build_node_batches(data: DatasetOrFactory, split: Partition | None, *, num_nodes: int, batch_size: int,
-                       shuffle: bool, seed: int) -> list[NodeBatches]:
+                       shuffle: bool, seed: int, loader: dict[str, Any] | None = None) -> list[NodeBatches]:
     """Each node's batches: its shard of one dataset, its part of a partition, or its factory's dataset."""
     shard = split is None and not is_factory(data)
     subsets = split.subsets(data) if split is not None else None
@@ -34,7 +34,7 @@ def build_node_batches(data: DatasetOrFactory, split: Partition | None, *, num_n
     for r in range(num_nodes):
         ds = subsets[r] if subsets is not None else node_dataset(data, r, num_nodes, is_val=False)
         nb = NodeBatches(ds, rank=r, num_nodes=num_nodes, batch_size=batch_size, shuffle=shuffle, seed=seed,
-                         shard=shard)
+                         shard=shard, loader=loader)
         if nb.steps_per_epoch < 1:
             need = f"num_nodes={num_nodes} x batch_size={batch_size} = {num_nodes * batch_size}" if shard \
                 else f"batch_size={batch_size} for node {r}"
@@ -45,7 +45,7 @@ def build_node_batches(data: DatasetOrFactory, split: Partition | None, *, num_n
 
 
 def build_val_batches(data: DatasetOrFactory | None, *, num_nodes: int, val_size: int, batch_size: int,
-                      seed: int) -> tuple[list[Any] | None, int]:
+                      seed: int, collate_fn: Any = None) -> tuple[list[Any] | None, int]:
     """The fixed validation batches (node 0's validation data) and how many examples they hold."""
     if data is None:
         return None, 0
@@ -53,7 +53,7 @@ def build_val_batches(data: DatasetOrFactory | None, *, num_nodes: int, val_size
     if len(val_ds) == 0:
         raise ValueError("the validation dataset is empty; pass val_dataset=None to skip validation")
     val_size = min(val_size, len(val_ds))
-    return fixed_batches(val_ds, size=val_size, batch_size=batch_size, seed=seed), val_size
+    return fixed_batches(val_ds, size=val_size, batch_size=batch_size, seed=seed, collate_fn=collate_fn), val_size
 
 
 def announce(config: dict[str, Any], time_model: TimeModel | None) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from exogym.run_folder import RunClaim, claim_run
+from exogym.spellings import Respelled
 
 __all__ = ["Logger", "CSVLogger", "WandbLogger", "TensorBoardLogger", "MultiLogger", "default_run_name",
            "truncate_rows_after"]
@@ -44,7 +45,7 @@ def _json_safe(value: Any) -> Any:
     return repr(value)
 
 
-class Logger:
+class Logger(metaclass=Respelled):
     """Receives the run's configuration, rows as they are measured, and the final record."""
 
     def start(self, config: dict[str, Any]) -> None:
@@ -173,30 +174,76 @@ def truncate_rows_after(path: str | os.PathLike, step: int) -> int:
 
 
 class WandbLogger(Logger):
-    """Weights & Biases (`pip install exogym[wandb]`); mode="offline" writes locally without an account."""
+    """Weights & Biases (`pip install exogym[wandb]`); mode="offline" writes locally without an account.
+
+    mode=None (the default) logs online when W&B has an API key and its server answers, and otherwise offline
+    (saying so once; `wandb sync <dir>` uploads the run later). x_axis="step" or "examples" (the global
+    examples trained): the x-axis of every chart. experiment_name= is the original documents' run_name=.
+    """
 
     def __init__(self, project: str = "exogym", run_name: str | None = None, *, mode: str | None = None,
-                 dir: str | os.PathLike | None = None, **init_kwargs: Any):
+                 dir: str | os.PathLike | None = None, x_axis: str = "step", **init_kwargs: Any):
         try:
             import wandb
         except ImportError as e:
             raise ImportError("WandbLogger needs wandb: pip install 'exogym[wandb]'") from e
+        if x_axis not in ("step", "examples"):
+            raise ValueError(f"x_axis must be 'step' or 'examples', got {x_axis!r}")
+        if mode not in (None, "online", "offline", "disabled"):
+            raise ValueError(f"mode must be None (online when possible), 'online', 'offline' or 'disabled', "
+                             f"got {mode!r}")
         self._wandb, self.project, self.run_name = wandb, project, run_name
-        self.mode, self.dir, self.init_kwargs = mode, dir, init_kwargs
+        self.mode, self.dir, self.x_axis, self.init_kwargs = mode, dir, x_axis, init_kwargs
         self.run = None
+        self._global_batch = 0
 
     def start(self, config: dict[str, Any]) -> None:
+        self._global_batch = int(config.get("global_batch", 0))
+        mode = self.mode if self.mode is not None else _wandb_mode(self._wandb)
         self.run = self._wandb.init(project=self.project, name=self.run_name or default_run_name(config),
-                                    config=_json_safe(config), mode=self.mode,
+                                    config=_json_safe(config), mode=mode,
                                     dir=str(self.dir) if self.dir else None, **self.init_kwargs)
+        # Charts against a logged column rather than wandb's own step, which must only grow: validation rows can
+        # arrive before the training rows of the same steps.
+        self.run.define_metric(self.x_axis)
+        self.run.define_metric("*", step_metric=self.x_axis)
 
     def log(self, table: str, row: dict[str, float]) -> None:
-        self.run.log({f"{table}/{k}": v for k, v in row.items() if k != "step"}, step=int(row["step"]))
+        data = {f"{table}/{k}": v for k, v in row.items() if k not in ("step", "examples")}
+        data["step"] = int(row["step"])
+        data["examples"] = row.get("examples", int(row["step"]) * self._global_batch)
+        self.run.log(data)
 
     def finish(self, summary: dict[str, Any]) -> None:
         if self.run is not None:
             self.run.summary.update(_json_safe({k: v for k, v in summary.items() if not isinstance(v, (list, dict))}))
             self.run.finish()
+
+
+def _wandb_mode(wandb: Any) -> str:
+    """"online" when W&B has an API key and its server answers within 3 s; else "offline", said once."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]  # the user's own W&B setting (wandb reads it too)
+    reason = None
+    try:
+        has_key = bool(os.environ.get("WANDB_API_KEY") or wandb.Api().api_key)
+    except Exception:  # noqa: BLE001 - wandb raises several kinds when no key is configured
+        has_key = False
+    if not has_key:
+        reason = "no W&B API key is configured (wandb login)"
+    else:
+        host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+        try:
+            socket.create_connection((host, 443), timeout=3).close()
+        except OSError:
+            reason = f"{host} cannot be reached"
+    if reason is None:
+        return "online"
+    print(f"exogym: W&B logs offline: {reason}; upload later with `wandb sync` on the run folder", flush=True)
+    return "offline"
 
 
 class TensorBoardLogger(_FolderLogger):

@@ -57,6 +57,7 @@ class RunPlan:
     checkpoints: CheckpointPlan | None = None
     resume: list[NodeState] | None = None  # per node, from load_checkpoint
     node_timeout: float | None = None  # seconds a node may run without progress (fit's node_timeout); None: no limit
+    port: int | None = None  # backend='torch' spawned by fit: the rendezvous port (None: a free one)
 
     @property
     def num_nodes(self) -> int:

@@ -55,8 +55,10 @@ class LiveLog:
     """Feeds a logger while the run trains: a step's merged row goes out once every node it hears from has
     reported that step (in the sim backend all nodes; in a torch.distributed process only its own)."""
 
-    def __init__(self, logger: "Logger | None", ranks: Sequence[int], *, global_batch: int):
+    def __init__(self, logger: "Logger | None", ranks: Sequence[int], *, global_batch: int, log_interval: int = 1,
+                 last_step: int | None = None):
         self.logger, self.global_batch = logger, global_batch
+        self.log_interval, self.last_step = log_interval, last_step  # every log_interval-th step's row, and the last
         self._queues: dict[int, deque] = {r: deque() for r in ranks}
 
     def add_rows(self, rank: int, rows: list[dict[str, float]]) -> None:
@@ -64,8 +66,10 @@ class LiveLog:
             return
         self._queues[rank].extend(rows)
         while all(self._queues.values()):
-            self.logger.log("train", merge_step_rows([q.popleft() for q in self._queues.values()],
-                                                     global_batch=self.global_batch))
+            row = merge_step_rows([q.popleft() for q in self._queues.values()], global_batch=self.global_batch)
+            step = int(row["step"])
+            if step % self.log_interval == 0 or step == self.last_step:
+                self.logger.log("train", row)
 
     def add_row(self, table: str, row: dict[str, float]) -> None:
         """A row only node 0 measures ("val", "diagnostics")."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import inspect
 import math
 import os
 import time
@@ -13,13 +12,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from exogym._validation import check_int, check_number, reject_unknown_kwargs
+from exogym._validation import check_int, check_number
 from exogym.backends.sim import run_sim
 from exogym.backends.watchdog import DEFAULT_NODE_TIMEOUT
 from exogym.backends.torch_dist import launch_for_fit, run_torch
 from exogym.checkpoint import CheckpointPlan, check_resume, find_checkpoint, load_checkpoint, read_manifest
+from exogym.data.loader_options import loader_options
 from exogym.data.sharding import DatasetOrFactory, is_factory
-from exogym.devices import DeviceLike, resolve_node_devices
+from exogym.devices import DeviceLike, memory_fraction, resolve_node_devices
 from exogym.fit_setup import (announce, build_node_batches, build_time_model, build_val_batches, claim_run_folders,
                               partition_data, peak_memory_mb, resolve_logger, run_name_of, versions)
 from exogym.logger import Logger, default_run_name
@@ -30,6 +30,7 @@ from exogym.plan import RunConfig, RunPlan
 from exogym.record import LiveLog, RunRecord
 from exogym.rng import GlobalRNGState
 from exogym.run_folder import check_writable
+from exogym.spellings import fit_arguments
 from exogym.strategy.strategy import Strategy
 
 __all__ = ["Trainer", "LocalTrainer", "BACKENDS"]
@@ -46,11 +47,15 @@ class Trainer:
     train_dataset / val_dataset: a map-style Dataset (sharded across nodes), or a factory
         f(rank, num_nodes, is_val) -> Dataset that builds each node's own. val_dataset may be None.
     device / devices: defaults for `fit` (see there).
+    start_port: the original EXO Gym's base rendezvous port: fit calls without port= on backend="torch" take
+        start_port, start_port + 1, ... in turn (so back-to-back runs never wait on a port still closing).
     """
 
     def __init__(self, model: torch.nn.Module, train_dataset: DatasetOrFactory,
-                 val_dataset: DatasetOrFactory | None = None, *, device: DeviceLike | None = None,
-                 devices: Sequence[DeviceLike] | None = None):
+                 val_dataset: DatasetOrFactory | None = None, start_port: int | None = None, *,
+                 device: DeviceLike | None = None, devices: Sequence[DeviceLike] | None = None):
+        check_int("start_port", start_port, minimum=1, allow_none=True)
+        self._next_port = start_port
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         for name, data in (("train_dataset", train_dataset), ("val_dataset", val_dataset)):
@@ -63,11 +68,19 @@ class Trainer:
         self.device, self.devices = device, devices
         self.record: RunRecord | None = None
 
-    def fit(self, strategy: Strategy, num_nodes: int, *, num_epochs: int = 1, max_steps: int | None = None,
+    def fit(self, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        """fit(strategy, num_nodes=1, **options), or the original EXO Gym's fit(num_epochs, strategy, num_nodes, ...).
+
+        Both orders and the original's keywords (correlation_interval, save_dir, wandb_project, log_x_axis,
+        gradient_accumulation, kwargs) are mapped to the canonical options of `_fit` by exogym.spellings.
+        """
+        return self._fit(**fit_arguments(self._fit, args, kwargs))
+
+    def _fit(self, strategy: Strategy, num_nodes: int = 1, *, num_epochs: int = 1, max_steps: int | None = None,
             batch_size: int = 16, minibatch_size: int | None = None, shuffle: bool = True, val_size: int = 64,
             val_interval: int = 100, autocast: bool = False, seed: int = 42, backend: str = "sim",
             device: DeviceLike | None = None, devices: Sequence[DeviceLike] | None = None,
-            log_interval: int = 10, progress: bool = True, logger: Logger | Sequence[Logger] | bool | None = None,
+            log_interval: int = 1, progress: bool = True, logger: Logger | Sequence[Logger] | bool | None = None,
             run_name: str | None = None, overwrite: bool = False, checkpoint_interval: int | None = None,
             checkpoint_dir: str | os.PathLike | None = None, keep_checkpoints: int = 3,
             resume_from: str | os.PathLike | None = None, extend_run: bool = False,
@@ -77,7 +90,9 @@ class Trainer:
             partition: str = "iid", dirichlet_alpha: float | None = None, shards_per_node: int | None = None,
             failures: Sequence[tuple[int, int, int | None]] | RandomFailures | None = None,
             active_nodes: str | Sequence[tuple[int, int]] | Callable[[int], int] | None = None,
-            node_timeout: float | None = DEFAULT_NODE_TIMEOUT, **unknown: Any) -> torch.nn.Module:
+            node_timeout: float | None = DEFAULT_NODE_TIMEOUT, dataloader_kwargs: dict[str, Any] | None = None,
+            max_memory_usage: float | None = None, port: int | None = None,
+            extra_config: dict[str, Any] | None = None) -> torch.nn.Module:
         """Train with `strategy` on `num_nodes` nodes; return the global model (by default the nodes' average).
 
         batch_size is per node (the global batch is num_nodes x batch_size); minibatch_size splits it
@@ -122,9 +137,18 @@ class Trainer:
         partition="shards" sorts it by label and deals each node shards_per_node (default 2) of
         num_nodes x shards_per_node equal shards (the FedAvg paper's pathological non-IID split).
         The split's settings, shard sizes and label histograms go into the record's config.
+
+        num_nodes defaults to 1 (one node: plain training through the strategy). checkpoint_dir without
+        checkpoint_interval saves one checkpoint, at the end. log_interval=N sends every N-th step's row (and
+        the last) to the loggers; trainer.record keeps every step. dataloader_kwargs: DataLoader options for how
+        each node's batches are loaded (num_workers, pin_memory, prefetch_factor, persistent_workers, timeout,
+        worker_init_fn, multiprocessing_context, collate_fn); the examples and their order stay exogym's
+        (exogym.data.loader_options). max_memory_usage=f caps each GPU node's device at that fraction of its
+        memory (torch.cuda / torch.mps set_per_process_memory_fraction, reset after the run); on a CPU it is
+        rejected, as torch has no such cap there. port: the rendezvous port of backend="torch" when fit
+        spawns the node processes (default: a free one the OS picks); unused by the sim and under torchrun.
+        extra_config: a dict recorded in config.json under "extra" (the original's fit(kwargs=...)).
         """
-        reject_unknown_kwargs("Trainer.fit", unknown,
-                              [p for p in inspect.signature(Trainer.fit).parameters if p not in ("self", "unknown")])
         if not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be an exogym Strategy instance, got {strategy!r}")
         strategy.check_constructed()
@@ -140,6 +164,13 @@ class Trainer:
         check_int("checkpoint_interval", checkpoint_interval, minimum=1, allow_none=True)
         check_int("keep_checkpoints", keep_checkpoints, minimum=1)
         check_int("diagnostics_interval", diagnostics_interval, minimum=1, allow_none=True)
+        if port is None and self._next_port is not None:
+            port, self._next_port = self._next_port, self._next_port + 1
+        check_int("port", port, minimum=1, allow_none=True)
+        if port is not None and port > 65535:
+            raise ValueError(f"port must be a TCP port in 1..65535, got {port}")
+        if extra_config is not None and not isinstance(extra_config, dict):
+            raise TypeError(f"extra_config (the original's fit(kwargs=...)) must be a dict, got {extra_config!r}")
         if not isinstance(extend_run, bool):
             raise TypeError(f"extend_run must be True or False, got {extend_run!r}")
         if extend_run and resume_from is None:
@@ -170,8 +201,10 @@ class Trainer:
             devices if devices is not None or device is not None else self.devices)
         if launch is not None:
             node_devices = launch.node_devices(node_devices)
-        if checkpoint_interval is not None and checkpoint_dir is not None:
+        if checkpoint_dir is not None:
             check_writable(checkpoint_dir, "checkpoint_dir")
+        memory_cap = memory_fraction(max_memory_usage, node_devices)
+        loader = loader_options(dataloader_kwargs, node_devices)
         if autocast and any(d.type == "cuda" and not torch.cuda.is_bf16_supported() for d in node_devices):
             raise ValueError("autocast=True trains in bfloat16, which this GPU does not support; use autocast=False")
 
@@ -179,11 +212,12 @@ class Trainer:
         split = partition_data(self.train_dataset, partition, dirichlet_alpha, num_nodes, batch_size, seed,
                                shards_per_node=shards_per_node)
         node_batches = build_node_batches(self.train_dataset, split, num_nodes=num_nodes, batch_size=batch_size,
-                                          shuffle=shuffle, seed=seed)
+                                          shuffle=shuffle, seed=seed, loader=loader)
         steps_per_epoch = min(nb.steps_per_epoch for nb in node_batches)
         total_steps = max_steps if max_steps is not None else num_epochs * steps_per_epoch
         val_batches, val_size = build_val_batches(self.val_dataset, num_nodes=num_nodes, val_size=val_size,
-                                                  batch_size=batch_size, seed=seed)
+                                                  batch_size=batch_size, seed=seed,
+                                                  collate_fn=loader.get("collate_fn"))
 
         membership = build_membership(num_nodes, total_steps, failures, active_nodes)
         if membership is not None:
@@ -195,7 +229,8 @@ class Trainer:
                                  "docstring); drop them or use another strategy")
 
         cfg = RunConfig(num_nodes=num_nodes, max_steps=total_steps, batch_size=batch_size,
-                        minibatch_size=minibatch_size, val_interval=val_interval, log_interval=log_interval,
+                        minibatch_size=minibatch_size, val_interval=val_interval,
+                        log_interval=max(log_interval, 10),  # the nodes' host syncs of the loss; loggers: below
                         autocast=autocast, progress=progress, validate=val_batches is not None,
                         diagnostics_interval=diagnostics_interval, time_model=time_model,
                         steps_per_epoch=steps_per_epoch, membership=membership)
@@ -207,6 +242,14 @@ class Trainer:
                   "log_interval": log_interval, "seed": seed, "backend": backend, "autocast": autocast,
                   "devices": [str(d) for d in node_devices], "model": type(self.model).__name__,
                   "parameters": n_params, "versions": versions()}
+        if dataloader_kwargs is not None:
+            config["dataloader_kwargs"] = {"given": dict(dataloader_kwargs), "applied": loader}
+        if max_memory_usage is not None:
+            config["max_memory_usage"] = max_memory_usage
+        if port is not None:
+            config["port"] = port
+        if extra_config is not None:
+            config["extra"] = dict(extra_config)
         if split is not None:
             config["partition"] = {"kind": partition, **split.settings, "sizes": split.sizes,
                                    "label_histograms": split.label_histograms()}
@@ -239,7 +282,7 @@ class Trainer:
                 print(f"exogym: resuming run {manifest.get('run_name')!r} from step {manifest['step']} ({folder})",
                       flush=True)
         # The run folder(s), claimed last: everything that can be checked before any node starts has been.
-        default_ckpt = checkpoint_interval is not None and checkpoint_dir is None
+        default_ckpt = checkpoint_dir is None and checkpoint_interval is not None
         claim = claim_run_folders(logger, run_name,
                                   default_run_name({"strategy": type(strategy).__name__, "num_nodes": num_nodes}),
                                   extra_roots=["logs"] if default_ckpt and is_main else [], overwrite=overwrite,
@@ -248,16 +291,16 @@ class Trainer:
         config["run_name"] = run_name
         try:
             checkpoints = None
-            if checkpoint_interval is not None:
+            if checkpoint_interval is not None or checkpoint_dir is not None:  # a folder alone: one, at the end
                 root = Path(checkpoint_dir) if checkpoint_dir is not None else Path("logs") / run_name / "checkpoints"
-                checkpoints = CheckpointPlan(check_writable(root, "checkpoint_dir"), checkpoint_interval,
+                checkpoints = CheckpointPlan(check_writable(root, "checkpoint_dir"), checkpoint_interval or total_steps,
                                              keep_checkpoints, config, run_id, fingerprint)
                 checkpoints.check_owner(overwrite=overwrite)
             live = LiveLog(logger, range(num_nodes) if launch is None else [launch.rank],  # torchrun: its own
-                           global_batch=num_nodes * batch_size)
+                           global_batch=num_nodes * batch_size, log_interval=log_interval, last_step=total_steps)
             plan = RunPlan(model=self.model, strategy=strategy, node_batches=node_batches, val_batches=val_batches,
                            devices=node_devices, cfg=cfg, seed=seed, live=live, checkpoints=checkpoints,
-                           resume=resume, node_timeout=node_timeout)
+                           resume=resume, node_timeout=node_timeout, port=port)
             if logger is not None:
                 logger.start(config)
         except BaseException:
@@ -267,6 +310,7 @@ class Trainer:
         start = time.perf_counter()
         caller_rng = GlobalRNGState.capture()  # the caller's random streams are theirs: put them back after
         try:
+            memory_cap.apply()
             results = _RUNNERS[backend](plan)
         except BaseException as e:
             if logger is not None:
@@ -276,6 +320,7 @@ class Trainer:
             raise
         finally:
             caller_rng.restore()
+            memory_cap.reset()
         logs, final_state = [log for log, _ in results], results[0][1]
         self.record = RunRecord.from_nodes(logs, config=config, global_batch=num_nodes * batch_size,
                                            wall_time_s=time.perf_counter() - start,

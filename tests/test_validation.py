@@ -64,12 +64,12 @@ def test_strategy_and_optimizer_keywords_are_strict():
         OptimSpec.from_string("adamx", lr=1e-3)
     with pytest.raises(ValueError, match="unknown optimizer name"):
         SimpleReduceStrategy("adamx")
-    with pytest.raises(TypeError, match="both an OptimSpec"):
-        SimpleReduceStrategy(OptimSpec(torch.optim.SGD, lr=0.1), lr=0.2)
+    # lr next to a full OptimSpec overrides its lr (the original documents pass optim_spec with inner_lr).
+    assert SimpleReduceStrategy(OptimSpec(torch.optim.SGD, lr=0.1), lr=0.2).optim_spec.kwargs == {"lr": 0.2}
     with pytest.raises(ValueError, match="max_norm must be > 0, got 0"):
         SimpleReduceStrategy(max_norm=0)
-    with pytest.raises(ValueError, match="unknown lr_scheduler 'cosine'"):
-        SimpleReduceStrategy(lr_scheduler="cosine")
+    with pytest.raises(ValueError, match="unknown lr_scheduler 'cosin'"):
+        SimpleReduceStrategy(lr_scheduler="cosin")
     with pytest.raises(TypeError, match="strategy must be an exogym Strategy"):
         trainer().fit("ddp", 2, **FIT)
     # Accepted spellings.

@@ -82,7 +82,7 @@ def run_spawned(plan: "RunPlan") -> list[tuple["NodeLog", dict[str, torch.Tensor
     backend = pick_backend(plan.devices)
     # The store is the rendezvous point; listening on port 0 lets the OS pick a free port, with no race.
     timeout = torch_dist.process_group_timeout(plan.node_timeout)
-    store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    store = dist.TCPStore(_HOST, plan.port or 0, is_master=True, wait_for_workers=False, timeout=timeout)
     threads = max(1, torch.get_num_threads() // k)  # the nodes share the caller's CPU threads
     ctx = _context()
     start = time.perf_counter()  # one machine, one clock: the nodes' wall times count from here, as in the sim

@@ -8,10 +8,11 @@ a dataset of its own instead, which is shuffled but not split.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Iterator, Union
 
 import torch
-from torch.utils.data import Dataset, DistributedSampler, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset
 from torch.utils.data import default_collate
 
 __all__ = ["DatasetOrFactory", "node_dataset", "NodeBatches", "fixed_batches", "split_batch", "batch_size_of",
@@ -25,14 +26,31 @@ def is_factory(data: object) -> bool:
 
 
 def node_dataset(data: DatasetOrFactory, rank: int, num_nodes: int, is_val: bool) -> Dataset:
-    """The dataset node `rank` draws from (the whole dataset when it is to be sharded)."""
-    ds = data(rank, num_nodes, is_val) if is_factory(data) else data
+    """The dataset node `rank` draws from (the whole dataset when it is to be sharded).
+
+    A factory is called f(rank, num_nodes, is_val); one whose third parameter is named `train_dataset` (the
+    original EXO Gym's convention: True for the training data) is called f(rank, num_nodes, train_dataset=...).
+    """
+    if is_factory(data):
+        ds = data(rank, num_nodes, train_dataset=not is_val) if _takes_train_flag(data) else data(rank, num_nodes,
+                                                                                                   is_val)
+    else:
+        ds = data
     kind = "validation" if is_val else "training"
     if isinstance(ds, IterableDataset) or not hasattr(ds, "__len__") or not hasattr(ds, "__getitem__"):
         source = f"the dataset factory returned for node {rank}" if is_factory(data) else "the dataset"
         raise TypeError(f"the {kind} data must be a map-style Dataset (with __len__ and __getitem__); "
                         f"{source} is {type(ds).__name__}")
     return ds
+
+
+def _takes_train_flag(factory: Callable[..., Any]) -> bool:
+    try:
+        params = [p for p in inspect.signature(factory).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        return False
+    return len(params) >= 3 and params[2].name == "train_dataset"
 
 
 def _collate(ds: Dataset, indices: list[int]) -> Any:
@@ -47,8 +65,9 @@ class NodeBatches:
     every step has the same global batch."""
 
     def __init__(self, ds: Dataset, *, rank: int, num_nodes: int, batch_size: int, shuffle: bool, seed: int,
-                 shard: bool):
+                 shard: bool, loader: dict[str, Any] | None = None):
         self.ds, self.batch_size = ds, batch_size
+        self.loader = dict(loader or {})  # DataLoader options (exogym.data.loader_options): how, not which
         self.sampler = DistributedSampler(ds, num_replicas=num_nodes if shard else 1, rank=rank if shard else 0,
                                           shuffle=shuffle, seed=seed)
         self.steps_per_epoch = self.sampler.num_samples // batch_size
@@ -59,20 +78,38 @@ class NodeBatches:
 
     def iterate(self, from_step: int) -> Iterator[Any]:
         """Batches from step `from_step` on (a resumed run continues mid-epoch on the same permutation)."""
+        if self.loader:  # the same index lists, loaded by a DataLoader (workers, pinned memory, your collate_fn)
+            return iter(DataLoader(self.ds, batch_sampler=_Indices(self, from_step), **self.loader))
+        return (_collate(self.ds, idx) for idx in self.index_batches(from_step))
+
+    def index_batches(self, from_step: int) -> Iterator[list[int]]:
+        """The example indices of each batch from step `from_step` on, epoch after epoch."""
         epoch, first = divmod(from_step, self.steps_per_epoch)
         while True:
             self.sampler.set_epoch(epoch)  # a new permutation each epoch, the same on every node
             indices = list(self.sampler)
             for i in range(first, self.steps_per_epoch):
-                yield _collate(self.ds, indices[i * self.batch_size:(i + 1) * self.batch_size])
+                yield indices[i * self.batch_size:(i + 1) * self.batch_size]
             epoch, first = epoch + 1, 0
 
 
-def fixed_batches(ds: Dataset, *, size: int, batch_size: int, seed: int) -> list[Any]:
+class _Indices:
+    """A DataLoader batch_sampler over a node's index batches (endless: the node stops at max_steps)."""
+
+    def __init__(self, batches: NodeBatches, from_step: int):
+        self.batches, self.from_step = batches, from_step
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self.batches.index_batches(self.from_step)
+
+
+def fixed_batches(ds: Dataset, *, size: int, batch_size: int, seed: int,
+                  collate_fn: Callable[[list[Any]], Any] | None = None) -> list[Any]:
     """The same `size` examples for every evaluation (a seeded choice), in batches of `batch_size`."""
     gen = torch.Generator().manual_seed(seed)
     indices = torch.randperm(len(ds), generator=gen)[:size].tolist()
-    return [_collate(ds, indices[i:i + batch_size]) for i in range(0, len(indices), batch_size)]
+    return [_collate(ds, indices[i:i + batch_size]) if collate_fn is None else
+            collate_fn([ds[j] for j in indices[i:i + batch_size]]) for i in range(0, len(indices), batch_size)]
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:

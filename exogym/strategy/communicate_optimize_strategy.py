@@ -20,6 +20,7 @@ import torch
 
 from exogym._validation import check_number
 from exogym.compression import Compressor
+from exogym.spellings import Respelled
 from exogym.strategy.communicate import Group, new_group
 from exogym.strategy.context import NodeContext
 from exogym.strategy.optim import OptimSpec, ensure_optim_spec
@@ -29,7 +30,7 @@ __all__ = ["CommunicationModule", "CommunicateOptimizeStrategy", "ModularStrateg
            "round_generator"]
 
 
-class CommunicationModule:
+class CommunicationModule(metaclass=Respelled):
     """One kind of communication, run after every inner step of a CommunicateOptimizeStrategy.
 
     `communicate(model, rank, num_nodes, local_step)` is called on every node after its
@@ -208,6 +209,8 @@ class CommunicateOptimizeStrategy(ModularStrategy):
     "adamw", lr=3e-4)`. Each step: clip, one inner optimizer step (AdamW, lr 1e-3 by default), then each
     module in list order communicates when its schedule says so; bytes are the sum of the modules'.
     """
+
+    _original_ignored_keywords = False  # H= or p= here was meant for a module: a TypeError, not a warning
 
     def __init__(self, communication_modules: Sequence[CommunicationModule],
                  optim_spec: OptimSpec | str | type | None = None, max_norm: float | None = None, *,

@@ -10,6 +10,7 @@ import torch
 from exogym._validation import check_int, check_number
 from exogym.flatten import flatten_by_dtype
 from exogym.strategy.communicate import alive_ranks, all_gather
+from exogym.spellings import demo_from_torch_spec
 from exogym.strategy.optim import OptimSpec
 from exogym.strategy.strategy import Strategy, parameter_state
 
@@ -165,8 +166,12 @@ class DeMoStrategy(Strategy):
     (ring all-gather). A node that drops keeps its momentum residual; the others go on without its share.
 
     optim_spec: OptimSpec(DeMo, lr=..., ...) or nothing, with lr, compression_decay, compression_topk,
-    compression_chunk and weight_decay as keywords.
+    compression_chunk and weight_decay as keywords (which override the spec's). A spec of a torch optimizer
+    (OptimSpec(torch.optim.AdamW, lr=..., weight_decay=...), as the original's scripts pass) gives DeMo its lr
+    and weight_decay (exogym.spellings.demo_from_torch_spec).
     """
+
+    _respell = staticmethod(demo_from_torch_spec)
 
     def __init__(self, optim_spec: OptimSpec | None = None, max_norm: float | None = None, *,
                  lr: float | None = None, compression_decay: float | None = None, compression_topk: int | None = None,
@@ -180,9 +185,8 @@ class DeMoStrategy(Strategy):
         elif not (isinstance(optim_spec, OptimSpec) and issubclass(optim_spec.cls, DeMo)):
             raise TypeError(f"DeMoStrategy's optim_spec must be an OptimSpec of exogym.strategy.demo.DeMo, got "
                             f"{optim_spec!r}; or leave it out and pass lr=..., compression_topk=...")
-        elif settings:
-            raise TypeError(f"got both an OptimSpec ({optim_spec!r}) and settings {sorted(settings)}; "
-                            "put the settings inside the OptimSpec")
+        elif settings:  # keywords next to a spec override its values, as for every strategy
+            optim_spec = OptimSpec(DeMo, **{**optim_spec.kwargs, **settings})
         defaults = dict(lr=1e-3, compression_decay=0.999, compression_topk=32, compression_chunk=64, weight_decay=0.0)
         DeMo([torch.zeros(1, requires_grad=True)], **{**defaults, **optim_spec.kwargs})  # validate now, not per node
         self.optim_spec = optim_spec

@@ -63,8 +63,9 @@ class LRSchedule:
             lr_scheduler = "lambda_cosine"  # warmup_steps=... alone asks for it
         if isinstance(lr_scheduler, str):
             if lr_scheduler != "lambda_cosine":
-                raise ValueError(f"unknown lr_scheduler {lr_scheduler!r}; use 'lambda_cosine', "
-                                 "a torch.optim.lr_scheduler class, or a callable f(optimizer)")
+                raise ValueError(f"unknown lr_scheduler {lr_scheduler!r}; use 'lambda_cosine' (or, as strategy "
+                                 "arguments, 'cosine' and 'constant'), a torch.optim.lr_scheduler class, or a "
+                                 "callable f(optimizer)")
             reject_unknown_kwargs("lr_scheduler='lambda_cosine'", {k: v for k, v in kwargs.items()
                                                                    if k not in _COSINE_KEYS}, _COSINE_KEYS)
             spec = cls("lambda_cosine", warmup_steps=kwargs.get("warmup_steps", 0),

@@ -8,6 +8,7 @@ from typing import Any, Iterable
 import torch
 
 from exogym._validation import reject_unknown_kwargs
+from exogym.spellings import Respelled
 
 __all__ = ["OptimSpec", "ensure_optim_spec", "OPTIMIZERS"]
 
@@ -32,10 +33,11 @@ def _optimizer_keywords(cls: type) -> set[str] | None:
     return {p.name for p in params if p.name not in ("self", "params")}
 
 
-class OptimSpec:
+class OptimSpec(metaclass=Respelled):
     """`OptimSpec(torch.optim.AdamW, lr=3e-4, weight_decay=0.1)`; `OptimSpec.from_string("adamw", lr=3e-4)`.
 
     Keywords are checked against the optimizer's constructor here, so a typo fails before any node starts.
+    `OptimSpec(optimizer_class=...)` and `OptimSpec.from_str(...)` are the original documents' spellings.
     """
 
     def __init__(self, cls: type[torch.optim.Optimizer] | str = torch.optim.AdamW, **kwargs: Any):
@@ -54,6 +56,8 @@ class OptimSpec:
     @classmethod
     def from_string(cls, name: str, **kwargs: Any) -> "OptimSpec":
         return cls(_optimizer_class(name), **kwargs)
+
+    from_str = from_string  # the original repository's name
 
     def build(self, model_or_params: torch.nn.Module | Iterable[Any]) -> torch.optim.Optimizer:
         params = model_or_params.parameters() if isinstance(model_or_params, torch.nn.Module) else model_or_params
@@ -86,19 +90,16 @@ def ensure_optim_spec(optim: OptimSpec | str | type | None, default: OptimSpec |
                       **kwargs: Any) -> OptimSpec | None:
     """Turn what a user passed for an optimizer (spec, name, class or None) into an OptimSpec.
 
-    `kwargs` (e.g. lr=...) set hyperparameters when `optim` is a name or class; with a full
-    OptimSpec they must be empty, or the two would disagree on who sets lr.
+    `kwargs` (e.g. lr=...) set hyperparameters when `optim` is a name or class; next to a full
+    OptimSpec they override its values (the original documents pass optim_spec and inner_lr together).
     """
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     if optim is None:
         if default is None:
             return None
         return default.with_defaults() if not kwargs else OptimSpec(default.cls, **{**default.kwargs, **kwargs})
-    if isinstance(optim, OptimSpec):
-        if kwargs:
-            raise TypeError(f"got both an OptimSpec ({optim!r}) and optimizer settings {sorted(kwargs)}; "
-                            "put the settings inside the OptimSpec")
-        return optim
+    if isinstance(optim, OptimSpec):  # settings next to a full spec win (DiLoCoStrategy(optim_spec=..., inner_lr=...))
+        return OptimSpec(optim.cls, **{**optim.kwargs, **kwargs}) if kwargs else optim
     if isinstance(optim, str) or inspect.isclass(optim):
         return OptimSpec(optim, **kwargs)
     raise TypeError(f"an optimizer must be an OptimSpec, a name such as 'adamw', or an Optimizer class; got {optim!r}")

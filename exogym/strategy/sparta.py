@@ -19,10 +19,11 @@ from exogym.strategy.communicate_optimize_strategy import (CommunicationModule, 
 from exogym.strategy.mean import mean_, start_mean
 from exogym.strategy.optim import OptimSpec
 
-__all__ = ["SparseCommunicator", "TopKSparseCommunicator", "SPARTAStrategy", "SPARSIFICATION_MODES"]
+__all__ = ["SparseCommunicator", "TopKSparseCommunicator", "SPARTAStrategy", "SPARSIFICATION_MODES",
+           "RandomIndexSelector"]
 
-SPARSIFICATION_MODES = ("random", "sequential", "partitioned")
-_RANDOM, _PARTITIONED = 4, 5  # salts of the shared random streams
+SPARSIFICATION_MODES = ("random", "sequential", "partitioned", "blockwise")
+_RANDOM, _PARTITIONED, _BLOCK = 4, 5, 6  # salts of the shared random streams
 
 
 class SparseCommunicator(CommunicationModule):
@@ -33,7 +34,11 @@ class SparseCommunicator(CommunicationModule):
     sparsification_mode: "random" (a fresh random subset each step, floor(p n) entries plus one more
     with probability frac(p n), so p n on average), "sequential" (a window of round(p n) entries moving
     through the parameter), "partitioned" (a random partition into round(1/p) parts, visited one part
-    per step, so every entry is averaged once per round(1/p) steps; a new partition each cycle).
+    per step, so every entry is averaged once per round(1/p) steps; a new partition each cycle), "blockwise"
+    (one contiguous block of round(p n) entries per parameter, at a shared random offset each step).
+    "topk" (each node's largest changes, with indices) is TopKSparseCommunicator; SPARTAStrategy takes it
+    as sparsification_mode="topk". interval=m: average only after every m-th step (the original's
+    sparta_interval).
     async_delay=d: the averaged values arrive d steps late; each selected entry is then corrected by
     (average - its value when sent), keeping the local progress made meanwhile.
     quantization_bits=8 or 4 / compression=<a Quantizer of exogym.compression>: the selected values are
@@ -44,8 +49,14 @@ class SparseCommunicator(CommunicationModule):
     """
 
     def __init__(self, p_sparta: float = 0.005, *, sparsification_mode: str = "random", async_delay: int = 0,
-                 seed: int = 0, quantization_bits: int | None = None, compression: Quantizer | None = None):
+                 seed: int = 0, quantization_bits: int | None = None, compression: Quantizer | None = None,
+                 interval: int = 1):
         check_number("p_sparta", p_sparta, positive=True, maximum=1.0)
+        check_int("interval", interval, minimum=1)
+        self.interval = interval
+        if sparsification_mode == "topk":
+            raise ValueError("sparsification_mode='topk' sends each node's largest changes with their indices: that "
+                             "is TopKSparseCommunicator(p_sparta) (or SPARTAStrategy(sparsification_mode='topk'))")
         if sparsification_mode not in SPARSIFICATION_MODES:
             raise ValueError(f"sparsification_mode must be one of {list(SPARSIFICATION_MODES)}, "
                              f"got {sparsification_mode!r}")
@@ -64,10 +75,10 @@ class SparseCommunicator(CommunicationModule):
 
     def communicate(self, model: torch.nn.Module, rank: int, num_nodes: int, local_step: int) -> None:
         self._apply_due(local_step)
-        if len(alive_ranks()) == 1:
-            return  # the average of one node is itself
+        if local_step % self.interval or len(alive_ranks()) == 1:
+            return  # not an averaging step, or the average of one node is itself
         params = list(self.model.parameters())
-        chosen = self.select(local_step, [p.numel() for p in params])
+        chosen = self.select(local_step // self.interval, [p.numel() for p in params])
         sent = self._gather(params, chosen)
         averaged = [v.clone() for v in sent]
         self._reduce(averaged)
@@ -75,8 +86,17 @@ class SparseCommunicator(CommunicationModule):
 
     # ---- which entries (the same on every node) -------------------------------------------------
     def select(self, local_step: int, sizes: list[int]) -> list[torch.Tensor]:
-        """Per parameter, the flat indices averaged after step `local_step` (CPU int64 tensors)."""
+        """Per parameter, the flat indices averaged at the `local_step`-th averaging (CPU int64 tensors); with
+        interval=1 that is after step `local_step`."""
         p, t = self.p_sparta, local_step - 1
+        if self.mode == "blockwise":
+            gen = round_generator(self.seed, t, _BLOCK)
+            out = []
+            for n in sizes:
+                k = min(n, max(1, round(p * n)))
+                start = int(torch.randint(n - k + 1, (), generator=gen))
+                out.append(torch.arange(start, start + k))
+            return out
         if self.mode == "random":
             gen = round_generator(self.seed, t, _RANDOM)
             out = []
@@ -138,7 +158,7 @@ class SparseCommunicator(CommunicationModule):
         """The fraction of the model's entries sent per step, on average (for bytes-per-step estimates)."""
         if self.mode == "random":
             return self.p_sparta
-        if self.mode == "sequential":
+        if self.mode in ("sequential", "blockwise"):
             return sum(min(n, max(1, round(self.p_sparta * n))) for n in sizes) / sum(sizes)
         return sum(math.ceil(n / max(1, round(1 / self.p_sparta))) for n in sizes) / sum(sizes)
 
@@ -155,8 +175,10 @@ class TopKSparseCommunicator(CommunicationModule):
     """
 
     def __init__(self, p_sparta: float = 0.005, *, quantization_bits: int | None = None,
-                 compression: Quantizer | None = None):
+                 compression: Quantizer | None = None, interval: int = 1):
         check_number("p_sparta", p_sparta, positive=True, maximum=1.0)
+        check_int("interval", interval, minimum=1)
+        self.interval = interval  # send after every interval-th step; the drift keeps growing in between
         values = compressor_from(quantization_bits, compression)
         if values is not None and not isinstance(values, Quantizer):
             raise TypeError(f"TopKSparseCommunicator picks the entries itself; compression= quantizes their values "
@@ -171,7 +193,7 @@ class TopKSparseCommunicator(CommunicationModule):
 
     @torch.no_grad()
     def communicate(self, model: torch.nn.Module, rank: int, num_nodes: int, local_step: int) -> None:
-        if len(alive_ranks()) == 1:
+        if local_step % self.interval or len(alive_ranks()) == 1:
             return
         params = list(self.model.parameters())
         drift = [p.detach() - g for p, g in zip(params, self.shared)]  # what node i has not shared yet
@@ -206,26 +228,42 @@ class SPARTAStrategy(ModularStrategy):
     optim_spec / inner_optim with lr and weight_decay: the inner optimizer (AdamW, lr 1e-3 by default).
     quantization_bits=8 or 4 (or compression=<a Quantizer>): the values are sent quantized by one all-gather,
     (K-1) x the quantized values' bytes per node per step (one float32 scale per parameter).
-    compression_method="topk" (the original documents' spelling): instead of shared-seed entries, each node
-    sends its p_sparta largest drifts from the shared model, with indices (TopKSparseCommunicator).
+    compression_method="topk" or sparsification_mode="topk" (the original documents' spellings): instead of
+    shared-seed entries, each node sends its p_sparta largest drifts from the shared model (its change since it
+    last sent them), with indices (TopKSparseCommunicator). sparta_interval=m: average after every m-th step.
     """
 
     def __init__(self, optim_spec: OptimSpec | str | type | None = None, max_norm: float | None = None, *,
                  p_sparta: float = 0.005, sparsification_mode: str = "random", async_delay: int = 0, seed: int = 0,
                  compression_method: str | None = None, quantization_bits: int | None = None,
-                 compression: Quantizer | None = None, inner_optim: OptimSpec | str | type | None = None,
-                 lr: float | None = None, weight_decay: float | None = None, **kwargs: Any):
+                 compression: Quantizer | None = None, sparta_interval: int = 1,
+                 inner_optim: OptimSpec | str | type | None = None, lr: float | None = None,
+                 weight_decay: float | None = None, **kwargs: Any):
         super().__init__(optim_spec, max_norm, inner_optim=inner_optim, lr=lr, weight_decay=weight_decay, **kwargs)
         if compression_method not in (None, "topk"):
             raise ValueError(f"compression_method must be None (shared-seed entries, no indices sent) or 'topk' "
                              f"(each node's largest drifts, with indices), got {compression_method!r}")
-        if compression_method == "topk":
-            if sparsification_mode != "random" or async_delay:
-                raise ValueError(f"compression_method='topk' picks the entries itself and applies them at once; drop "
+        if compression_method == "topk" or sparsification_mode == "topk":
+            if sparsification_mode not in ("random", "topk") or async_delay:
+                raise ValueError(f"top-k picks the entries itself and applies them at once; drop "
                                  f"sparsification_mode={sparsification_mode!r} and async_delay={async_delay!r}")
             module: CommunicationModule = TopKSparseCommunicator(p_sparta, quantization_bits=quantization_bits,
-                                                                 compression=compression)
+                                                                 compression=compression, interval=sparta_interval)
         else:
             module = SparseCommunicator(p_sparta, sparsification_mode=sparsification_mode, async_delay=async_delay,
-                                        seed=seed, quantization_bits=quantization_bits, compression=compression)
+                                        seed=seed, quantization_bits=quantization_bits, compression=compression,
+                                        interval=sparta_interval)
         self._use_modules([module])
+
+
+class RandomIndexSelector:
+    """The original repository's selector (`from exogym.strategy.sparta import RandomIndexSelector`):
+    get_indices(param, iteration) is a boolean mask of param's shape, each entry True with probability p, drawn
+    from the calling node's random stream (so nodes differ; the original's scripts broadcast rank 0's mask)."""
+
+    def __init__(self, p: float):
+        check_number("p", p, minimum=0.0, maximum=1.0)
+        self.p = p
+
+    def get_indices(self, param: torch.Tensor, iteration: int) -> torch.Tensor:
+        return torch.bernoulli(torch.full(param.shape, self.p, device=param.device)).bool()

@@ -22,7 +22,8 @@ class SPARTADiLoCoStrategy(ModularStrategy):
     Bytes per node per step: 2 (K-1)/K x (p_sparta + 1/H) x the model's bytes.
     A node whose pseudo-gradient is dropped keeps its local progress (see DiLoCoStrategy).
 
-    Arguments as in SPARTAStrategy (p_sparta, sparsification_mode, async_delay) and DiLoCoStrategy (final_sync:
+    Arguments as in SPARTAStrategy (p_sparta, sparsification_mode, async_delay, sparta_interval: sparse averaging
+    after every sparta_interval-th step) and DiLoCoStrategy (final_sync:
     one more round at the end of a run whose last step is not a round's last).
     """
 
@@ -33,11 +34,15 @@ class SPARTADiLoCoStrategy(ModularStrategy):
                  lr: float | None = None, inner_lr: float | None = None, weight_decay: float | None = None,
                  outer_lr: float | None = None, outer_momentum: float | None = None, nesterov: bool | None = None,
                  drop_prob: float = 0.0, seed: int = 0, final_sync: bool = True, max_norm: float | None = None,
-                 **kwargs: Any):
+                 sparta_interval: int = 1, **kwargs: Any):
         super().__init__(optim_spec, max_norm, inner_optim=inner_optim, lr=_one_of("lr", lr, "inner_lr", inner_lr),
                          weight_decay=weight_decay, **kwargs)
+        if sparsification_mode == "topk":
+            raise ValueError("SPARTA-DiLoCo averages shared-seed entries (no indices): sparsification_mode 'random', "
+                             "'sequential', 'partitioned' or 'blockwise'; top-k's shared model would go stale at "
+                             "every DiLoCo reset")
         sparse = SparseCommunicator(p_sparta, sparsification_mode=sparsification_mode, async_delay=async_delay,
-                                    seed=seed)
+                                    seed=seed, interval=sparta_interval)
         outer = diloco_module(H, outer_optim_spec, outer_optim, outer_lr=outer_lr, outer_momentum=outer_momentum,
                               nesterov=nesterov, drop_prob=drop_prob, seed=seed, final_sync=final_sync)
         self._use_modules([sparse, outer])

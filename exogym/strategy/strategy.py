@@ -16,21 +16,25 @@ from exogym._validation import check_number, init_keywords, reject_unknown_kwarg
 from exogym.strategy.context import NodeContext
 from exogym.strategy.lr_schedule import LRSchedule
 from exogym.strategy.mean import mean_
+from exogym.spellings import Respelled, named_schedule, pop_ignored_strategy_keywords
 from exogym.strategy.optim import OptimSpec, ensure_optim_spec
 
 __all__ = ["Strategy", "SimpleReduceStrategy", "NodeContext", "parameter_state"]
 
 
-class Strategy:
+class Strategy(metaclass=Respelled):
     """Base class: LR schedule, gradient clipping, step counting, the state protocol, and the hooks a node calls.
 
-    Subclasses set `self.optim_spec` in `__init__` (then `self.optim` is built for them in
-    `_init_node`) or build their own optimizer in `_init_node`, and implement `step()`,
-    ending with `super().step()`.
+    Subclasses pass `optim_spec=` to this constructor or set `self.optim_spec` in `__init__` (then
+    `self.optim`, alias `self.optimizer`, is built for them in `_init_node`) or build their own optimizer
+    in `_init_node`, and implement `step()`, ending with `super().step()`. Helpers for `step()`:
+    `communicate_gradients()` (average the gradients), `communicate_models()` (average the parameters),
+    `update_parameters()` (clip, then the optimizer step).
 
     lr_scheduler: None, "lambda_cosine" (linear warmup, then constant or cosine decay to
-        min_lr_factor x lr; setting warmup_steps or cosine_anneal selects it), a torch
-        LRScheduler class built with lr_scheduler_kwargs, or a callable f(optimizer).
+        min_lr_factor x lr; setting warmup_steps or cosine_anneal selects it), "cosine" and "constant"
+        (lambda_cosine with cosine_anneal True / False), a torch LRScheduler class built with
+        lr_scheduler_kwargs, or a callable f(optimizer).
     max_norm: clip the global gradient norm of the node's parameters before each step.
 
     What a node calls, in order: `setup(model, context)` once; per step `skip_compute()`, `zero_grad()`,
@@ -39,6 +43,7 @@ class Strategy:
     `model_sources()` (the global model), `joined()` (a node that came up).
     """
 
+    _respell = staticmethod(named_schedule)  # lr_scheduler="cosine" / "constant" (exogym.spellings)
     supports_membership_changes = True  # False: the strategy cannot run with failures or an elastic pool
     # Entries of state_dict() that are the same on every node by construction (DDP's optimizer state):
     # they go into its "global" part, the rest into "local".
@@ -69,8 +74,11 @@ class Strategy:
     def __init__(self, lr_scheduler: str | type | Callable[..., Any] | None = None,
                  lr_scheduler_kwargs: Mapping[str, Any] | None = None, *, warmup_steps: int | None = None,
                  cosine_anneal: bool | None = None, min_lr_factor: float | None = None,
-                 max_norm: float | None = None, **unknown: Any):
+                 max_norm: float | None = None, optim_spec: OptimSpec | str | type | None = None, **unknown: Any):
+        pop_ignored_strategy_keywords(type(self), unknown)
         reject_unknown_kwargs(type(self).__name__, unknown, init_keywords(type(self)))
+        if optim_spec is not None:
+            self.optim_spec = ensure_optim_spec(optim_spec)
         self.lr_schedule = LRSchedule.parse(lr_scheduler, lr_scheduler_kwargs, warmup_steps=warmup_steps,
                                             cosine_anneal=cosine_anneal, min_lr_factor=min_lr_factor)
         check_number("max_norm", max_norm, positive=True, allow_none=True)
@@ -193,6 +201,34 @@ class Strategy:
         if self.max_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
 
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The node's optimizer: the original documents' name for self.optim."""
+        return self.optim
+
+    @optimizer.setter
+    def optimizer(self, value: torch.optim.Optimizer) -> None:
+        self.optim = value
+
+    @torch.no_grad()
+    def communicate_gradients(self) -> None:
+        """Average every gradient over the nodes that are up: one all-reduce per dtype (DDP's exchange).
+        Bytes per node: 2 (K-1)/K x the gradients' bytes. Call it on every node in the same step."""
+        if self.num_nodes > 1:
+            mean_([p.grad for p in self.model.parameters() if p.grad is not None])
+
+    @torch.no_grad()
+    def communicate_models(self) -> None:
+        """Average the floating-point parameters over the nodes that are up (model averaging, FedAvg's exchange):
+        one all-reduce per dtype, 2 (K-1)/K x the parameters' bytes per node. Call it on every node together."""
+        if self.num_nodes > 1:
+            mean_([p.data for p in self.model.parameters() if p.is_floating_point()])
+
+    def update_parameters(self) -> None:
+        """Clip the gradients (max_norm) and take the optimizer step: the local update after communicating."""
+        self._clip_grads()
+        self.optim.step()
+
 
 def parameter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's state-dict entries that are parameters (tied weights under each of their names)."""
@@ -215,10 +251,8 @@ class SimpleReduceStrategy(Strategy):
         self.optim_spec = ensure_optim_spec(optim_spec, OptimSpec(torch.optim.AdamW, lr=1e-3), lr=lr)
 
     def step(self) -> None:
-        if self.num_nodes > 1:  # one bucket per dtype: one collective per step instead of one per parameter
-            mean_([p.grad for p in self.model.parameters() if p.grad is not None])
-        self._clip_grads()
-        self.optim.step()
+        self.communicate_gradients()  # one bucket per dtype: one collective per step instead of one per parameter
+        self.update_parameters()
         super().step()
 
     def global_state(self) -> Mapping[str, torch.Tensor]:

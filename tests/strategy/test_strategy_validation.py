@@ -39,11 +39,9 @@ PAIRS = [
     (FedAvgStrategy, dict(local_epochs=0), ValueError, "local_epochs must be >= 1", dict(local_epochs=1)),
     (FedAvgStrategy, dict(H=2, local_epochs=1), TypeError, "pass one of them", dict(local_epochs=1)),
     (FedAvgStrategy, dict(lr=-1.0), ValueError, "lr must be > 0", dict(lr=1e-9)),
-    (FedAvgStrategy, dict(optim_spec=OptimSpec(torch.optim.SGD, lr=0.1), lr=0.1), TypeError,
-     "put the settings inside the OptimSpec", dict(optim_spec=OptimSpec(torch.optim.SGD, lr=0.1))),
     (SPARTAStrategy, dict(p_sparta=0.0), ValueError, "p_sparta must be > 0", dict(p_sparta=1e-9)),
     (SPARTAStrategy, dict(p_sparta=1.01), ValueError, "p_sparta must be <= 1.0", dict(p_sparta=1.0)),
-    (SPARTAStrategy, dict(sparsification_mode="block"), ValueError, "['random', 'sequential', 'partitioned']",
+    (SPARTAStrategy, dict(sparsification_mode="block"), ValueError, "['random', 'sequential', 'partitioned', 'blockwise']",
      dict(sparsification_mode="partitioned")),
     (SPARTAStrategy, dict(async_delay=-1), ValueError, "async_delay must be >= 0", dict(async_delay=0)),
     (SPARTAStrategy, dict(seed=-1), ValueError, "seed must be >= 0", dict(seed=0)),
@@ -56,10 +54,10 @@ PAIRS = [
      dict(compression_chunk=1)),
     (DeMoStrategy, dict(lr=0.0), ValueError, "lr must be > 0", dict(lr=1e-9)),
     (DeMoStrategy, dict(weight_decay=-0.1), ValueError, "weight_decay must be >= 0", dict(weight_decay=0.0)),
-    (DeMoStrategy, dict(optim_spec=OptimSpec(torch.optim.SGD)), TypeError, "OptimSpec of exogym.strategy.demo.DeMo",
+    (DeMoStrategy, dict(optim_spec=OptimSpec(torch.optim.SGD, momentum=0.9)), TypeError, "DeMo has no ['momentum']",
+     dict(optim_spec=OptimSpec(torch.optim.SGD, lr=1e-3))),
+    (DeMoStrategy, dict(optim_spec="adamw"), TypeError, "OptimSpec of exogym.strategy.demo.DeMo",
      dict(optim_spec=OptimSpec(DeMo, lr=1e-3))),
-    (DeMoStrategy, dict(optim_spec=OptimSpec(DeMo), lr=1e-3), TypeError, "put the settings inside",
-     dict(lr=1e-3)),
 ]
 
 

@@ -1,0 +1,1 @@
+"""The original EXO Gym's `exogym.aux` import path, kept so its scripts import unchanged."""
