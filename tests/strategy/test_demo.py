@@ -34,12 +34,13 @@ def test_chunks_are_the_largest_divisors_up_to_compression_chunk():
 
 def test_extraction_takes_the_top_k_components_out_of_the_momentum():
     p = torch.nn.Parameter(torch.zeros(4, 6))
-    opt = DeMo([p], compression_topk=2, compression_chunk=3, compression_decay=0.5)
+    lr = 0.25
+    opt = DeMo([p], lr=lr, compression_topk=2, compression_chunk=3, compression_decay=0.5)
     group = opt.param_groups[0]
     g = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
     p.grad = g.clone()
     t, dr, dc = transform((4, 6), 3)
-    before = t.encode(g.double(), dr, dc)  # the momentum's coefficients (momentum starts at 0)
+    before = t.encode(lr * g.double(), dr, dc)  # the momentum's coefficients (momentum starts at 0, gains lr g)
     idx, values = opt.extract(p, group)
     assert idx.shape == values.shape == (t.num_chunks, 2)
     assert torch.equal(idx.sort(1).values, before.abs().topk(2, dim=1).indices.sort(1).values)  # the largest
@@ -49,7 +50,7 @@ def test_extraction_takes_the_top_k_components_out_of_the_momentum():
     rest = torch.ones_like(before, dtype=torch.bool).scatter_(1, idx, False)
     assert_close(after[rest], before[rest], rtol=1e-5, atol=1e-5)  # the rest stays in the momentum
     p.grad = g.clone()
-    idx2, values2 = opt.extract(p, group)  # the next step: m <- 0.5 m + g, then extract again
+    idx2, values2 = opt.extract(p, group)  # the next step: m <- 0.5 m + lr g, then extract again
     assert_close(values2.double(), (0.5 * after + before).gather(1, idx2), rtol=1e-5, atol=1e-5)
 
 
@@ -64,14 +65,14 @@ def test_combine_averages_a_coefficient_over_the_nodes_that_sent_it():
 
 
 def test_two_nodes_hand_checked_update_direction_and_momentum_residuals():
-    # Chunk 2, top-1. DCT of [3, 1] is [4, 2]/sqrt2: node 0 sends coefficient 0 = 2 sqrt2 and keeps [1, -1].
-    # DCT of [1, -3] is [-2, 4]/sqrt2: node 1 sends coefficient 1 = 2 sqrt2 and keeps [-1, -1].
-    # Average [2 sqrt2, 2 sqrt2] decodes to [4, 0]; the update is -lr sign([4, 0]) = [-lr, 0].
+    # Chunk 2, top-1; the momentum gains lr g. DCT of [3, 1] is [4, 2]/sqrt2: node 0 sends coefficient 0
+    # (lr 2 sqrt2) and keeps lr [1, -1]. DCT of [1, -3] is [-2, 4]/sqrt2: node 1 sends coefficient 1
+    # (lr 2 sqrt2) and keeps lr [-1, -1]. Average decodes to lr [4, 0]; the update is -lr sign([4, 0]) = [-lr, 0].
     lr = 0.1
     strategy = watched(DeMoStrategy)(lr=lr, compression_topk=1, compression_chunk=2, compression_decay=0.9)
     model, t = run_linear(strategy, [[3.0, 1.0], [1.0, -3.0]], [0.0, 0.0], 1)
     assert_close(model.w.detach(), torch.tensor([-lr, 0.0]))
-    for r, residual in ((0, [1.0, -1.0]), (1, [-1.0, -1.0])):
+    for r, residual in ((0, [lr, -lr]), (1, [-lr, -lr])):
         assert_close(node_params(r), torch.tensor([-lr, 0.0]))
         opt = NODES[r][1].optim
         assert_close(opt.state[opt.param_groups[0]["params"][0]]["momentum"], torch.tensor(residual))
