@@ -114,16 +114,36 @@ def payload_nbytes(op: str, tensor: torch.Tensor | None, group_size: int,
     return tensor_nbytes(tensor) if tensor is not None else 0
 
 
+# Payload bytes: what a node puts on the wire once, its own data counted one time however many hops it takes
+# (the papers' convention: DeMo's "110 MB per node per step" is one node's indices and values). The wire bytes
+# above are what the ring algorithm makes the node send in total (an all-gathered chunk goes R-1 hops).
+
+def payload_bytes(op: str, nbytes: int, group: Group, src: int | None = None, rank: int | None = None) -> int:
+    """A node's own bytes that leave it: all-reduce and all-gather its whole tensor (N, or its chunk n);
+    reduce-scatter the (R-1)/R of its input meant for the others; broadcast N from the source only; nothing
+    in a group of one."""
+    if group.size < 2:
+        return 0
+    if op == "reduce_scatter":
+        return nbytes * (group.size - 1) // group.size
+    if op == "broadcast":
+        return nbytes if rank == src else 0
+    return nbytes if op in ("all_reduce", "all_gather") else 0
+
+
 @dataclass
 class CommStats:
-    """What one node has sent so far: total bytes, bytes and calls per op."""
+    """What one node has sent so far: total wire bytes (bytes_sent), bytes and calls per op, and payload bytes
+    (its own data counted once; see payload_bytes)."""
 
     bytes_sent: int = 0
     bytes_by_op: dict[str, int] = field(default_factory=dict)
     calls_by_op: dict[str, int] = field(default_factory=dict)
+    payload_bytes: int = 0  # a class default too, so stats pickled before it existed read 0
 
-    def add(self, op: str, nbytes: int) -> None:
+    def add(self, op: str, nbytes: int, payload: int = 0) -> None:
         self.bytes_sent += nbytes
+        self.payload_bytes += payload
         self.bytes_by_op[op] = self.bytes_by_op.get(op, 0) + nbytes
         self.calls_by_op[op] = self.calls_by_op.get(op, 0) + 1
 

@@ -128,8 +128,8 @@ class TrainNode:
             self._record_step(comm, loss, metrics, lr)
             self._after_step(comm, self.step + 1)
         final = global_state_dict(self.model, s, comm)
-        self.log.comm = {"bytes_sent": comm.stats.bytes_sent, "bytes_by_op": dict(comm.stats.bytes_by_op),
-                         "calls_by_op": dict(comm.stats.calls_by_op)}
+        self.log.comm = {"bytes_sent": comm.stats.bytes_sent, "payload_bytes": comm.stats.payload_bytes,
+                         "bytes_by_op": dict(comm.stats.bytes_by_op), "calls_by_op": dict(comm.stats.calls_by_op)}
         if cfg.time_model is not None:
             self.log.comm["sim_time"] = comm.clock.as_dict()
         return self.log, (final if self.rank == 0 else None)

@@ -89,7 +89,10 @@ class RunRecord:
         and local_/global_ versions of every extra metric.
     diagnostics: rows of step, param_correlation, param_variance (fit's diagnostics_interval).
     node_loss[r][s]: node r's training loss at step s+1 (nan where it sat out the step).
-    bytes_per_node[r]: what node r sent in total.
+    bytes_per_node[r]: the wire bytes node r sent in total (ring algorithms: an all-reduce of N bytes costs
+        2 N (R-1)/R, an all-gathered chunk n costs n (R-1)); also as wire_bytes_per_node.
+    payload_bytes_per_node[r]: node r's own data put on the wire, each byte counted once (the papers'
+        convention: an all-reduce or all-gather of N bytes is N, whatever the group size).
     peak_memory_mb: the process's peak resident memory (and per CUDA device, its peak allocation).
     """
 
@@ -121,6 +124,14 @@ class RunRecord:
         return [row[name] for row in rows]
 
     @property
+    def wire_bytes_per_node(self) -> list[int]:
+        return self.bytes_per_node
+
+    @property
+    def payload_bytes_per_node(self) -> list[int]:
+        return [int(c.get("payload_bytes", 0)) for c in self.comm_per_node]
+
+    @property
     def total_bytes(self) -> int:
         return sum(self.bytes_per_node)
 
@@ -141,6 +152,9 @@ class RunRecord:
         return {"steps": len(self.train), "final_train_loss": self.train[-1]["loss"] if self.train else None,
                 **{f"final_{k}": v for k, v in last_val.items() if k != "step"},
                 "bytes_per_node": self.bytes_per_node, "total_bytes": self.total_bytes,
+                "wire_bytes_per_node": self.bytes_per_node, "payload_bytes_per_node": self.payload_bytes_per_node,
+                "bytes_convention": "wire: what the ring algorithms send per node (all-reduce 2N(R-1)/R, all-gather "
+                                    "n(R-1)); payload: each node's own data put on the wire once (the papers' count)",
                 "wall_time_s": self.wall_time_s, "sim_time_s": self.sim_time_s,
                 "sim_time_per_node": self.sim_time_per_node, "peak_memory_mb": self.peak_memory_mb,
                 "comm_per_node": self.comm_per_node}

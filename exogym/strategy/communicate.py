@@ -61,7 +61,8 @@ def all_reduce(tensor: torch.Tensor, op: object = ReduceOp.SUM, group: Group | S
     c = _comm.current_communicator()
     g, op = _group(c, group), ReduceOp.of(op)
     _check_tensor("tensor", tensor)
-    c.stats.add("all_reduce", _comm.all_reduce_bytes(_comm.tensor_nbytes(tensor), g.size))
+    n = _comm.tensor_nbytes(tensor)
+    c.stats.add("all_reduce", _comm.all_reduce_bytes(n, g.size), _comm.payload_bytes("all_reduce", n, g))
     work = c.all_reduce(tensor, op, g, account=True, async_op=async_op)
     return work if async_op else tensor
 
@@ -75,7 +76,9 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: Group | Sequence[int] |
     if src not in g:
         down = " (it is down at this step)" if src in _group_ranks(c, group) else ""
         raise ValueError(f"broadcast src={src!r} is not in the group {list(g.ranks)}{down}")
-    c.stats.add("broadcast", _comm.broadcast_bytes(_comm.tensor_nbytes(tensor), g, src, c.rank))
+    n = _comm.tensor_nbytes(tensor)
+    c.stats.add("broadcast", _comm.broadcast_bytes(n, g, src, c.rank),
+                _comm.payload_bytes("broadcast", n, g, src=src, rank=c.rank))
     work = c.broadcast(tensor, src, g, account=True, async_op=async_op)
     return work if async_op else tensor
 
@@ -86,7 +89,8 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
     c = _comm.current_communicator()
     g = _group(c, group)
     _check_per_member("all_gather", "tensor_list", tensor_list, _check_tensor("tensor", tensor), g)
-    c.stats.add("all_gather", _comm.all_gather_bytes(_comm.tensor_nbytes(tensor), g.size))
+    n = _comm.tensor_nbytes(tensor)
+    c.stats.add("all_gather", _comm.all_gather_bytes(n, g.size), _comm.payload_bytes("all_gather", n, g))
     work = c.all_gather(tensor_list, tensor, g, account=True, async_op=async_op)
     return work if async_op else tensor_list
 
@@ -97,7 +101,8 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: obj
     c = _comm.current_communicator()
     g, op = _group(c, group), ReduceOp.of(op)
     _check_per_member("reduce_scatter", "input_list", input_list, _check_tensor("output", output), g)
-    c.stats.add("reduce_scatter", _comm.reduce_scatter_bytes(sum(map(_comm.tensor_nbytes, input_list)), g.size))
+    n = sum(map(_comm.tensor_nbytes, input_list))
+    c.stats.add("reduce_scatter", _comm.reduce_scatter_bytes(n, g.size), _comm.payload_bytes("reduce_scatter", n, g))
     work = c.reduce_scatter(output, input_list, op, g, account=True, async_op=async_op)
     return work if async_op else output
 
