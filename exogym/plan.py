@@ -35,6 +35,8 @@ class RunConfig:
     diagnostics_interval: int | None = None
     time_model: TimeModel | None = None  # None: no simulated time
     steps_per_epoch: int = 1  # the run's: one pass over the smallest node's shard
+    shard_sizes: tuple[int, ...] = ()  # every node's examples per epoch, by rank (FedAvg weights by them)
+    shard_steps: tuple[int, ...] = ()  # every node's steps in one pass over its own shard, by rank
     membership: Membership | None = None  # failures / elastic pool: who is up at each step; None: everyone
 
 

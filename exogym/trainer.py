@@ -233,7 +233,9 @@ class Trainer:
                         log_interval=max(log_interval, 10),  # the nodes' host syncs of the loss; loggers: below
                         autocast=autocast, progress=progress, validate=val_batches is not None,
                         diagnostics_interval=diagnostics_interval, time_model=time_model,
-                        steps_per_epoch=steps_per_epoch, membership=membership)
+                        steps_per_epoch=steps_per_epoch, membership=membership,
+                        shard_sizes=tuple(nb.shard_size for nb in node_batches),
+                        shard_steps=tuple(nb.steps_per_epoch for nb in node_batches))
         n_params = sum(p.numel() for p in self.model.parameters())
         config = {"strategy": type(strategy).__name__, "strategy_config": strategy.config(), "num_nodes": num_nodes,
                   "max_steps": total_steps, "steps_per_epoch": steps_per_epoch, "num_epochs": num_epochs,

@@ -23,7 +23,14 @@ _SAMPLE, _ISLANDS = 1, 2  # salts: independent streams for sampling and for isla
 
 
 class AveragingCommunicator(CommunicationModule):
-    """Every H steps, model averaging: each node's parameters become the mean over its island.
+    """At the end of each round, model averaging: each node's parameters become the mean over its island.
+
+    A round is H steps for every node; or, with local_epochs=E, E passes over each node's own shard: node k
+    runs E n_k/B steps (McMahan et al.'s Algorithm 1) and, when it finishes before the round's longest
+    participant, sits out the rest of the round (no compute, no bytes, its clock idle). equal_local_steps=True
+    gives every node E x (the smallest shard / B) steps instead. weight_by_shard_size=True: the average is
+    weighted by each member's number of training examples n_k (the paper's n_k/n); with equal shards it is the
+    plain mean, bit for bit.
 
     island_size=None: one island of every taking-part node; otherwise, each round, the nodes are
     shuffled (shared seed) into islands of island_size and average only within them (one subgroup
@@ -41,10 +48,17 @@ class AveragingCommunicator(CommunicationModule):
 
     def __init__(self, H: int = 1, *, island_size: int | None = None, client_sampling: float = 1.0, seed: int = 0,
                  quantization_bits: int | None = None, compression: Compressor | None = None,
-                 local_epochs: int | None = None):
+                 local_epochs: int | None = None, equal_local_steps: bool = False, weight_by_shard_size: bool = False):
         check_int("H", H, minimum=1)
         check_int("local_epochs", local_epochs, minimum=1, allow_none=True)
+        for name, value in (("equal_local_steps", equal_local_steps), ("weight_by_shard_size", weight_by_shard_size)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be True or False, got {value!r}")
+        if equal_local_steps and local_epochs is None:
+            raise ValueError("equal_local_steps=True chooses how many steps local_epochs gives each node; "
+                             "pass local_epochs=E too, or drop equal_local_steps")
         self.local_epochs = local_epochs  # set: a round is local_epochs passes over the shard (H from the run)
+        self.equal_local_steps, self.weight_by_shard_size = equal_local_steps, weight_by_shard_size
         check_int("island_size", island_size, minimum=1, allow_none=True)
         check_number("client_sampling", client_sampling, positive=True, maximum=1.0)
         check_int("seed", seed, minimum=0)
@@ -57,8 +71,19 @@ class AveragingCommunicator(CommunicationModule):
 
     def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
         self.model, self.rank, self.num_nodes = model, rank, num_nodes
+        ctx = self.context
+        if (self.local_epochs is not None and not self.equal_local_steps or self.weight_by_shard_size) \
+                and len(ctx.shard_sizes) != num_nodes:
+            raise RuntimeError("AveragingCommunicator needs every node's shard size (NodeContext.shard_sizes and "
+                               "shard_steps) for local_epochs or weight_by_shard_size; the node did not pass them")
+        self._local_steps: list[int] | None = None  # per rank, when rounds are E passes over each node's own shard
         if self.local_epochs is not None:
-            self.H = self.local_epochs * self.context.steps_per_epoch
+            if self.equal_local_steps:  # every node E passes over the smallest shard
+                self.H = self.local_epochs * ctx.steps_per_epoch
+            else:
+                self._local_steps = [self.local_epochs * n for n in ctx.shard_steps]
+                self.H = max(self._local_steps)  # the longest round (what the config shows)
+        self._round_ends = [0]  # _round_ends[r]: the last step before round r
         m = self.clients_per_round
         if self.island_size is not None and (self.island_size > m or m % self.island_size):
             sizes = [d for d in range(1, m + 1) if m % d == 0]
@@ -67,7 +92,34 @@ class AveragingCommunicator(CommunicationModule):
         if self.compression is not None:  # theta_last: the model every node held after the last average
             self.last_average = [p.detach().clone() for p in model.parameters()]
 
-    # ---- who takes part, with whom (the same answer on every node) ------------------------------
+    # ---- rounds: which steps, who takes part, with whom (the same answer on every node) ------------------
+    def _round_length(self, round_index: int) -> int:
+        if self._local_steps is None:
+            return self.H
+        return max(self._local_steps[k] for k in self.participants(round_index))  # its longest participant
+
+    def _start(self, round_index: int) -> int:
+        """The last step before round `round_index` (0 for the first round)."""
+        while len(self._round_ends) <= round_index:
+            r = len(self._round_ends) - 1
+            self._round_ends.append(self._round_ends[r] + self._round_length(r))
+        return self._round_ends[round_index]
+
+    def locate(self, step: int) -> tuple[int, int]:
+        """(round index, position within the round from 1) of step `step` (steps count from 1)."""
+        if self._local_steps is None:
+            return (step - 1) // self.H, (step - 1) % self.H + 1
+        r = max(0, len(self._round_ends) - 2)
+        while self._start(r + 1) < step:
+            r += 1
+        while r > 0 and self._start(r) >= step:  # asked about an earlier step (a resumed or rejoining node)
+            r -= 1
+        return r, step - self._start(r)
+
+    def local_steps(self, rank: int) -> int:
+        """How many steps node `rank` trains in a round it takes part in."""
+        return self.H if self._local_steps is None else self._local_steps[rank]
+
     @property
     def clients_per_round(self) -> int:
         return max(1, round(self.client_sampling * self.num_nodes))
@@ -92,7 +144,7 @@ class AveragingCommunicator(CommunicationModule):
     def _available(self, round_index: int) -> list[int]:
         if not in_running_node():  # asked after or outside a run (to inspect the draws): every node
             return list(range(self.num_nodes))
-        return alive_ranks(step=round_index * self.H + 1)
+        return alive_ranks(step=self._start(round_index) + 1)
 
     def islands(self, round_index: int) -> list[list[int]]:
         """The round's participants split into islands (each sorted); together they cover each participant once."""
@@ -104,16 +156,17 @@ class AveragingCommunicator(CommunicationModule):
         return [sorted(shuffled[i:i + self.island_size]) for i in range(0, len(shuffled), self.island_size)]
 
     def skip_compute(self, local_step: int) -> bool:
-        return self.rank not in self.participants((local_step - 1) // self.H)
+        round_index, position = self.locate(local_step)
+        return self.rank not in self.participants(round_index) or position > self.local_steps(self.rank)
 
     # ---- one synchronisation -----------------------------------------------------------------
     def communicate(self, model: torch.nn.Module, rank: int, num_nodes: int, local_step: int) -> None:
-        if local_step % self.H:
+        round_index, position = self.locate(local_step)  # the round that ends with this step, if it does
+        if position < self._round_length(round_index):
             return
         if self.compression is not None:
             self._average_compressed()
             return
-        round_index = local_step // self.H - 1  # the round that ends with this step
         self._average_islands(self.islands(round_index))
         if self.clients_per_round < self.num_nodes:
             up = alive_ranks()
@@ -127,15 +180,33 @@ class AveragingCommunicator(CommunicationModule):
             group = self._group(island)  # every node makes every island's group, in the same order
             if self.rank not in island:
                 continue
-            mean_([p.data for p in params], group=group)
+            members = alive_ranks(group)  # its members that are up
+            if self._share(members) is None:
+                mean_([p.data for p in params], group=group)
+            else:  # sum over members of n_k theta_k, divided by their n
+                for p in params:
+                    p.data.mul_(self.context.shard_sizes[self.rank])
+                mean_([p.data for p in params], group=group,
+                      divisor=sum(self.context.shard_sizes[r] for r in members))
+
+    def _share(self, members: list[int]) -> float | None:
+        """This node's weight n_k / (the members' n), or None for the plain mean (unweighted, or every member
+        holding as many examples: then the plain mean is the weighted one, without its rounding)."""
+        sizes = self.context.shard_sizes
+        if not self.weight_by_shard_size or len({sizes[r] for r in members}) == 1:
+            return None
+        return sizes[self.rank] / sum(sizes[r] for r in members)
 
     @torch.no_grad()
     def _average_compressed(self) -> None:
         """theta_last += mean_j decode(encode(theta_j - theta_last)); theta_i = theta_last on every node."""
-        if len(alive_ranks()) == 1:
+        members = alive_ranks()
+        if len(members) == 1:
             return
         params = list(self.model.parameters())
-        changes = [p.detach() - last for p, last in zip(params, self.last_average)]
+        share = self._share(members)
+        scale = 1.0 if share is None else share * len(members)  # the mean of K share_k change_k is the weighted mean
+        changes = [(p.detach() - last) * scale for p, last in zip(params, self.last_average)]
         keys = [("averaging", i) for i in range(len(params))]
         for p, last, mean in zip(params, self.last_average, compressed_mean(changes, self.compression, keys=keys)):
             last.add_(mean)
@@ -161,7 +232,7 @@ class AveragingCommunicator(CommunicationModule):
         """With client sampling, the candidates training in the current round (the others hold stale models)."""
         if self.clients_per_round == self.num_nodes:
             return None
-        current = [r for r in self.participants(local_step // self.H) if r in candidates]
+        current = [r for r in self.participants(self.locate(local_step + 1)[0]) if r in candidates]
         return current or list(candidates)
 
     def state_dict(self) -> dict[str, dict[str, Any]]:
@@ -183,25 +254,32 @@ class AveragingCommunicator(CommunicationModule):
 
 
 class FedAvgStrategy(ModularStrategy):
-    """FedAvg: every node takes H local steps (plain SGD by default), then the nodes' parameters are
-    averaged (one all-reduce of the model) and every node continues from the average.
+    """FedAvg (McMahan et al.'s Algorithm 1): each round every taking-part node trains locally (plain SGD by
+    default), then the nodes' parameters are averaged, weighted by each node's number of training examples
+    n_k (one all-reduce of the model), and every node continues from the average.
 
     Paper: McMahan et al., "Communication-Efficient Learning of Deep Networks from Decentralized Data" (2017).
     Bytes per node per round: 2 (R-1)/R x the model's bytes, R = island_size or the nodes taking part;
     plus, with client sampling, the model once per node that joins the next round without this one.
     A node that drops keeps its local progress; the others average without it.
 
+    H: a round is H local steps on every node. local_epochs=E instead: a round is E passes over each node's own
+        shard, E n_k/B steps for node k; a node that finishes before the round's longest participant sits out
+        the rest of the round (no compute, no bytes, its simulated clock idle).
+    weight_by_shard_size=True (the paper): average weighted by n_k; False: the plain mean.
+    equal_local_steps=True: with local_epochs, every node runs E x (the smallest shard / B) steps.
+        weight_by_shard_size=False with equal_local_steps=True is the unweighted, equal-steps variant.
     island_size: each round the nodes are shuffled (shared seed) into islands that average only within.
     client_sampling=C: each round only max(1, round(C*K)) sampled nodes train and average; the others
         do no compute and send nothing (a 100-client run costs what its sampled clients do).
-    local_epochs=E: a round is E passes over a node's shard (H = E x steps per epoch) instead of H steps.
     """
 
     _default_inner = OptimSpec(torch.optim.SGD, lr=0.01)
 
     def __init__(self, optim_spec: OptimSpec | str | type | None = None, max_norm: float | None = None, *,
                  H: int | None = None, island_size: int | None = None, client_sampling: float = 1.0,
-                 local_epochs: int | None = None, seed: int = 0, inner_optim: OptimSpec | str | type | None = None,
+                 local_epochs: int | None = None, weight_by_shard_size: bool = True, equal_local_steps: bool = False,
+                 seed: int = 0, inner_optim: OptimSpec | str | type | None = None,
                  lr: float | None = None, weight_decay: float | None = None, **kwargs: Any):
         check_int("H", H, minimum=1, allow_none=True)
         check_int("local_epochs", local_epochs, minimum=1, allow_none=True)
@@ -210,8 +288,9 @@ class FedAvgStrategy(ModularStrategy):
                             "local_epochs passes over the shard, pass one of them")
         super().__init__(optim_spec, max_norm, inner_optim=inner_optim, lr=lr, weight_decay=weight_decay, **kwargs)
         self._use_modules([AveragingCommunicator(1 if H is None else H, island_size=island_size,
-                                                 client_sampling=client_sampling, seed=seed,
-                                                 local_epochs=local_epochs)])
+                                                 client_sampling=client_sampling, seed=seed, local_epochs=local_epochs,
+                                                 equal_local_steps=equal_local_steps,
+                                                 weight_by_shard_size=weight_by_shard_size)])
 
     @property
     def H(self) -> int:
