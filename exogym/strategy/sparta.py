@@ -9,6 +9,7 @@ import math
 from collections import deque
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 
 from exogym._validation import check_int, check_number
@@ -22,8 +23,20 @@ from exogym.strategy.optim import OptimSpec
 __all__ = ["SparseCommunicator", "TopKSparseCommunicator", "SPARTAStrategy", "SPARSIFICATION_MODES",
            "RandomIndexSelector"]
 
-SPARSIFICATION_MODES = ("random", "sequential", "partitioned", "blockwise")
-_RANDOM, _PARTITIONED, _BLOCK = 4, 5, 6  # salts of the shared random streams
+SPARSIFICATION_MODES = ("random", "sequential", "shuffled_sequential", "partitioned", "blockwise")
+_RANDOM, _PARTITIONED, _BLOCK, _SHUFFLED = 4, 5, 6, 7  # salts of the shared random streams
+
+
+def _parameter_generator(seed: int, salt: int, cycle: int, index: int) -> torch.Generator:
+    """A CPU generator every node seeds identically for (seed, purpose, cycle, parameter index)."""
+    mixed = np.random.SeedSequence([seed, salt, cycle, index]).generate_state(1, dtype=np.uint64)[0] >> 1
+    return torch.Generator().manual_seed(int(mixed))
+
+
+def num_parts(p: float, n: int) -> int:
+    """Parts of an n-entry parameter for the partitioned and shuffled-sequential modes: ceil(1/p), as the
+    original EXO Gym (each step averages at most a fraction p); the partitioned mode caps it at n."""
+    return max(1, math.ceil(1 / p - 1e-9))  # 1e-9: 1/p of a decimal p such as 0.1 may land a hair above 10
 
 
 class SparseCommunicator(CommunicationModule):
@@ -33,8 +46,12 @@ class SparseCommunicator(CommunicationModule):
 
     sparsification_mode: "random" (a fresh random subset each step, floor(p n) entries plus one more
     with probability frac(p n), so p n on average), "sequential" (a window of round(p n) entries moving
-    through the parameter), "partitioned" (a random partition into round(1/p) parts, visited one part
-    per step, so every entry is averaged once per round(1/p) steps; a new partition each cycle), "blockwise"
+    through the parameter in index order), "shuffled_sequential" (a fixed random permutation of the entries,
+    drawn once from the shared seed, cut into P = ceil(1/p) windows of n/P entries walked one per step, as
+    the original EXO Gym's ShuffledSequentialIndexSelector), "partitioned" (a random partition into
+    P = min(ceil(1/p), n) parts, visited one part per step, so every entry is averaged once per P steps; a
+    new partition each cycle; the original's PartitionedIndexSelector). Bytes follow the entries actually sent:
+    with ceil(1/p) parts that is n/ceil(1/p) per step, at most p n (at p=0.4: a third, not p). "blockwise"
     (one contiguous block of round(p n) entries per parameter, at a shared random offset each step).
     "topk" (each node's largest changes, with indices) is TopKSparseCommunicator; SPARTAStrategy takes it
     as sparsification_mode="topk". interval=m: average only after every m-th step (the original's
@@ -111,10 +128,26 @@ class SparseCommunicator(CommunicationModule):
                 k = min(n, max(1, round(p * n)))
                 out.append((t * k + torch.arange(k)) % n)
             return out
-        parts = max(1, round(1 / p))
-        cycle, part = divmod(t, parts)
-        gen = round_generator(self.seed, cycle, _PARTITIONED)
-        return [torch.randperm(n, generator=gen)[part::parts] for n in sizes]
+        if self.mode == "shuffled_sequential":
+            return [self._window(t, i, n) for i, n in enumerate(sizes)]
+        out = []
+        for i, n in enumerate(sizes):
+            parts = min(num_parts(p, n), n)
+            cycle, part = divmod(t, parts)
+            out.append(torch.randperm(n, generator=_parameter_generator(self.seed, _PARTITIONED, cycle, i))[part::parts])
+        return out
+
+    def _window(self, t: int, index: int, n: int) -> torch.Tensor:
+        """Window t mod P of parameter `index`'s fixed permutation: P windows of n // P entries, the first
+        n mod P of them one longer, so together they cover every entry once."""
+        cache = self.__dict__.setdefault("_permutations", {})  # drawn once per parameter, the same on every node
+        if index not in cache:
+            cache[index] = torch.randperm(n, generator=_parameter_generator(self.seed, _SHUFFLED, 0, index))
+        parts = num_parts(self.p_sparta, n)
+        w = t % parts
+        size, extra = divmod(n, parts)
+        start = w * size + min(w, extra)
+        return cache[index][start:start + size + (w < extra)]
 
     # ---- the steps of one synchronisation -------------------------------------------------------
     @torch.no_grad()
@@ -160,7 +193,9 @@ class SparseCommunicator(CommunicationModule):
             return self.p_sparta
         if self.mode in ("sequential", "blockwise"):
             return sum(min(n, max(1, round(self.p_sparta * n))) for n in sizes) / sum(sizes)
-        return sum(math.ceil(n / max(1, round(1 / self.p_sparta))) for n in sizes) / sum(sizes)
+        if self.mode == "shuffled_sequential":  # every entry once per P steps
+            return sum(n / num_parts(self.p_sparta, n) for n in sizes) / sum(sizes)
+        return sum(n / min(num_parts(self.p_sparta, n), n) for n in sizes) / sum(sizes)
 
 
 class TopKSparseCommunicator(CommunicationModule):

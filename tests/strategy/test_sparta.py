@@ -1,5 +1,6 @@
 """SPARTA: shared-seed indices, bytes of just the selected values, late averages applied as corrections."""
 
+import pytest
 import torch
 from torch.testing import assert_close
 
@@ -34,7 +35,7 @@ def fit(strategy, nodes=3, steps=20):
 
 
 def test_every_node_selects_the_same_indices_and_they_change_every_step():
-    for mode in ("random", "sequential", "partitioned"):
+    for mode in ("random", "sequential", "shuffled_sequential", "partitioned"):
         SELECTED.clear()
         fit(CommunicateOptimizeStrategy([RecordingSparse(0.1, sparsification_mode=mode)], "adamw"), steps=6)
         for step in range(1, 7):
@@ -48,6 +49,38 @@ def test_partitioned_mode_averages_every_entry_once_per_cycle():
     for cycle in range(2):
         chosen = [m.select(cycle * 4 + s, [10])[0] for s in range(1, 5)]
         assert sorted(torch.cat(chosen).tolist()) == list(range(10))
+
+
+@pytest.mark.parametrize("p, parts", [(0.4, 3), (0.25, 4), (0.3, 4), (0.005, 200)])
+def test_partitioned_mode_uses_ceil_one_over_p_parts(p, parts):
+    # The original EXO Gym's PartitionedIndexSelector: min(ceil(1/p), n) parts; at p=0.4 a third of the entries
+    # per step, not a half. Over one cycle every entry once, in parts of n // P or n // P + 1.
+    m = SparseCommunicator(p, sparsification_mode="partitioned")
+    n = 1000
+    chosen = [m.select(s, [n])[0] for s in range(1, parts + 1)]
+    assert sorted(torch.cat(chosen).tolist()) == list(range(n))
+    assert {len(c) for c in chosen} <= {n // parts, -(-n // parts)}
+    assert m.select(1, [3])[0].numel() == 1 and len({m.select(s, [3])[0].item() for s in (1, 2, 3)}) == 3
+
+
+def test_shuffled_sequential_walks_one_fixed_permutation_in_ceil_one_over_p_windows():
+    m = SparseCommunicator(0.3, sparsification_mode="shuffled_sequential", seed=7)
+    n, parts = 10, 4  # windows of 3, 3, 2, 2 (the first n mod P one longer), as the original's selector
+    cycle = [m.select(s, [n, 5])[0] for s in range(1, parts + 1)]
+    assert [len(c) for c in cycle] == [3, 3, 2, 2]
+    order = torch.cat(cycle)
+    assert sorted(order.tolist()) == list(range(n)) and order.tolist() != list(range(n))  # shuffled, each once
+    again = [m.select(s, [n, 5])[0] for s in range(parts + 1, 2 * parts + 1)]
+    assert all(torch.equal(a, b) for a, b in zip(cycle, again))  # the same permutation every cycle
+    assert [len(m.select(s, [n, 5])[1]) for s in range(1, 5)] == [2, 1, 1, 1]  # 5 entries in 4 windows
+    other = SparseCommunicator(0.3, sparsification_mode="shuffled_sequential", seed=7)
+    assert torch.equal(other.select(3, [n, 5])[0], cycle[2])  # a fresh node (or a resumed run) agrees
+
+
+def test_partitioned_bytes_follow_the_true_fraction():
+    # p = 0.4: 3 parts, so 3 steps send every entry once: on 2 nodes the ring all-reduce sends N per node.
+    t = fit(SPARTAStrategy("adamw", p_sparta=0.4, sparsification_mode="partitioned"), nodes=2, steps=3)
+    assert t.record.bytes_per_node == [4 * sum(SIZES)] * 2
 
 
 def test_bytes_per_step_are_p_times_the_model_values_only():

@@ -45,7 +45,7 @@ def test_diloco_with_plain_outer_sgd_equals_averaging_every_h(inner):
     assert not all(torch.allclose(a, b) for a, b in zip(fedavg, fit(SimpleReduceStrategy(inner))))
 
 
-@pytest.mark.parametrize("mode", ["random", "sequential", "partitioned"])
+@pytest.mark.parametrize("mode", ["random", "sequential", "shuffled_sequential", "partitioned"])
 def test_sparta_with_p1_equals_averaging_every_step(mode):
     sparta = fit(SPARTAStrategy(ADAMW, p_sparta=1.0, sparsification_mode=mode))
     assert all(torch.equal(a, b) for a, b in zip(sparta, fit(FedAvgStrategy(ADAMW, H=1))))
