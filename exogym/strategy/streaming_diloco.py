@@ -20,9 +20,10 @@ from exogym.strategy.mean import PendingMean, start_mean
 from exogym.strategy.optim import OptimSpec
 from exogym.strategy.outer_model import OuterModel, kept_nodes, outer_model_for
 
-__all__ = ["StreamingDiLoCoCommunicator", "StreamingDiLoCoStrategy", "FRAGMENT_PATTERNS"]
+__all__ = ["StreamingDiLoCoCommunicator", "StreamingDiLoCoStrategy", "FRAGMENT_PATTERNS", "OVERLAP_SCHEDULES"]
 
 FRAGMENT_PATTERNS = ("strided", "sequential")
+OVERLAP_SCHEDULES = ("paper", "torchft")
 _DROP = 6  # salt of the random stream that decides dropped outer gradients
 
 
@@ -31,11 +32,13 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
 
     The model's layers (its parameters grouped by the module that holds them, in order) are split into
     num_fragments = F fragments: "sequential" (consecutive layers) or "strided" (layer l in fragment l mod F).
-    Fragment f is sent after steps (f + 1) H/F, (f + 1) H/F + H, ...: one fragment every H/F steps, each
-    once every H steps. Its averaged pseudo-gradient arrives tau steps later (an async collective: the
-    transfer overlaps those steps' compute); then the outer optimizer moves the fragment of the global
-    model and each node merges: theta_i <- lerp(theta_global, theta_i, alpha) (alpha=0: DiLoCo's reset).
-    At the run's last step every fragment still in flight is waited for and applied, and (final_sync=True)
+    Fragment f's boundaries are steps (f + 1) H/F, (f + 1) H/F + H, ...: one fragment every H/F steps, each
+    once every H steps. overlap="paper" (the Streaming DiLoCo paper's schedule): the fragment's pseudo-gradient
+    is sent at its boundary and its average applied tau steps later; overlap="torchft" (torchft's DiLoCo,
+    fragment_sync_delay=tau): it is sent tau steps before the boundary and applied at it. Either way the
+    transfer overlaps tau steps of compute (an async collective); then the outer optimizer moves the fragment
+    of the global model and each node merges: theta_i <- lerp(theta_global, theta_i, alpha) (alpha=0: DiLoCo's
+    reset). At the run's last step every fragment still in flight is waited for and applied, and (final_sync=True)
     every other fragment is synchronised once more, so the global model includes every step.
 
     Bytes per node per fragment sync: 2 (K-1)/K x the fragment's bytes (ring all-reduce), or
@@ -52,7 +55,7 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
     def __init__(self, H: int = 100, outer_optim_spec: OptimSpec | None = None, *, num_fragments: int = 4,
                  fragment_pattern: str = "strided", tau: int = 1, alpha: float = 0.5, drop_prob: float = 0.0,
                  seed: int = 0, quantization_bits: int | None = None, compression: Compressor | None = None,
-                 final_sync: bool = True):
+                 final_sync: bool = True, overlap: str = "paper"):
         check_int("H", H, minimum=1)
         check_int("num_fragments", num_fragments, minimum=1)
         if H % num_fragments:
@@ -61,6 +64,10 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
                              f"steps): H={H}, num_fragments={num_fragments}; use num_fragments in {divisors}")
         if fragment_pattern not in FRAGMENT_PATTERNS:
             raise ValueError(f"fragment_pattern must be one of {list(FRAGMENT_PATTERNS)}, got {fragment_pattern!r}")
+        if overlap not in OVERLAP_SCHEDULES:
+            raise ValueError(f"overlap must be one of {list(OVERLAP_SCHEDULES)} ('paper': send at the fragment's "
+                             f"boundary, apply tau steps later; 'torchft': send tau steps before it, apply at it), "
+                             f"got {overlap!r}")
         check_int("tau", tau, minimum=0)
         if tau >= H // num_fragments:
             every = H // num_fragments
@@ -77,6 +84,7 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
         self._outer_key = uuid.uuid4().hex  # every node's copy of this module shares it: one outer model
         self.H, self.num_fragments, self.fragment_pattern = H, num_fragments, fragment_pattern
         self.tau, self.alpha, self.drop_prob, self.seed = tau, float(alpha), drop_prob, seed
+        self.overlap = overlap
         self.outer_optim_spec = outer_spec(outer_optim_spec)
         self.compression = copy.deepcopy(compressor_from(quantization_bits, compression))  # its own memory
 
@@ -110,12 +118,17 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
         owner = [l % f if self.fragment_pattern == "strided" else l * f // len(groups) for l in range(len(groups))]
         return [[i for l, group in enumerate(groups) if owner[l] == frag for i in group] for frag in range(f)]
 
+    def _boundary(self, local_step: int) -> int:
+        """The fragment boundary that a send after `local_step` belongs to (torchft sends tau steps early)."""
+        return local_step + (self.tau if self.overlap == "torchft" else 0)
+
     def fragment_sent_after(self, local_step: int) -> int | None:
-        """The fragment sent after step `local_step`, if any: fragment f after (f + 1) H/F + n H."""
-        every = self.H // self.num_fragments
-        if local_step % every:
+        """The fragment sent after step `local_step`, if any: fragment f after (f + 1) H/F + n H (the paper's
+        schedule), or tau steps before that (torchft's)."""
+        every, boundary = self.H // self.num_fragments, self._boundary(local_step)
+        if boundary % every:
             return None
-        return (local_step // every - 1) % self.num_fragments
+        return (boundary // every - 1) % self.num_fragments
 
     def kept_nodes(self, sync_index: int) -> list[int]:
         """The nodes whose pseudo-gradient arrives in sync `sync_index` (counted over all fragments, from 0)."""
@@ -134,7 +147,7 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
         if not self.final_sync:
             return
         just_sent = self.fragment_sent_after(local_step)
-        next_sync = local_step // (self.H // self.num_fragments)
+        next_sync = self._boundary(local_step) // (self.H // self.num_fragments)  # past every index used
         for fragment in range(self.num_fragments):
             if fragment != just_sent:
                 self._start_sync(fragment, local_step, sync_index=next_sync, due=local_step)
@@ -144,7 +157,7 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
     # ---- the steps of one fragment's sync -------------------------------------------------------
     def _send(self, fragment: int, local_step: int) -> None:
         """The schedule's sync of `fragment` after `local_step`: applied tau steps later."""
-        self._start_sync(fragment, local_step, sync_index=local_step // (self.H // self.num_fragments) - 1,
+        self._start_sync(fragment, local_step, sync_index=self._boundary(local_step) // (self.H // self.num_fragments) - 1,
                          due=local_step + self.tau)
 
     def _start_sync(self, fragment: int, local_step: int, *, sync_index: int, due: int) -> None:
@@ -211,6 +224,8 @@ class StreamingDiLoCoStrategy(ModularStrategy):
 
     H (steps between two syncs of the same fragment), num_fragments (F; H divisible by F),
     fragment_pattern "strided" | "sequential", tau (overlap, 0 <= tau < H/F), alpha (mix, in [0, 1]);
+    overlap "paper" (send at the fragment's boundary, apply tau steps later) | "torchft" (send tau steps before
+    the boundary, apply at it, as torchft's DiLoCo with fragment_sync_delay=tau);
     with num_fragments=1, tau=0, alpha=0 it is DiLoCo. final_sync=True (default): at the end of the run, every
     fragment with steps since its last sync is synchronised once more (counted), so the returned model and the
     final validation include every step; False leaves them out. Inner and outer optimizers as in DiLoCoStrategy
@@ -224,7 +239,8 @@ class StreamingDiLoCoStrategy(ModularStrategy):
                  inner_optim: OptimSpec | str | type | None = None, outer_optim: OptimSpec | str | type | None = None,
                  lr: float | None = None, inner_lr: float | None = None, weight_decay: float | None = None,
                  outer_lr: float | None = None, outer_momentum: float | None = None, nesterov: bool | None = None,
-                 drop_prob: float = 0.0, seed: int = 0, final_sync: bool = True, max_norm: float | None = None,
+                 drop_prob: float = 0.0, seed: int = 0, final_sync: bool = True, overlap: str = "paper",
+                 max_norm: float | None = None,
                  **kwargs: Any):
         super().__init__(optim_spec, max_norm, inner_optim=inner_optim, lr=_one_of("lr", lr, "inner_lr", inner_lr),
                          weight_decay=weight_decay, **kwargs)
@@ -236,7 +252,7 @@ class StreamingDiLoCoStrategy(ModularStrategy):
         self._use_modules([StreamingDiLoCoCommunicator(
             H, spec, num_fragments=num_fragments, fragment_pattern=fragment_pattern, tau=tau, alpha=alpha,
             drop_prob=drop_prob, seed=seed, quantization_bits=quantization_bits, compression=compression,
-            final_sync=final_sync)])
+            final_sync=final_sync, overlap=overlap)])
 
     @property
     def H(self) -> int:
