@@ -7,12 +7,15 @@ Every run does the same steps on the same data (8 nodes x batch 16); the network
 each collective (ring all-reduce: 2N(R-1)/R / W + latency), compute is each step's counted FLOPs
 at --device-tflops per node. Printed: the simulated seconds each strategy needs to reach the
 target loss on 1,000 held-out digits, the total simulated time, and the share of it spent
-communicating; plotted: loss against simulated time (wan_loss_vs_time.png, with matplotlib).
+communicating. The numbers go to docs/img/wan_time_to_loss.json (--out to move it) and, with
+matplotlib, loss against simulated time to wan_loss_vs_time.png next to it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import torch
 
@@ -21,6 +24,8 @@ from exogym.data.mnist import load_mnist
 from exogym.models import MnistCNN
 from exogym.network import Network
 from exogym.strategy import DeMoStrategy, DiLoCoStrategy, OptimSpec, SimpleReduceStrategy, SPARTAStrategy
+
+DOCS_IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
 
 
 def strategies(lr: float) -> list[tuple[str, object]]:
@@ -46,7 +51,11 @@ def main() -> None:
     parser.add_argument("--latency", default="50ms")
     parser.add_argument("--device-tflops", type=float, default=10.0, help="sustained TFLOP/s per node (default 10)")
     parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--out", default=str(DOCS_IMG / "wan_time_to_loss.json"),
+                        help="the JSON file of the numbers (the plot goes next to it)")
     args = parser.parse_args()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
 
     network = Network(bandwidth=args.bandwidth, latency=args.latency)
     train, test = load_mnist("train"), load_mnist("test")
@@ -70,11 +79,19 @@ def main() -> None:
     for label, reach, total, comm_share, final, _ in sorted(results, key=lambda x: (x[1] is None, x[1] or 0)):
         reached = f"{reach:19.2f}" if reach is not None else f"{'not reached':>19}"
         print(f"| {label:<15} | {reached} | {total:11.2f} | {comm_share:12.1%} | {final:14.4f} |")
+    out.write_text(json.dumps({
+        "command": "python examples/wan_time_to_loss.py", "steps": args.steps, "nodes": args.nodes,
+        "target": args.target, "network": str(network), "device_tflops": args.device_tflops,
+        "runs": [{"label": label, "sim_s_to_target": reach, "total_sim_s": total, "communicating": comm_share,
+                  "final_val_loss": final, "wire_bytes_per_node": r.bytes_per_node[0],
+                  "payload_bytes_per_node": r.payload_bytes_per_node[0]}
+                 for label, reach, total, comm_share, final, r in results]}, indent=1) + "\n")
+    print(f"\nnumbers: {out}")
     try:
         from exogym.plot import plot_runs
-        plot_runs([r for *_, r in results], x="sim_time_s", y="global_loss", labels=[x[0] for x in results],
-                  out="wan_loss_vs_time.png", log_x=True)
-        print("\nplot: wan_loss_vs_time.png")
+        plot = plot_runs([r for *_, r in results], x="sim_time_s", y="global_loss", labels=[x[0] for x in results],
+                         out=out.with_name("wan_loss_vs_time.png"), log_x=True)
+        print(f"plot: {plot}")
     except ImportError:
         print("\n(install matplotlib for the plot: pip install 'exogym[plot]')")
 
