@@ -4,6 +4,8 @@
     python examples/mnist.py --steps 50   # a quick look
     python examples/mnist.py --published  # the original EXO Gym README's MNIST setup and CNN
     python examples/mnist.py --runs DDP DeMo   # only some runs (labels as printed)
+    python examples/mnist.py --summarize docs/img/mnist_seed0.json docs/img/mnist_seed1.json docs/img/mnist_seed2.json
+                                          # the table over seeds (docs/results.md), from the JSON files
 
 Every run sees the same number of examples (global batch 128 per step; 4 nodes x 32, or one
 node x 128 for the single-node reference). Printed per run: the global model's loss and
@@ -105,7 +107,12 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", default=None, help="only these runs, by label (e.g. DDP DeMo)")
     parser.add_argument("--out", default=None, help="the JSON file (default docs/img/mnist_seed<seed>.json, or "
                                                     "docs/img/mnist_published.json); plots go next to it")
+    parser.add_argument("--summarize", nargs="+", default=None, metavar="JSON",
+                        help="print the table over seeds from these JSON files (written by earlier runs) and stop")
     args = parser.parse_args()
+    if args.summarize:
+        print_seed_table([json.loads(Path(f).read_text()) for f in args.summarize])
+        return
     cfg = setting(args.published, args.lr, args.steps)
     runs = cfg["runs"]
     if args.runs is not None:
@@ -150,6 +157,31 @@ def print_table(results: list[dict]) -> None:
         ratio = f"{r['wire_bytes_per_node'] / ddp['wire_bytes_per_node']:.3f}" if ddp else "-"
         print(f"| {r['label']:<16} | {r['nodes']:>5} | {r['test_loss']:9.4f} | {r['test_accuracy']:8.2%} | "
               f"{r['wire_bytes_per_node'] / 1e6:16.2f} | {payload:>19} | {ratio:>6} | {r['seconds']:7.1f} |")
+
+
+def print_seed_table(docs: list[dict]) -> None:
+    """One row per run over several seeds' JSON files: bytes vs DDP, MB (wire and payload), losses and accuracies
+    per seed, their means and the ratio / difference to DDP on 4 nodes."""
+    seeds = [d["seed"] for d in docs]
+    labels = [r["label"] for r in docs[0]["runs"]]
+    runs = {label: [next(r for r in d["runs"] if r["label"] == label) for d in docs] for label in labels}
+    ddp = runs["DDP"]
+    ddp_loss = sum(r["test_loss"] for r in ddp) / len(ddp)
+    ddp_acc = sum(r["test_accuracy"] for r in ddp) / len(ddp)
+    seed_list = " / ".join(map(str, seeds))
+    print(f"| run | bytes per node vs DDP | wire MB per node | payload MB per node | test loss, seeds {seed_list} | mean "
+          f"| loss vs DDP | accuracy %, seeds {seed_list} | mean | accuracy vs DDP (points) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for label, rs in runs.items():
+        loss = sum(r["test_loss"] for r in rs) / len(rs)
+        acc = sum(r["test_accuracy"] for r in rs) / len(rs)
+        wire, payload = rs[0]["wire_bytes_per_node"], rs[0]["payload_bytes_per_node"]
+        ratio = "–" if rs[0]["nodes"] == 1 else f"{wire / ddp[0]['wire_bytes_per_node']:.3f}"
+        name = "DDP, 1 node (global batch 128)" if label == "DDP, 1 node" else ("DDP, 4 nodes" if label == "DDP" else label)
+        losses = " / ".join(f"{r['test_loss']:.4f}" for r in rs)
+        accuracies = " / ".join(f"{100 * r['test_accuracy']:.2f}" for r in rs)
+        print(f"| {name} | {ratio} | {wire / 1e6:.2f} | {payload / 1e6:.2f} | {losses} | {loss:.4f} | "
+              f"{loss / ddp_loss:.2f} | {accuracies} | {100 * acc:.2f} | {100 * (acc - ddp_acc):+.2f} |")
 
 
 def _plot(records, stem: Path) -> None:
