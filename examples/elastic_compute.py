@@ -21,6 +21,8 @@ steps (elastic_compute.png, with matplotlib).
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import torch
 
@@ -28,6 +30,9 @@ from exogym import RandomFailures, Trainer
 from exogym.data.mnist import load_mnist
 from exogym.models import MnistCNN
 from exogym.strategy import DiLoCoStrategy, OptimSpec, SimpleReduceStrategy
+
+
+DOCS_IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
 
 
 def main() -> None:
@@ -41,7 +46,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="60 steps, 2 schedules, 1 failure rate")
-    parser.add_argument("--plot", default="elastic_compute.png")
+    parser.add_argument("--plot", default=str(DOCS_IMG / "elastic_compute.png"),
+                        help="the plot; the numbers go next to it as a .json file")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.rates = 60, [0.02]
@@ -80,6 +86,11 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for name, label, compute, loss, acc, sent, _ in results:
         print(f"| {name} | {label} | {compute:.2f} | {loss:.4f} | {acc:.4f} | {sent:.2f} |")
+    Path(args.plot).with_suffix(".json").write_text(json.dumps({
+        "command": "python examples/elastic_compute.py", "steps": args.steps, "nodes": k, "H": args.H,
+        "seed": args.seed, "runs": [{"strategy": name, "schedule": label, "compute": compute, "held_out_loss": loss,
+                                     "accuracy": acc, "mb_sent_per_node": sent}
+                                    for name, label, compute, loss, acc, sent, _ in results]}, indent=1) + "\n")
     _plot(results, args.plot)
 
 

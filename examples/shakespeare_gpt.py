@@ -12,13 +12,18 @@ the same tokens. Printed: held-out loss, bytes each node sent, and a sample from
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
 import torch
 
 from exogym import Trainer
 from exogym.strategy import DiLoCoStrategy, OptimSpec, SimpleReduceStrategy
 from exogym.tasks import get_task
+
+
+DOCS_IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
 
 
 def main() -> None:
@@ -30,6 +35,7 @@ def main() -> None:
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--sample", type=int, default=200, help="characters to generate from each model")
+    parser.add_argument("--out", default=str(DOCS_IMG / "shakespeare_gpt.json"), help="the JSON file of the numbers")
     args = parser.parse_args()
 
     adamw = OptimSpec(torch.optim.AdamW, lr=args.lr, weight_decay=0.1)
@@ -57,6 +63,11 @@ def main() -> None:
         print(f"| {label:<12} | {loss:13.3f} | {sent / 1e6:16.2f} |")
     for label, *_, text in results:
         print(f"\n--- {label} ---\n{text}")
+    Path(args.out).write_text(json.dumps({
+        "command": "python examples/shakespeare_gpt.py", "steps": args.steps, "nodes": args.nodes,
+        "runs": [{"label": label, "held_out_loss": loss, "wire_bytes_per_node": sent, "seconds": round(sec, 1),
+                  "sample": text} for label, loss, sent, sec, text in results]}, indent=1) + "\n")
+    print(f"\nnumbers: {args.out}")
 
 
 if __name__ == "__main__":
