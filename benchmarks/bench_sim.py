@@ -5,7 +5,7 @@ step), batch 32 per node. The plain loop keeps K model copies and K optimizers, 
 node's forward/backward in turn, averages the gradients and steps every optimizer: the
 least any simulator must do. Each configuration runs in a fresh process so peak memory
 (max RSS) is its own; each is repeated and the fastest run counts.
-Usage: python benchmarks/bench_sim.py [--steps 200] [--nodes 1 2 4 8] [--repeat 3]
+Usage: python benchmarks/bench_sim.py [--steps 200] [--nodes 1 2 4 8] [--repeat 3] [--threads 1 --cpu-time]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch.utils.data import DistributedSampler
 from workload import SmallCNN, make_data
 
 
-def run_plain(k: int, steps: int, batch: int) -> float:
+def run_plain(k: int, steps: int, batch: int, clock=time.perf_counter) -> float:
     data = make_data(k * batch * steps)
     torch.manual_seed(0)
     base = SmallCNN()
@@ -35,7 +35,7 @@ def run_plain(k: int, steps: int, batch: int) -> float:
     for r in range(k):
         sampler = DistributedSampler(data, num_replicas=k, rank=r, shuffle=True, seed=0)
         shards.append(torch.as_tensor(list(sampler)))
-    start = time.perf_counter()
+    start = clock()
     for s in range(steps):
         for r in range(k):
             idx = shards[r][s * batch:(s + 1) * batch]
@@ -50,30 +50,34 @@ def run_plain(k: int, steps: int, batch: int) -> float:
                 p.grad.copy_(avg)
         for o in opts:
             o.step()
-    return time.perf_counter() - start
+    return clock() - start
 
 
-def run_sim(k: int, steps: int, batch: int) -> float:
+def run_sim(k: int, steps: int, batch: int, clock=time.perf_counter) -> float:
     from exogym import Trainer
     from exogym.strategy import OptimSpec, SimpleReduceStrategy
 
     trainer = Trainer(SmallCNN(), make_data(k * batch * steps))
-    start = time.perf_counter()
+    start = clock()
     trainer.fit(SimpleReduceStrategy(OptimSpec(torch.optim.AdamW, lr=1e-3)), k, batch_size=batch, max_steps=steps,
                 device="cpu", progress=False, log_interval=50)
-    return time.perf_counter() - start
+    return clock() - start
 
 
-def child(mode: str, k: int, steps: int, batch: int) -> None:
+def child(mode: str, k: int, steps: int, batch: int, threads: int, cpu_time: bool) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+    clock = time.process_time if cpu_time else time.perf_counter
     run = run_sim if mode == "sim" else run_plain
     run(k, 5, batch)  # warm-up: first-call kernel selection and allocator growth are not what we compare
-    seconds = run(k, steps, batch)
+    seconds = run(k, steps, batch, clock)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
     print(json.dumps({"seconds": seconds, "peak_mb": peak_mb}))
 
 
-def measure(mode: str, k: int, steps: int, batch: int) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", mode, str(k), str(steps), str(batch)],
+def measure(mode: str, k: int, steps: int, batch: int, threads: int, cpu_time: bool) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--child", mode, str(k), str(steps), str(batch), str(threads),
+                          str(int(cpu_time))],
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -84,19 +88,22 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--repeat", type=int, default=3, help="runs of each; the fastest counts (least disturbed)")
-    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per run (0: torch's default)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time with the process's CPU clock (with --threads 1: robust to other processes' load)")
+    parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        mode, k, steps, batch = args.child
-        return child(mode, int(k), int(steps), int(batch))
+        mode, k, steps, batch, threads, cpu_time = args.child
+        return child(mode, int(k), int(steps), int(batch), int(threads), cpu_time == "1")
     print(f"DDP, small CNN, {args.steps} steps, batch {args.batch}/node, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+          f"{args.threads or torch.get_num_threads()} thread(s), {'CPU' if args.cpu_time else 'wall'} time")
     print(f"{'K':>3} {'plain s':>9} {'sim s':>9} {'sim/plain':>10} {'plain MB':>9} {'sim MB':>9}")
     for k in args.nodes:
         runs = {"plain": [], "sim": []}
         for _ in range(args.repeat):  # interleaved, so a disturbance hits both sides alike
             for mode in runs:
-                runs[mode].append(measure(mode, k, args.steps, args.batch))
+                runs[mode].append(measure(mode, k, args.steps, args.batch, args.threads, args.cpu_time))
         plain, sim = (min(r, key=lambda m: m["seconds"]) for r in runs.values())
         print(f"{k:>3} {plain['seconds']:>9.2f} {sim['seconds']:>9.2f} {sim['seconds'] / plain['seconds']:>10.3f} "
               f"{plain['peak_mb']:>9.0f} {sim['peak_mb']:>9.0f}", flush=True)

@@ -24,3 +24,23 @@ class SmallCNN(torch.nn.Module):
 def make_data(n: int) -> TensorDataset:
     g = torch.Generator().manual_seed(0)
     return TensorDataset(torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g))
+
+
+class MLP(torch.nn.Module):
+    """The MLP 784-256-256-10 of benchmarks/bench_fused.py, on the same MNIST-shaped data."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 256), torch.nn.ReLU(),
+                                       torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+
+    def forward(self, batch):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+
+def make_tokens(n: int, block: int = 64, vocab: int = 65) -> TensorDataset:
+    """n random sequences of `block` next-token pairs (character-level vocabulary size)."""
+    g = torch.Generator().manual_seed(0)
+    t = torch.randint(0, vocab, (n, block + 1), generator=g)
+    return TensorDataset(t[:, :-1], t[:, 1:])

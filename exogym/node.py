@@ -89,6 +89,7 @@ class TrainNode:
         self._tokens = self.log.rows[-1].get("tokens", 0) if self.log.rows else 0
         self._eval_model: torch.nn.Module | None = None
         self._bar = None
+        self.fused = None  # a FusedEngine when the backend runs the nodes' forward/backward batched
 
     def run(self, comm: Communicator) -> tuple[NodeLog, dict[str, torch.Tensor] | None]:
         """Train for cfg.max_steps; return this node's log and (node 0) the global model's state."""
@@ -192,6 +193,8 @@ class TrainNode:
 
     def _save_checkpoint(self, comm: Communicator, done: int) -> None:
         # The global random streams are this node's own while it runs (the backend swapped them in).
+        if self.fused is not None:  # views into the stacked tensors would pickle every node's slots
+            self.fused.release(self.rank, self.model)
         state = NodeState(done, self.model.state_dict(), self.strategy.state_dict(),
                           GlobalRNGState.capture(self.device), comm.stats, self.log, comm.clock)
         save_node_state(self.checkpoints, self.rank, state)
@@ -208,6 +211,14 @@ class TrainNode:
     def _timed_forward_backward(self, batch: Any, comm: Communicator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Forward/backward, advancing the node's virtual clock by its compute time when time is simulated."""
         model = self.cfg.time_model
+        if self.fused is not None:  # batched with the other nodes computing now; FLOPs still counted per node
+            if model is not None and not model.measured and self._step_flops is None:
+                self._step_flops = self.fused.count_flops(self.model, lambda m: self._forward_backward(batch, m))
+            out, seconds = self.fused.forward_backward(self.rank, self.step + 1, self.model, batch)
+            if model is not None:
+                comm.clock.add_compute(model.compute_seconds(self.rank, flops=self._step_flops or 0.0,
+                                                             measured_s=seconds))
+            return out
         if model is None:
             return self._forward_backward(batch)
         if not model.measured and self._step_flops is None:
@@ -225,23 +236,26 @@ class TrainNode:
                                                      measured_s=time.perf_counter() - started))
         return out
 
-    def _forward_backward(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _forward_backward(self, batch: Any, model: torch.nn.Module | None = None
+                          ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Loss (and metrics) of the whole batch, with gradients accumulated over minibatches.
 
         Each minibatch's mean loss is weighted by its share of the batch, so the gradient equals
-        the full batch's (for a model returning a mean over examples).
+        the full batch's (for a model returning a mean over examples). `model`: another copy to run
+        (fused execution counts FLOPs on one); the node's own by default.
         """
+        model = self.model if model is None else model
         n = batch_size_of(batch)
         if self.cfg.minibatch_size >= n:
             with self._autocast():
-                loss, metrics = parse_model_output(self.model(batch))
+                loss, metrics = parse_model_output(model(batch))
             loss.backward()
             return loss.detach(), metrics
         total, totals = None, {}
         for part in split_batch(batch, self.cfg.minibatch_size):
             w = batch_size_of(part) / n
             with self._autocast():
-                loss, metrics = parse_model_output(self.model(part))
+                loss, metrics = parse_model_output(model(part))
             (loss * w).backward()
             total = loss.detach() * w if total is None else total + loss.detach() * w
             for k, v in metrics.items():

@@ -60,6 +60,7 @@ class RunPlan:
     resume: list[NodeState] | None = None  # per node, from load_checkpoint
     node_timeout: float | None = None  # seconds a node may run without progress (fit's node_timeout); None: no limit
     port: int | None = None  # backend='torch' spawned by fit: the rendezvous port (None: a free one)
+    execution: str = "sequential"  # or "fused" (sim backend: one batched forward/backward, exogym.fused)
 
     @property
     def num_nodes(self) -> int:

@@ -20,6 +20,7 @@ from exogym.checkpoint import CheckpointPlan, check_resume, find_checkpoint, loa
 from exogym.data.loader_options import loader_options
 from exogym.data.sharding import DatasetOrFactory, is_factory
 from exogym.devices import DeviceLike, memory_fraction, resolve_node_devices
+from exogym.fused.choose import EXECUTIONS, choose_execution
 from exogym.fit_setup import (announce, build_node_batches, build_time_model, build_val_batches, claim_run_folders,
                               partition_data, peak_memory_mb, resolve_logger, run_name_of, versions)
 from exogym.logger import Logger, default_run_name
@@ -92,7 +93,7 @@ class Trainer:
             active_nodes: str | Sequence[tuple[int, int]] | Callable[[int], int] | None = None,
             node_timeout: float | None = DEFAULT_NODE_TIMEOUT, dataloader_kwargs: dict[str, Any] | None = None,
             max_memory_usage: float | None = None, port: int | None = None,
-            extra_config: dict[str, Any] | None = None) -> torch.nn.Module:
+            extra_config: dict[str, Any] | None = None, execution: str = "sequential") -> torch.nn.Module:
         """Train with `strategy` on `num_nodes` nodes; return the global model (by default the nodes' average).
 
         batch_size is per node (the global batch is num_nodes x batch_size); minibatch_size splits it
@@ -132,6 +133,10 @@ class Trainer:
         a node coming up first takes the global state from one that was up. active_nodes: an elastic pool
         ("doubling", "halving", "ramp_up", "ramp_down", [(from_step, count), ...], or step -> count; ranks
         0..count-1 are in it). Both are simulated: backend="sim" only (see exogym.membership).
+
+        execution: "sequential" runs the nodes' forward/backward one after another; "fused" runs those of
+        the nodes computing in a step as one batched (vmapped) computation (backend="sim", one device;
+        exogym.fused); "auto" probes both on throwaway copies and fuses only where that is faster.
 
         partition="dirichlet" with dirichlet_alpha splits a labelled train_dataset by label (non-IID);
         partition="shards" sorts it by label and deals each node shards_per_node (default 2) of
@@ -183,6 +188,8 @@ class Trainer:
             raise TypeError(f"overwrite must be True or False, got {overwrite!r}")
         if overwrite and resume_from is not None:
             raise ValueError("overwrite=True would delete the run that resume_from continues; drop one of them")
+        if execution not in EXECUTIONS:
+            raise ValueError(f"execution must be one of {list(EXECUTIONS)}, got {execution!r}")
         time_model = build_time_model(num_nodes, network, node_speeds, device_flops, compute_time)
         minibatch_size = batch_size if minibatch_size is None else minibatch_size
         if minibatch_size > batch_size or batch_size % minibatch_size:
@@ -236,12 +243,17 @@ class Trainer:
                         steps_per_epoch=steps_per_epoch, membership=membership,
                         shard_sizes=tuple(nb.shard_size for nb in node_batches),
                         shard_steps=tuple(nb.steps_per_epoch for nb in node_batches))
+        execution, execution_why = choose_execution(
+            execution, model=self.model, first_batch=lambda: next(node_batches[0].iterate(from_step=0)),
+            num_nodes=num_nodes, devices=node_devices, backend=backend, minibatch_size=minibatch_size,
+            autocast=autocast, seed=seed, resume_from=resume_from)
         n_params = sum(p.numel() for p in self.model.parameters())
         config = {"strategy": type(strategy).__name__, "strategy_config": strategy.config(), "num_nodes": num_nodes,
                   "max_steps": total_steps, "steps_per_epoch": steps_per_epoch, "num_epochs": num_epochs,
                   "batch_size": batch_size, "minibatch_size": minibatch_size, "global_batch": num_nodes * batch_size,
                   "shuffle": shuffle, "val_size": val_size if val_batches else 0, "val_interval": val_interval,
                   "log_interval": log_interval, "seed": seed, "backend": backend, "autocast": autocast,
+                  "execution": execution, "execution_reason": execution_why,
                   "devices": [str(d) for d in node_devices], "model": type(self.model).__name__,
                   "parameters": n_params, "versions": versions()}
         if dataloader_kwargs is not None:
@@ -302,7 +314,8 @@ class Trainer:
                            global_batch=num_nodes * batch_size, log_interval=log_interval, last_step=total_steps)
             plan = RunPlan(model=self.model, strategy=strategy, node_batches=node_batches, val_batches=val_batches,
                            devices=node_devices, cfg=cfg, seed=seed, live=live, checkpoints=checkpoints,
-                           resume=resume, node_timeout=node_timeout, port=port)
+                           resume=resume, node_timeout=node_timeout, port=port,
+                           execution=execution)
             if logger is not None:
                 logger.start(config)
         except BaseException:

@@ -64,12 +64,15 @@ class Scheduler:
     """Runs one function per node under the baton; `rendezvous` is the only place a node waits."""
 
     def __init__(self, num_nodes: int, *, on_resume: Callable[[int], None], on_pause: Callable[[int], None],
-                 node_timeout: float | None = None, step_of: Callable[[int], int | None] = lambda rank: None):
+                 node_timeout: float | None = None, step_of: Callable[[int], int | None] = lambda rank: None,
+                 on_compute: Callable[[list[int]], None] | None = None):
         self.num_nodes = num_nodes
         self.node_timeout, self._step_of = node_timeout, step_of  # the watchdog's limit; a node's current step
         self.running: int | None = None  # the node holding the baton (None: the hub)
         self.arrivals = 0  # collectives entered so far, by any node: progress, for the watchdog
         self._on_resume, self._on_pause = on_resume, on_pause  # swap per-node state (RNG, grad mode)
+        self._on_compute = on_compute  # fused execution: computes the parked nodes' forward/backward at once
+        self._parked: list[int] = []  # nodes waiting at the compute rendezvous
         self._ready: deque[int] = deque(range(num_nodes))
         self._blocked: dict[int, tuple] = {}  # rank -> key of the collective it waits in
         self._pending: dict[tuple, Pending] = {}
@@ -110,7 +113,12 @@ class Scheduler:
 
         nodes = [greenlet.greenlet(lambda r=r: body(r)) for r in range(self.num_nodes)]
         try:
-            while self._ready:
+            while self._ready or self._parked:
+                if not self._ready:  # nobody can run: the parked nodes' batched step, then they run on
+                    parked, self._parked = self._parked, []
+                    self._on_compute(parked)
+                    self._ready.extend(sorted(parked))
+                    continue
                 rank = self._ready.popleft()
                 self._on_resume(rank)
                 self.running = rank
@@ -191,6 +199,13 @@ class Scheduler:
         self._ready.extend(sorted(pending.waiters | {rank}))
         self._yield(rank)
         return pending
+
+    def park(self, rank: int) -> None:
+        """The compute rendezvous (fused execution): wait until no node can run any more, when every parked
+        node's forward/backward is computed in one batched step. No bytes, no simulated time; it cannot
+        deadlock, since it completes whenever the others are blocked or parked too."""
+        self._parked.append(rank)
+        self._hub.switch()
 
     def wait(self, rank: int, pending: Pending) -> None:
         """Block node `rank` until `pending` has completed (returns at once if it has)."""

@@ -13,6 +13,7 @@ import torch
 
 from exogym.backends.scheduler import CollectiveCall, CollectiveError, Pending, Scheduler
 from exogym.comm import CommunicatorBase, Group, ReduceOp, make_group, payload_nbytes, tensor_nbytes
+from exogym.fused.engine import FusedEngine
 from exogym.membership import Membership
 from exogym.simtime import TimeModel
 
@@ -194,9 +195,18 @@ def run_sim(plan: "RunPlan") -> list[Any]:
         rngs[r].deactivate()
         modes[r].capture()
 
+    engine = None
+    if plan.execution == "fused":  # one batched forward/backward for the nodes that compute (exogym.fused)
+        engine = FusedEngine(plan.model, k, plan.devices[0], minibatch_size=plan.cfg.minibatch_size,
+                             autocast=plan.cfg.autocast, seed=plan.seed)
+        for node in nodes:
+            node.fused = engine
     comms: list[SimCommunicator] = []
     scheduler = Scheduler(k, on_resume=resume, on_pause=pause, node_timeout=plan.node_timeout,
-                          step_of=lambda r: comms[r].step)
+                          step_of=lambda r: comms[r].step,
+                          on_compute=engine and engine.run_parked)
+    if engine is not None:
+        engine.scheduler = scheduler
     shared: dict = {}  # state every node holds identically, kept once for the run (exogym.strategy.communicate)
     comms.extend(SimCommunicator(scheduler, r, k, plan.cfg.time_model, plan.cfg.membership, shared) for r in range(k))
     try:
