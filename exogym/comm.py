@@ -1,8 +1,12 @@
 """The comm layer's core: groups, reduce ops, byte formulas, and which node is calling.
 
 Strategies call the module-level functions in `exogym.strategy.communicate`; those look up
-the calling node's `Communicator` here (bound per thread by the backend), count the bytes
+the calling node's `Transport` here (bound per thread by the backend), count the bytes
 that node sends, and hand the call to the backend. A strategy never sees the backend.
+
+Words: a *transport* is one node's endpoint of a backend (SimTransport, TorchTransport: how bytes
+move); a *communication module* (DiLoCoCommunicator, SparseCommunicator, ...) is an algorithm deciding
+what to send. The original ExoGym names the modules "Communicator", so the transports are named apart.
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ if TYPE_CHECKING:
     from exogym.membership import Membership
     from exogym.simtime import NodeClock
 
-__all__ = ["CollectiveError", "Group", "ReduceOp", "Communicator", "CommunicatorBase", "CommStats",
-           "current_communicator", "bind_communicator"]
+__all__ = ["CollectiveError", "Group", "ReduceOp", "Transport", "TransportBase", "CommStats",
+           "current_transport", "bind_transport"]
 
 
 class CollectiveError(RuntimeError):
@@ -155,7 +159,7 @@ class Work(Protocol):
     def is_completed(self) -> bool: ...
 
 
-class Communicator(Protocol):
+class Transport(Protocol):
     """One node's view of a backend. Arguments arrive validated and normalised; no byte counting here.
 
     account=True (the strategy-facing calls in exogym.strategy.communicate) advances the members'
@@ -185,7 +189,7 @@ class Communicator(Protocol):
     def shared(self, key: Hashable, make: Callable[[], Any]) -> Any: ...
 
 
-class CommunicatorBase:
+class TransportBase:
     """What every backend's node endpoint keeps: its byte counts, virtual clock, current step, and the run's
     failure / elastic schedule, from which it answers who is up."""
 
@@ -220,12 +224,12 @@ class CommunicatorBase:
 
 
 # A context variable, not a thread-local: sim nodes are greenlets of one thread, each with its own context.
-_bound: contextvars.ContextVar[Communicator | None] = contextvars.ContextVar("exogym_communicator", default=None)
+_bound: contextvars.ContextVar[Transport | None] = contextvars.ContextVar("exogym_transport", default=None)
 
 
 @contextlib.contextmanager
-def bind_communicator(comm: Communicator) -> Iterator[Communicator]:
-    """Make `comm` the communicator of the running node (a sim greenlet, or a torch process's main thread)."""
+def bind_transport(comm: Transport) -> Iterator[Transport]:
+    """Make `comm` the transport of the running node (a sim greenlet, or a torch process's main thread)."""
     token = _bound.set(comm)
     try:
         yield comm
@@ -233,12 +237,12 @@ def bind_communicator(comm: Communicator) -> Iterator[Communicator]:
         _bound.reset(token)
 
 
-def bound_communicator() -> Communicator | None:
-    """The running node's communicator, or None outside a running node."""
+def bound_transport() -> Transport | None:
+    """The running node's transport, or None outside a running node."""
     return _bound.get()
 
 
-def current_communicator() -> Communicator:
+def current_transport() -> Transport:
     comm = _bound.get()
     if comm is None:
         raise RuntimeError(

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from exogym.comm import Communicator
+from exogym.comm import Transport
 
 __all__ = ["parameter_divergence"]
 
 
 @torch.no_grad()
-def parameter_divergence(model: torch.nn.Module, comm: Communicator) -> dict[str, float]:
+def parameter_divergence(model: torch.nn.Module, comm: Transport) -> dict[str, float]:
     """Mean pairwise Pearson correlation of the nodes' flattened parameters, and their variance across nodes
     (averaged over parameters), over the nodes up at this step. Identical models give correlation 1 and variance 0."""
     flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])  # [P]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from exogym.comm import Communicator, ReduceOp
+from exogym.comm import Transport, ReduceOp
 from exogym.flatten import flatten_by_dtype, unflatten_into
 
 __all__ = ["global_state_dict", "split_global_state", "mean_over"]
@@ -36,7 +36,7 @@ def split_global_state(model: torch.nn.Module, strategy) -> tuple[dict[str, torc
 
 
 @torch.no_grad()
-def global_state_dict(model: torch.nn.Module, strategy, comm: Communicator) -> dict[str, torch.Tensor]:
+def global_state_dict(model: torch.nn.Module, strategy, comm: Transport) -> dict[str, torch.Tensor]:
     """Every node must call this together, up or down; the result is meaningful on the nodes up. The
     strategy's entries come from the first node up, the rest are averaged over its model sources among
     the nodes up (one all-reduce per dtype)."""
@@ -54,7 +54,7 @@ def global_state_dict(model: torch.nn.Module, strategy, comm: Communicator) -> d
 
 
 @torch.no_grad()
-def mean_over(flat: torch.Tensor, members: tuple[int, ...] | list[int], comm: Communicator) -> None:
+def mean_over(flat: torch.Tensor, members: tuple[int, ...] | list[int], comm: Transport) -> None:
     """In place, the mean of `flat` over the nodes `members`; every node calls it (those outside add zeros).
     Uncounted: for measurements, which every node joins whether or not its own copy counts."""
     if len(members) == comm.num_nodes:

@@ -18,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from tqdm.auto import tqdm
 
 from exogym.checkpoint import CheckpointPlan, NodeState, finalize_checkpoint, save_node_state
-from exogym.comm import CollectiveError, Communicator, bind_communicator
+from exogym.comm import CollectiveError, Transport, bind_transport
 from exogym.data.sharding import NodeBatches, batch_size_of, move_to_device, split_batch, token_count
 from exogym.diagnostics import parameter_divergence
 from exogym.global_model import global_state_dict
@@ -91,9 +91,9 @@ class TrainNode:
         self._bar = None
         self.fused = None  # a FusedEngine when the backend runs the nodes' forward/backward batched
 
-    def run(self, comm: Communicator) -> tuple[NodeLog, dict[str, torch.Tensor] | None]:
+    def run(self, comm: Transport) -> tuple[NodeLog, dict[str, torch.Tensor] | None]:
         """Train for cfg.max_steps; return this node's log and (node 0) the global model's state."""
-        with bind_communicator(comm):
+        with bind_transport(comm):
             try:
                 return self._train(comm)
             except Exception as e:
@@ -104,7 +104,7 @@ class TrainNode:
                 if self._bar is not None:
                     self._bar.close()
 
-    def _train(self, comm: Communicator) -> tuple[NodeLog, dict[str, torch.Tensor] | None]:
+    def _train(self, comm: Transport) -> tuple[NodeLog, dict[str, torch.Tensor] | None]:
         cfg, s = self.cfg, self.strategy
         first_step = self._start(comm)
         batches: Iterator[Any] = self.batches.iterate(from_step=first_step)
@@ -135,7 +135,7 @@ class TrainNode:
             self.log.comm["sim_time"] = comm.clock.as_dict()
         return self.log, (final if self.rank == 0 else None)
 
-    def _record_step(self, comm: Communicator, loss: torch.Tensor | None, metrics: dict[str, torch.Tensor],
+    def _record_step(self, comm: Transport, loss: torch.Tensor | None, metrics: dict[str, torch.Tensor],
                      lr: float) -> None:
         self._unflushed.append(_StepRecord(loss, metrics, lr, comm.stats.bytes_sent,
                                            time.perf_counter() - self.start_time, self._tokens, comm.clock.now))
@@ -152,7 +152,7 @@ class TrainNode:
             hand_over_state(self.model, self.strategy, step, list(m.survivors(step)), list(joiners))
         return True
 
-    def _start(self, comm: Communicator) -> int:
+    def _start(self, comm: Transport) -> int:
         """Bind the strategy to this node (or take it back from a checkpoint); return the first step to run."""
         cfg, s = self.cfg, self.strategy
         if self.val_batches is not None:
@@ -174,7 +174,7 @@ class TrainNode:
             self._bar = tqdm(total=cfg.max_steps, initial=first_step, desc="exogym", unit="step", dynamic_ncols=True)
         return first_step
 
-    def _after_step(self, comm: Communicator, done: int) -> None:
+    def _after_step(self, comm: Transport, done: int) -> None:
         """What is due after `done` steps: validation, diagnostics, moving the log to the host, a checkpoint.
         Every node reaches the same decisions, since those with a collective need all of them."""
         cfg, last = self.cfg, done == self.cfg.max_steps
@@ -191,7 +191,7 @@ class TrainNode:
         if save:
             self._save_checkpoint(comm, done)
 
-    def _save_checkpoint(self, comm: Communicator, done: int) -> None:
+    def _save_checkpoint(self, comm: Transport, done: int) -> None:
         # The global random streams are this node's own while it runs (the backend swapped them in).
         if self.fused is not None:  # views into the stacked tensors would pickle every node's slots
             self.fused.release(self.rank, self.model)
@@ -208,7 +208,7 @@ class TrainNode:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
-    def _timed_forward_backward(self, batch: Any, comm: Communicator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _timed_forward_backward(self, batch: Any, comm: Transport) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Forward/backward, advancing the node's virtual clock by its compute time when time is simulated."""
         model = self.cfg.time_model
         if self.fused is not None:  # batched with the other nodes computing now; FLOPs still counted per node
@@ -297,7 +297,7 @@ class TrainNode:
                                       + (f", sim {rows[-1]['sim_time_s']:.1f}s" if "sim_time_s" in rows[-1] else "")
                                       + (f", val {self.log.val[-1]['global_loss']:.4f}" if self.log.val else ""))
 
-    def _validate(self, comm: Communicator, done: int) -> None:
+    def _validate(self, comm: Transport, done: int) -> None:
         state = global_state_dict(self.model, self.strategy, comm)  # every node takes part
         if self.rank != 0:
             return

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from exogym.backends.scheduler import CollectiveCall, CollectiveError, Pending, Scheduler
-from exogym.comm import CommunicatorBase, Group, ReduceOp, make_group, payload_nbytes, tensor_nbytes
+from exogym.comm import TransportBase, Group, ReduceOp, make_group, payload_nbytes, tensor_nbytes
 from exogym.fused.engine import FusedEngine
 from exogym.membership import Membership
 from exogym.simtime import TimeModel
@@ -20,7 +20,7 @@ from exogym.simtime import TimeModel
 if TYPE_CHECKING:
     from exogym.plan import RunPlan
 
-__all__ = ["SimCommunicator", "run_sim", "CollectiveError"]
+__all__ = ["SimTransport", "run_sim", "CollectiveError"]
 
 
 def _sig(t: torch.Tensor) -> tuple:
@@ -83,8 +83,8 @@ _COMPLETE: dict[str, Callable[[list[CollectiveCall]], None]] = {
 }
 
 
-class SimCommunicator(CommunicatorBase):
-    """Node `rank`'s side of the sim backend (implements `exogym.comm.Communicator`)."""
+class SimTransport(TransportBase):
+    """Node `rank`'s side of the sim backend (implements `exogym.comm.Transport`)."""
 
     def __init__(self, scheduler: Scheduler, rank: int, num_nodes: int, time_model: TimeModel | None = None,
                  membership: Membership | None = None, shared: dict | None = None):
@@ -143,7 +143,7 @@ class SimCommunicator(CommunicatorBase):
 class SimWork:
     """The handle of an async collective (torch.distributed's Work): results are in the tensors after wait()."""
 
-    def __init__(self, comm: SimCommunicator, pending: Pending, timed_call: CollectiveCall | None):
+    def __init__(self, comm: SimTransport, pending: Pending, timed_call: CollectiveCall | None):
         self._comm, self._pending, self._timed_call = comm, pending, timed_call
 
     def is_completed(self) -> bool:
@@ -201,14 +201,14 @@ def run_sim(plan: "RunPlan") -> list[Any]:
                              autocast=plan.cfg.autocast, seed=plan.seed)
         for node in nodes:
             node.fused = engine
-    comms: list[SimCommunicator] = []
+    comms: list[SimTransport] = []
     scheduler = Scheduler(k, on_resume=resume, on_pause=pause, node_timeout=plan.node_timeout,
                           step_of=lambda r: comms[r].step,
                           on_compute=engine and engine.run_parked)
     if engine is not None:
         engine.scheduler = scheduler
     shared: dict = {}  # state every node holds identically, kept once for the run (exogym.strategy.communicate)
-    comms.extend(SimCommunicator(scheduler, r, k, plan.cfg.time_model, plan.cfg.membership, shared) for r in range(k))
+    comms.extend(SimTransport(scheduler, r, k, plan.cfg.time_model, plan.cfg.membership, shared) for r in range(k))
     try:
         return scheduler.run([lambda r=r: nodes[r].run(comms[r]) for r in range(k)])
     finally:

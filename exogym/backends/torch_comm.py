@@ -1,4 +1,4 @@
-"""TorchCommunicator: one node's collectives over torch.distributed (the torch backend's `exogym.comm.Communicator`).
+"""TorchTransport: one node's collectives over torch.distributed (the torch backend's `exogym.comm.Transport`).
 
 The semantics are the sim backend's (exogym/backends/sim.py); where torch.distributed differs, this file makes up
 the difference:
@@ -25,10 +25,10 @@ import torch.distributed as dist
 
 from exogym.backends.torch_heartbeat import CollectiveLedger, Heartbeat, is_timeout, missing_members_report
 from exogym.backends.watchdog import NodeTimeoutError
-from exogym.comm import CollectiveError, CommunicatorBase, Group, ReduceOp, make_group, payload_nbytes, tensor_nbytes
+from exogym.comm import CollectiveError, TransportBase, Group, ReduceOp, make_group, payload_nbytes, tensor_nbytes
 from exogym.simtime import NodeClock, TimeModel
 
-__all__ = ["TorchCommunicator", "TorchWork"]
+__all__ = ["TorchTransport", "TorchWork"]
 
 
 def _torch_op(op: ReduceOp) -> Any:
@@ -64,7 +64,7 @@ class TorchWork:
         return True
 
 
-class TorchCommunicator(CommunicatorBase):
+class TorchTransport(TransportBase):
     """Node `rank`'s side of the torch backend, in a process where torch.distributed is initialised with
     world size `num_nodes` (rank r of the default group is node r)."""
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from exogym.global_model import global_state_dict
-from exogym.backends.torch_comm import TorchCommunicator
+from exogym.backends.torch_comm import TorchTransport
 from exogym.backends.torch_heartbeat import Heartbeat
 
 if TYPE_CHECKING:
@@ -132,7 +132,7 @@ _runs_started = 0  # per process: keys in a store shared by several runs (torchr
 
 
 def _run_node(plan: "RunPlan", rank: int, backend: str, start_time: float, timeout: timedelta,
-              store: Any = None) -> tuple[Any, TorchCommunicator, Any, Any]:
+              store: Any = None) -> tuple[Any, TorchTransport, Any, Any]:
     """The body of one node's process, once its process group is up: returns (node, comm, log, state or None).
     `store`: a client of the run's key-value store, where this node's heartbeat goes (None: none)."""
     global _runs_started
@@ -140,7 +140,7 @@ def _run_node(plan: "RunPlan", rank: int, backend: str, start_time: float, timeo
     device = plan.devices[rank]
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    comm = TorchCommunicator(rank, plan.num_nodes, device=device, backend=backend, timeout=timeout,
+    comm = TorchTransport(rank, plan.num_nodes, device=device, backend=backend, timeout=timeout,
                              time_model=plan.cfg.time_model)
     if store is not None:
         comm.heartbeat = Heartbeat(store, rank, comm.ledger, lambda: comm.step, timeout.total_seconds(),

@@ -26,7 +26,7 @@ __all__ = [
 ]
 
 
-def _group(c: _comm.Communicator, group: Group | Sequence[int] | None) -> Group:
+def _group(c: _comm.Transport, group: Group | Sequence[int] | None) -> Group:
     """The members of `group` that take part now: all of them, or those up at this step."""
     g = c.world if group is None else group if isinstance(group, Group) else _comm.make_group(group, c.num_nodes)
     if c.rank not in g:
@@ -58,7 +58,7 @@ def _check_per_member(op: str, name: str, tensors: list[torch.Tensor], like: tor
 def all_reduce(tensor: torch.Tensor, op: object = ReduceOp.SUM, group: Group | Sequence[int] | None = None,
                async_op: bool = False) -> torch.Tensor | Work:
     """Reduce `tensor` across the group in place (summed in rank order, so results are deterministic)."""
-    c = _comm.current_communicator()
+    c = _comm.current_transport()
     g, op = _group(c, group), ReduceOp.of(op)
     _check_tensor("tensor", tensor)
     n = _comm.tensor_nbytes(tensor)
@@ -70,7 +70,7 @@ def all_reduce(tensor: torch.Tensor, op: object = ReduceOp.SUM, group: Group | S
 def broadcast(tensor: torch.Tensor, src: int = 0, group: Group | Sequence[int] | None = None,
               async_op: bool = False) -> torch.Tensor | Work:
     """Copy node `src`'s tensor into every member's `tensor` in place. `src` is a global rank."""
-    c = _comm.current_communicator()
+    c = _comm.current_transport()
     g = _group(c, group)
     _check_tensor("tensor", tensor)
     if src not in g:
@@ -86,7 +86,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: Group | Sequence[int] |
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
                group: Group | Sequence[int] | None = None, async_op: bool = False) -> list[torch.Tensor] | Work:
     """Fill `tensor_list[i]` with the tensor of the group's i-th member (members sorted by rank)."""
-    c = _comm.current_communicator()
+    c = _comm.current_transport()
     g = _group(c, group)
     _check_per_member("all_gather", "tensor_list", tensor_list, _check_tensor("tensor", tensor), g)
     n = _comm.tensor_nbytes(tensor)
@@ -98,7 +98,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
 def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: object = ReduceOp.SUM,
                    group: Group | Sequence[int] | None = None, async_op: bool = False) -> torch.Tensor | Work:
     """`output` on the group's i-th member becomes the reduction over members of their `input_list[i]`."""
-    c = _comm.current_communicator()
+    c = _comm.current_transport()
     g, op = _group(c, group), ReduceOp.of(op)
     _check_per_member("reduce_scatter", "input_list", input_list, _check_tensor("output", output), g)
     n = sum(map(_comm.tensor_nbytes, input_list))
@@ -109,7 +109,7 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: obj
 
 def barrier(group: Group | Sequence[int] | None = None, async_op: bool = False) -> Work | None:
     """Wait until every member of the group has reached this call."""
-    c = _comm.current_communicator()
+    c = _comm.current_transport()
     g = _group(c, group)
     c.stats.add("barrier", 0)
     return c.barrier(g, account=True, async_op=async_op)
@@ -117,22 +117,22 @@ def barrier(group: Group | Sequence[int] | None = None, async_op: bool = False) 
 
 def new_group(ranks: Sequence[int]) -> Group:
     """A group of the given ranks. As in torch.distributed, every node should create the same groups in the same order."""
-    return _comm.current_communicator().new_group(ranks)
+    return _comm.current_transport().new_group(ranks)
 
 
 def get_rank() -> int:
-    return _comm.current_communicator().rank
+    return _comm.current_transport().rank
 
 
 def get_world_size() -> int:
     """Every node of the run, up or down (ranks are 0..get_world_size()-1); see alive_ranks()."""
-    return _comm.current_communicator().num_nodes
+    return _comm.current_transport().num_nodes
 
 
 def alive_ranks(group: Group | Sequence[int] | None = None, *, step: int | None = None) -> list[int]:
     """The members of `group` (default: all nodes) that take part in a collective at this step (or at `step`,
     counted from 1): every member, unless the run's failure or elastic schedule has some of them down."""
-    c = _comm.current_communicator()
+    c = _comm.current_transport()
     if step is None:
         return list(_group(c, group).ranks)
     up = c.up(step)
@@ -144,13 +144,13 @@ def shared_state(key: Hashable, make: Callable[[], Any]) -> Any:
     the same one (state a strategy keeps identical on every node by construction is then held once); on
     torch.distributed each process (node) makes its own. `key` must be the same on every node (e.g. a value
     drawn in the strategy's __init__, which every node's copy shares)."""
-    return _comm.current_communicator().shared(key, make)
+    return _comm.current_transport().shared(key, make)
 
 
 def in_running_node() -> bool:
     """Whether the caller runs inside a node of a running fit (where collectives work)."""
-    return _comm.bound_communicator() is not None
+    return _comm.bound_transport() is not None
 
 
-def _group_ranks(c: _comm.Communicator, group: Group | Sequence[int] | None) -> tuple[int, ...]:
+def _group_ranks(c: _comm.Transport, group: Group | Sequence[int] | None) -> tuple[int, ...]:
     return c.world.ranks if group is None else group.ranks if isinstance(group, Group) else tuple(group)
