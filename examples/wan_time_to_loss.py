@@ -38,7 +38,7 @@ def strategies(lr: float) -> list[tuple[str, object]]:
 
 def time_to(target: float, record) -> float | None:
     """Simulated seconds at the first evaluation whose global loss is at or below target."""
-    sim_at = {int(r["step"]): r["sim_time_s"] for r in record.train}
+    sim_at = {0: 0.0} | {int(r["step"]): r["sim_time_s"] for r in record.train}
     return next((sim_at[int(v["step"])] for v in record.val if v["global_loss"] <= target), None)
 
 

@@ -17,7 +17,7 @@ from exogym.strategy.context import NodeContext
 from exogym.strategy.lr_schedule import LRSchedule
 from exogym.strategy.mean import mean_
 from exogym.spellings import Respelled, named_schedule, pop_ignored_strategy_keywords
-from exogym.strategy.optim import OptimSpec, ensure_optim_spec
+from exogym.strategy.optim import OptimSpec, ensure_optim_spec, pop_optimizer_options
 
 __all__ = ["Strategy", "SimpleReduceStrategy", "NodeContext", "parameter_state"]
 
@@ -246,9 +246,12 @@ class SimpleReduceStrategy(Strategy):
 
     def __init__(self, optim_spec: OptimSpec | str | type | None = None, max_norm: float | None = None, *,
                  lr: float | None = None, **kwargs: Any):
+        default = OptimSpec(torch.optim.AdamW, lr=1e-3)
+        # The name form's options ("sgd", momentum=0.9) are the optimizer's; the rest are the base class's.
+        options = pop_optimizer_options(type(self).__name__, optim_spec, default, kwargs, init_keywords(type(self)))
         super().__init__(max_norm=max_norm, **kwargs)
         check_number("lr", lr, positive=True, allow_none=True)
-        self.optim_spec = ensure_optim_spec(optim_spec, OptimSpec(torch.optim.AdamW, lr=1e-3), lr=lr)
+        self.optim_spec = ensure_optim_spec(optim_spec, default, lr=lr, **options)
 
     def step(self) -> None:
         self.communicate_gradients()  # one bucket per dtype: one collective per step instead of one per parameter
