@@ -85,7 +85,7 @@ def run(name: str, s: Setting, train: TensorDataset, test: TensorDataset, *, lr:
     while rounds < max_rounds and not any(a >= target for a in accuracy):
         rounds = min(rounds + check_every, max_rounds)
         trainer.fit(strategy, NUM_CLIENTS, max_steps=rounds * steps_per_round, batch_size=s.batch_size,
-                    val_size=val_size, val_interval=steps_per_round, seed=seed, device=device, progress=False,
+                    val_size=val_size, val_interval=steps_per_round, seed=seed, device=device, progress=True,
                     logger=False, partition="shards" if s.non_iid else "iid",
                     checkpoint_interval=rounds * steps_per_round, checkpoint_dir=checkpoints, keep_checkpoints=1,
                     resume_from=checkpoints if accuracy else None)

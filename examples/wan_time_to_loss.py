@@ -67,7 +67,7 @@ def main() -> None:
         trainer = Trainer(MnistCNN(), train, test)
         trainer.fit(strategy, args.nodes, max_steps=args.steps, batch_size=16, val_size=1000,
                     val_interval=max(1, args.steps // 20), device="cpu", network=network,
-                    device_flops=args.device_tflops * 1e12, progress=False, logger=False)
+                    device_flops=args.device_tflops * 1e12, progress=True, logger=False)
         r = trainer.record
         clock = r.sim_time_per_node[0]
         results.append((label, time_to(args.target, r), r.sim_time_s, clock["comm_s"] / clock["now"],
