@@ -53,10 +53,10 @@ def held_out_loss(model: torch.nn.Module, data, batches: int = 10, batch_size: i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=100, help="optimizer steps per run (default 100)")
-    parser.add_argument("--block-size", type=int, default=64, help="characters per block (default 64)")
-    parser.add_argument("--batch-size", type=int, default=16, help="blocks per node per step (default 16)")
-    parser.add_argument("--H", type=int, default=20, help="DiLoCo: inner steps per round (default 20)")
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps per run (default 60)")
+    parser.add_argument("--block-size", type=int, default=32, help="characters per block (default 32)")
+    parser.add_argument("--batch-size", type=int, default=8, help="blocks per node per step (default 8)")
+    parser.add_argument("--H", type=int, default=10, help="DiLoCo: inner steps per round (default 10)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -76,7 +76,7 @@ def main() -> None:
         trainer = Trainer(gpt2(vocab.size, args.block_size, args.seed), train, val)
         start = time.perf_counter()
         model = trainer.fit(strategy, NODES, max_steps=args.steps, batch_size=args.batch_size, val_size=128,
-                            val_interval=max(1, args.steps // 5), seed=args.seed, device="cpu", logger=False)
+                            val_interval=max(1, args.steps // 3), seed=args.seed, device="cpu", logger=False)
         seconds = time.perf_counter() - start
         loss = held_out_loss(model, val)
         rows.append((label, loss, trainer.record.bytes_per_node[0], seconds))

@@ -13,6 +13,7 @@ import traceback
 from pathlib import Path
 from typing import Callable, NoReturn, Sequence
 
+from exogym.plot import X_AXES
 from exogym.strategy import Strategy
 from exogym.strategy.optim import OptimSpec
 from exogym.tasks import TASKS, get_task
@@ -99,7 +100,8 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=_int_at_least(1), default=32, help="batch per node")
     p.add_argument("--optim", default="adamw", help="inner optimizer name (adamw, sgd, adam, ...)")
     p.add_argument("--lr", type=_number(positive=True), default=1e-3, help="inner learning rate")
-    p.add_argument("--max-norm", type=_number(positive=True), default=None, help="clip gradients to this norm (default: none, no clipping)")
+    p.add_argument("--max-norm", type=_number(positive=True), default=None,
+                   help="clip gradients to this norm (default: none, no clipping)")
     p.add_argument("--warmup-steps", type=_int_at_least(0), default=0, help="linear LR warmup steps")
     p.add_argument("--H", type=_int_at_least(1), default=20, help="diloco, fedavg: local steps per round")
     p.add_argument("--outer-lr", type=_number(positive=True), default=0.7, help="diloco: Nesterov outer learning rate")
@@ -130,7 +132,10 @@ def _fit(args: argparse.Namespace, strategy_name: str, run_name: str | None):
     from exogym.logger import CSVLogger
 
     strategy = STRATEGY_BUILDERS[strategy_name](args)  # before the data: a bad setting fails at once
-    model, train, val = get_task(args.task).build()
+    try:
+        model, train, val = get_task(args.task).build()
+    except RuntimeError as e:  # the loaders' own messages: data not there, no network, a bad hash; each says the fix
+        raise UsageError(f"could not load the {args.task} data: {e}") from e
     logger = CSVLogger(args.log_dir, run_name)
     trainer = Trainer(model, train, val)
     failures = RandomFailures(args.failure_rate, args.downtime, args.seed) if args.failure_rate else None
@@ -250,8 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Draw one column of several run folders against steps, examples, bytes or "
                                       "time; the legend shows the folder names.")
     plot.add_argument("runs", nargs="+", help="run folders (logs/<run_name>)")
-    plot.add_argument("--x", default="step", choices=["step", "examples", "tokens", "bytes", "wall_time_s", "sim_time_s"],
-                      help="the x axis")
+    plot.add_argument("--x", default="step", choices=list(X_AXES), help="the x axis")
     plot.add_argument("--y", default="global_loss", help="a column of train.csv or val.csv")
     plot.add_argument("--out", default="plot.png", help="the PNG to write")
     plot.set_defaults(func=cmd_plot)

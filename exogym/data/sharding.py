@@ -2,9 +2,10 @@
 
 A plain Dataset is split into disjoint per-node shards with DistributedSampler semantics
 (one seeded permutation per epoch, padded to a multiple of num_nodes, node r takes every
-num_nodes-th index from r). A Hugging Face `datasets.Dataset` is read a batch at a time and becomes a
-dict of tensors, one per column (with set_format("torch") or from plain rows of numbers or lists). A factory f(rank, num_nodes, is_val) -> Dataset gives each node
-a dataset of its own instead, which is shuffled but not split.
+num_nodes-th index from r). A factory f(rank, num_nodes, is_val) -> Dataset gives each node
+a dataset of its own instead, which is shuffled but not split. A Hugging Face `datasets.Dataset` is
+read a batch at a time and becomes a dict of tensors, one per column (with set_format("torch") or
+from plain rows of numbers or lists).
 """
 
 from __future__ import annotations
