@@ -38,7 +38,7 @@ def gpt2(vocab_size: int, block_size: int, seed: int):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(vocab_size=vocab_size, n_positions=block_size, n_embd=64, n_layer=2, n_head=4,
-                        bos_token_id=None, eos_token_id=None, use_cache=False, loss_type="ForCausalLM")
+                        bos_token_id=None, eos_token_id=None, use_cache=False)
     torch.manual_seed(seed)  # every run starts from the same weights
     return GPT2LMHeadModel(config)
 

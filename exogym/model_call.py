@@ -27,22 +27,32 @@ WRAPPER_EXAMPLE = (
     "and pass WithLoss(net) to Trainer")
 
 
+def _forward_names(model: torch.nn.Module) -> set[str]:
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a builtin or C-implemented forward: nothing to read
+        return set()
+    return {name for name, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
 def takes_keyword_batch(model: torch.nn.Module, batch: Any) -> bool:
     """True when `batch` is a dict whose every key is a named parameter of model.forward (call model(**batch))."""
     if not isinstance(batch, Mapping) or not batch or not all(isinstance(k, str) for k in batch):
         return False
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):  # a builtin or C-implemented forward: nothing to read
-        return False
-    named = {name for name, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    return set(batch) <= named
+    return set(batch) <= _forward_names(model)
 
 
 def model_caller(model: torch.nn.Module, batch: Any) -> Callable[[torch.nn.Module, Any], Any]:
     """How to call models of this kind on batches of this kind, decided once from the first batch."""
     if takes_keyword_batch(model, batch):
         return lambda m, b: m(**b)
+    names = _forward_names(model)
+    if isinstance(batch, Mapping) and len(names) > 1 and names & set(batch):
+        # Some keys are the forward's keywords and some are not: a column left in the data (text, ids).
+        extra = sorted(set(batch) - names)
+        raise TypeError(f"the batch has keys {sorted(batch)}; {type(model).__name__}.forward takes some of them as "
+                        f"keywords but not {extra}; drop those columns from the dataset (for a "
+                        f"datasets.Dataset: .remove_columns({extra})) so the batch can be passed as model(**batch)")
     return lambda m, b: m(b)
 
 

@@ -123,6 +123,15 @@ def test_the_calling_rule():
     assert not takes_keyword_batch(_KeywordModel(), (torch.zeros(2), torch.zeros(2)))
 
 
+def test_a_column_the_forward_does_not_take_is_named():
+    class WithText(_Rows):
+        def __getitem__(self, i):
+            return {**super().__getitem__(i), "length": torch.tensor(5)}
+
+    with pytest.raises(TypeError, match=r"does not take \['length'\]; drop those columns.*remove_columns"):
+        _fit(_KeywordModel(), WithText(), batch_size=4)
+
+
 def test_outputs_holding_a_loss():
     w = torch.ones((), requires_grad=True)
     loss = w * 2
