@@ -128,7 +128,7 @@ def test_a_column_the_forward_does_not_take_is_named():
         def __getitem__(self, i):
             return {**super().__getitem__(i), "length": torch.tensor(5)}
 
-    with pytest.raises(TypeError, match=r"does not take \['length'\]; drop those columns.*remove_columns"):
+    with pytest.raises(TypeError, match=r"but not \['length'\]; drop those columns.*remove_columns"):
         _fit(_KeywordModel(), WithText(), batch_size=4)
 
 
