@@ -304,6 +304,7 @@ class Trainer:
                                   resume_after=resume_after) if is_main else None
         run_name = claim.name if claim is not None else run_name or default_run_name(config)
         config["run_name"] = run_name
+        bar = None
         try:
             checkpoints = None
             if checkpoint_interval is not None or checkpoint_dir is not None:  # a folder alone: one, at the end
@@ -322,6 +323,8 @@ class Trainer:
             if logger is not None:
                 logger.start(config)
         except BaseException:
+            if bar is not None:
+                bar.close()
             if claim is not None:
                 claim.abandon()
             raise
