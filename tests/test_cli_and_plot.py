@@ -94,6 +94,7 @@ def test_compare_never_replaces_a_run_folder(capsys):
     assert not Path("logs/c-diloco").exists()  # refused before anything trained
     assert (Path("logs/c-ddp") / "keep.txt").read_text() == "an earlier run"
     _one_line_error(capsys, ["run", "--run-name", "c-ddp", "--steps", "2"], "pass another --run-name")
+    assert main(["run", "--run-name", "c-ddp", "--steps", "2", "--quiet", "--overwrite"]) == 0  # asked for
 
 
 def test_bugs_keep_their_traceback(monkeypatch):
