@@ -14,7 +14,9 @@ of the output it returns, exactly as for any other model (see the model contract
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -23,6 +25,7 @@ from exogym.data.shakespeare import VAL_FRACTION, CharVocab, shakespeare_text
 from exogym.strategy import DiLoCoStrategy, OptimSpec, SimpleReduceStrategy
 
 NODES = 4
+DOCS_IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
 
 
 def char_blocks(ids: torch.Tensor, block_size: int):
@@ -58,6 +61,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="blocks per node per step (default 8)")
     parser.add_argument("--H", type=int, default=10, help="DiLoCo: inner steps per round (default 10)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(DOCS_IMG / "hf_shakespeare.json"), help="the JSON file of the numbers")
     args = parser.parse_args()
 
     text = shakespeare_text()
@@ -88,6 +92,12 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|")
     for label, loss, sent, seconds in rows:
         print(f"| {label} | {NODES} | {loss:.4f} | {sent / 1e6:.2f} | {sent / ddp_bytes:.3f} | {seconds:.1f} |")
+    Path(args.out).write_text(json.dumps({
+        "command": "python examples/hf_shakespeare.py", "steps": args.steps, "block_size": args.block_size,
+        "batch_size": args.batch_size, "H": args.H, "seed": args.seed, "nodes": NODES,
+        "runs": [{"label": label, "held_out_loss": loss, "wire_bytes_per_node": sent, "seconds": round(sec, 1)}
+                 for label, loss, sent, sec in rows]}, indent=1) + "\n")
+    print(f"\nnumbers: {args.out}")
 
 
 if __name__ == "__main__":

@@ -18,13 +18,13 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from exogym._validation import check_number, init_keywords
+from exogym._validation import check_number
 from exogym.compression import Compressor
 from exogym.spellings import Respelled
 from exogym.strategy.communicate import Group, new_group
 from exogym.strategy.context import NodeContext
 from exogym.strategy.optim import OptimSpec, ensure_optim_spec, pop_optimizer_options
-from exogym.strategy.strategy import Strategy
+from exogym.strategy.strategy import Strategy, strategy_keywords
 
 __all__ = ["CommunicationModule", "CommunicateOptimizeStrategy", "ModularStrategy", "AveragingCommunicator",
            "round_generator"]
@@ -132,7 +132,7 @@ class ModularStrategy(Strategy):
                  weight_decay: float | None = None, **kwargs: Any):
         # The name form's options ("sgd", momentum=0.9) are the inner optimizer's; the rest are the base class's.
         options = pop_optimizer_options(type(self).__name__, optim_spec if optim_spec is not None else inner_optim,
-                                        self._default_inner, kwargs, init_keywords(type(self)))
+                                        self._default_inner, kwargs, strategy_keywords(type(self)))
         super().__init__(max_norm=max_norm, **kwargs)
         self.optim_spec = inner_spec(optim_spec, inner_optim, self._default_inner, lr=lr, weight_decay=weight_decay,
                                      **options)
