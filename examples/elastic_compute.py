@@ -70,7 +70,7 @@ def main() -> None:
         torch.manual_seed(args.seed)  # the same initial model for every run
         trainer = Trainer(MnistCNN(), train, test)
         trainer.fit(strategy, k, max_steps=args.steps, batch_size=16, val_size=2000,
-                    val_interval=max(1, args.steps // 10), device="cpu", seed=args.seed, progress=False,
+                    val_interval=max(1, args.steps // 10), device="cpu", seed=args.seed, progress=True,
                     logger=False, **schedule)
         rec = trainer.record
         up = rec.column("nodes_up") if "nodes_up" in rec.train[0] else [k] * args.steps

@@ -85,19 +85,19 @@ def run(name: str, s: Setting, train: TensorDataset, test: TensorDataset, *, lr:
     while rounds < max_rounds and not any(a >= target for a in accuracy):
         rounds = min(rounds + check_every, max_rounds)
         trainer.fit(strategy, NUM_CLIENTS, max_steps=rounds * steps_per_round, batch_size=s.batch_size,
-                    val_size=val_size, val_interval=steps_per_round, seed=seed, device=device, progress=False,
+                    val_size=val_size, val_interval=steps_per_round, seed=seed, device=device, progress=True,
                     logger=False, partition="shards" if s.non_iid else "iid",
                     checkpoint_interval=rounds * steps_per_round, checkpoint_dir=checkpoints, keep_checkpoints=1,
                     resume_from=checkpoints if accuracy else None)
-        accuracy = [row["global_accuracy"] for row in trainer.record.val]  # one per round, from round 1
+        accuracy = [row["global_accuracy"] for row in trainer.record.val if row["step"] > 0]  # per round, from 1
         print(f"  {name}: round {rounds:4d}  test accuracy {accuracy[-1]:.2%}  "
               f"({time.perf_counter() - start:6.0f} s)", flush=True)
     shutil.rmtree(checkpoints, ignore_errors=True)
     reached = next((r for r, a in enumerate(accuracy, 1) if a >= target), None)
     upto = reached or len(accuracy)
-    sent = next(row["bytes"] for row in trainer.record.train if row["step"] == upto * steps_per_round)
+    sent = next(row["bytes"] for row in trainer.record.train if row["step"] == upto * steps_per_round)  # per client
     return {"name": name, "label": s.label, "rounds_run": len(accuracy), "rounds_to_target": reached,
-            "accuracy": accuracy, "mb_per_client": sent / NUM_CLIENTS / 1e6, "paper_rounds": s.paper_rounds,
+            "accuracy": accuracy, "mb_per_client": sent / 1e6, "paper_rounds": s.paper_rounds,
             "lr": lr, "max_rounds": max_rounds, "wall_time_s": time.perf_counter() - start,
             "s_per_round": (time.perf_counter() - start) / len(accuracy)}
 

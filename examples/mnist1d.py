@@ -65,7 +65,7 @@ def main() -> None:
         trainer = Trainer(Conv1dNet(), train, test)
         start = time.perf_counter()
         trainer.fit(strategy, nodes, max_steps=args.steps, batch_size=100 // nodes, val_size=len(test),
-                    val_interval=args.steps, seed=args.seed, device="cpu", progress=False, logger=False)
+                    val_interval=args.steps, seed=args.seed, device="cpu", progress=True, logger=False)
         acc = trainer.record.val[-1]["global_accuracy"]
         rows.append((label, acc, trainer.record.bytes_per_node[0], time.perf_counter() - start))
         print(f"{label:<24} test accuracy {acc:.1%}  ({rows[-1][3]:.0f} s)", flush=True)

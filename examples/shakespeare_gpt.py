@@ -48,7 +48,7 @@ def main() -> None:
         trainer = Trainer(model, train, val)
         start = time.perf_counter()
         trained = trainer.fit(strategy, args.nodes, max_steps=args.steps, batch_size=args.global_batch // args.nodes,
-                              val_size=256, val_interval=max(1, args.steps // 5), device="cpu", progress=False,
+                              val_size=256, val_interval=max(1, args.steps // 5), device="cpu", progress=True,
                               logger=False)
         loss = trainer.record.val[-1]["global_loss"]
         prompt = train.vocab.encode("ROMEO:\n").unsqueeze(0)  # [1, T]

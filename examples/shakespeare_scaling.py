@@ -163,7 +163,7 @@ def main() -> None:
         trainer = Trainer(new_model(), train, None)
         start = time.perf_counter()
         model = trainer.fit(strategy, k, max_steps=args.steps, batch_size=args.global_batch // k, seed=args.seed,
-                            device="cpu", progress=False, logger=False)
+                            device="cpu", progress=True, logger=False)
         loss = held_out_loss(model, blocks)
         result = Result(name, k, outer_lr, loss, trainer.record.bytes_per_node[0] / 1e6, time.perf_counter() - start)
         results.append(result)

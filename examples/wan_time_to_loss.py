@@ -38,7 +38,7 @@ def strategies(lr: float) -> list[tuple[str, object]]:
 
 def time_to(target: float, record) -> float | None:
     """Simulated seconds at the first evaluation whose global loss is at or below target."""
-    sim_at = {int(r["step"]): r["sim_time_s"] for r in record.train}
+    sim_at = {0: 0.0} | {int(r["step"]): r["sim_time_s"] for r in record.train}
     return next((sim_at[int(v["step"])] for v in record.val if v["global_loss"] <= target), None)
 
 
@@ -67,7 +67,7 @@ def main() -> None:
         trainer = Trainer(MnistCNN(), train, test)
         trainer.fit(strategy, args.nodes, max_steps=args.steps, batch_size=16, val_size=1000,
                     val_interval=max(1, args.steps // 20), device="cpu", network=network,
-                    device_flops=args.device_tflops * 1e12, progress=False, logger=False)
+                    device_flops=args.device_tflops * 1e12, progress=True, logger=False)
         r = trainer.record
         clock = r.sim_time_per_node[0]
         results.append((label, time_to(args.target, r), r.sim_time_s, clock["comm_s"] / clock["now"],

@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, NoReturn, Sequence
 
+from exogym.plot import X_AXES
 from exogym.strategy import Strategy
 from exogym.strategy.optim import OptimSpec
 from exogym.tasks import TASKS, get_task
 
-__all__ = ["main", "STRATEGY_BUILDERS"]
+__all__ = ["main", "STRATEGY_BUILDERS", "UsageError"]
+
+
+class UsageError(Exception):
+    """A mistake in what the user asked for: printed as one line, exit status 2."""
 
 
 def _inner(args: argparse.Namespace) -> OptimSpec:
@@ -60,33 +66,64 @@ STRATEGY_BUILDERS: dict[str, Callable[[argparse.Namespace], Strategy]] = {
     "ddp": _ddp, "diloco": _diloco, "sparta": _sparta, "fedavg": _fedavg, "demo": _demo}
 
 
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+    return parse
+
+
+def _number(*, positive: bool = False, below_one: bool = False) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if value != value or (positive and value <= 0) or (not positive and value < 0):
+            raise argparse.ArgumentTypeError(f"must be {'> 0' if positive else '>= 0'}, got {text}")
+        if below_one and value > 1:
+            raise argparse.ArgumentTypeError(f"must be at most 1, got {text}")
+        return value
+    return parse
+
+
 def _add_training_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", default="synthetic", choices=sorted(TASKS),
                    help="; ".join(f"{t.name}: {t.description}" for t in TASKS.values()))
-    p.add_argument("--nodes", type=int, default=4, help="number of simulated nodes (default 4)")
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps per run (default 200)")
-    p.add_argument("--batch-size", type=int, default=32, help="batch per node (default 32)")
-    p.add_argument("--optim", default="adamw", help="inner optimizer name (default adamw)")
-    p.add_argument("--lr", type=float, default=1e-3, help="inner learning rate (default 1e-3)")
-    p.add_argument("--max-norm", type=float, default=None, help="clip gradients to this norm")
-    p.add_argument("--warmup-steps", type=int, default=0, help="linear LR warmup steps")
-    p.add_argument("--H", type=int, default=20, help="diloco, fedavg: local steps per round (default 20)")
-    p.add_argument("--outer-lr", type=float, default=0.7, help="diloco: Nesterov outer learning rate (default 0.7)")
-    p.add_argument("--p-sparta", type=float, default=0.005, help="sparta: fraction averaged per step (default 0.005)")
-    p.add_argument("--island-size", type=int, default=None, help="fedavg: average within random islands of this size")
-    p.add_argument("--topk", type=int, default=32, help="demo: DCT components sent per chunk (default 32)")
+    p.add_argument("--nodes", type=_int_at_least(1), default=4, help="number of simulated nodes")
+    p.add_argument("--steps", type=_int_at_least(1), default=200, help="optimizer steps per run")
+    p.add_argument("--batch-size", type=_int_at_least(1), default=32, help="batch per node")
+    p.add_argument("--optim", default="adamw", help="inner optimizer name (adamw, sgd, adam, ...)")
+    p.add_argument("--lr", type=_number(positive=True), default=1e-3, help="inner learning rate")
+    p.add_argument("--max-norm", type=_number(positive=True), default=None,
+                   help="clip gradients to this norm (default: none, no clipping)")
+    p.add_argument("--warmup-steps", type=_int_at_least(0), default=0, help="linear LR warmup steps")
+    p.add_argument("--H", type=_int_at_least(1), default=20, help="diloco, fedavg: local steps per round")
+    p.add_argument("--outer-lr", type=_number(positive=True), default=0.7, help="diloco: Nesterov outer learning rate")
+    p.add_argument("--p-sparta", type=_number(positive=True, below_one=True), default=0.005,
+                   help="sparta: fraction of the parameters averaged per step")
+    p.add_argument("--island-size", type=_int_at_least(1), default=None,
+                   help="fedavg: average within random islands of this size (default: none, all nodes)")
+    p.add_argument("--topk", type=_int_at_least(1), default=32, help="demo: DCT components sent per chunk")
     p.add_argument("--cosine", action="store_true", help="cosine-anneal the LR after warmup")
     p.add_argument("--active-nodes", default=None, choices=["doubling", "halving", "ramp_up", "ramp_down"],
-                   help="an elastic compute pool (the DiLoCo paper's schedules)")
-    p.add_argument("--failure-rate", type=float, default=0.0,
+                   help="an elastic compute pool, the DiLoCo paper's schedules (default: none, every node every step)")
+    p.add_argument("--failure-rate", type=_number(below_one=True), default=0.0,
                    help="each node fails with this probability per step (seeded by --seed)")
-    p.add_argument("--downtime", type=int, default=20, help="steps a failed node stays down (default 20)")
-    p.add_argument("--val-interval", type=int, default=50)
-    p.add_argument("--val-size", type=int, default=512)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--downtime", type=_int_at_least(1), default=20, help="steps a failed node stays down")
+    p.add_argument("--val-interval", type=_int_at_least(1), default=None,
+                   help="validate every this many steps (default: steps/20, so a curve has 21 points from step 0)")
+    p.add_argument("--val-size", type=_int_at_least(1), default=512, help="validation examples")
+    p.add_argument("--seed", type=_int_at_least(0), default=0, help="seed of data order, nodes and failures")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: the best available)")
-    p.add_argument("--log-dir", default="logs", help="where run folders go (default logs/)")
-    p.add_argument("--overwrite", action="store_true", help="replace run folders that already hold a run")
+    p.add_argument("--log-dir", default="logs", help="where run folders go")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace run folders that already hold a run (without it, an existing folder stops the command)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -94,28 +131,51 @@ def _fit(args: argparse.Namespace, strategy_name: str, run_name: str | None):
     from exogym import RandomFailures, Trainer
     from exogym.logger import CSVLogger
 
-    model, train, val = get_task(args.task).build()
-    strategy = STRATEGY_BUILDERS[strategy_name](args)
+    strategy = STRATEGY_BUILDERS[strategy_name](args)  # before the data: a bad setting fails at once
+    try:
+        model, train, val = get_task(args.task).build()
+    except RuntimeError as e:  # the loaders' own messages: data not there, no network, a bad hash; each says the fix
+        raise UsageError(f"could not load the {args.task} data: {e}") from e
     logger = CSVLogger(args.log_dir, run_name)
     trainer = Trainer(model, train, val)
     failures = RandomFailures(args.failure_rate, args.downtime, args.seed) if args.failure_rate else None
-    trainer.fit(strategy, args.nodes, max_steps=args.steps, batch_size=args.batch_size, val_interval=args.val_interval,
+    val_interval = args.val_interval or max(1, args.steps // 20)
+    if not args.quiet:
+        print(f"exogym {args.command}: {strategy_name}" + (f" -> {Path(args.log_dir) / run_name}" if run_name else ""),
+              flush=True)
+    trainer.fit(strategy, args.nodes, max_steps=args.steps, batch_size=args.batch_size, val_interval=val_interval,
                 val_size=args.val_size, seed=args.seed, device=args.device, logger=logger, progress=not args.quiet,
                 active_nodes=args.active_nodes, failures=failures, overwrite=args.overwrite)
     return trainer.record, logger.run_dir
 
 
-def _summary_line(name: str, record) -> str:
-    val = record.val[-1] if record.val else {}
-    acc = f"{val['global_accuracy']:.2%}" if "global_accuracy" in val else "-"
-    return (f"| {name:<14} | {val.get('global_loss', float('nan')):9.4f} | {acc:>8} | "
-            f"{record.bytes_per_node[0] / 1e6:13.2f} | {record.wall_time_s:7.1f} |")
+def _table(rows: list[tuple[str, object]]) -> str:
+    """A Markdown table (header, the |---| row, one row per run) of the runs' final numbers."""
+    lines = ["| run | val loss | accuracy | MB sent per node | seconds |", "|---|---:|---:|---:|---:|"]
+    for name, record in rows:
+        val = record.val[-1] if record.val else {}
+        acc = f"{val['global_accuracy']:.2%}" if "global_accuracy" in val else "-"
+        loss = f"{val['global_loss']:.4f}" if "global_loss" in val else "-"
+        lines.append(f"| {name} | {loss} | {acc} | {record.bytes_per_node[0] / 1e6:.2f} | {record.wall_time_s:.1f} |")
+    return "\n".join(lines)
+
+
+def _refuse_existing(args: argparse.Namespace, folders: Sequence[Path], fix: str) -> None:
+    """Run folders are not replaced unless --overwrite says so: an earlier run's folder stops the command
+    before anything trains."""
+    taken = [str(f) for f in folders if f.exists()]
+    if taken and not args.overwrite:
+        raise UsageError(f"run folder{'s' if len(taken) > 1 else ''} {', '.join(taken)} already "
+                         f"exist{'' if len(taken) > 1 else 's'} (an earlier run); {fix}, or delete "
+                         f"{'them' if len(taken) > 1 else 'it'} (or pass --overwrite to replace "
+                         f"{'them' if len(taken) > 1 else 'it'})")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    if args.run_name is not None:
+        _refuse_existing(args, [Path(args.log_dir) / args.run_name], "pass another --run-name")
     record, run_dir = _fit(args, args.strategy, args.run_name)
-    print(f"\n| {'strategy':<14} | val loss  | accuracy | MB sent/node  | seconds |")
-    print(_summary_line(args.strategy, record))
+    print("\n" + _table([(args.strategy, record)]))
     print(f"\nrun folder: {run_dir}")
     return 0
 
@@ -123,19 +183,23 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from exogym.plot import plot_runs
 
-    rows, folders = [], []
-    for name in args.strategies:
-        record, run_dir = _fit(args, name, f"{args.prefix}{name}-{args.nodes}n")
-        rows.append(_summary_line(name, record))
-        folders.append(run_dir)
-    print(f"\n| {'strategy':<14} | val loss  | accuracy | MB sent/node  | seconds |")
-    print(f"|{'-' * 16}|-----------|----------|---------------|---------|")
-    print("\n".join(rows))
+    names = list(dict.fromkeys(args.strategies))
+    if len(names) != len(args.strategies):
+        raise UsageError(f"--strategies names one strategy twice ({' '.join(args.strategies)}); name each once")
+    runs = {name: f"{args.prefix}{name}" for name in names}
+    _refuse_existing(args, [Path(args.log_dir) / r for r in runs.values()], "pass another --prefix")
     out = Path(args.out)
-    plot_runs(folders, x="step", y="global_loss", out=out, labels=args.strategies)
     by_bytes = out.with_name(out.stem + "_vs_bytes" + out.suffix)
-    plot_runs(folders, x="bytes", y="global_loss", out=by_bytes, labels=args.strategies)
-    print(f"\nplots: {out}, {by_bytes}")
+    rows, folders = [], []
+    for name, run_name in runs.items():
+        record, run_dir = _fit(args, name, run_name)
+        rows.append((run_name, record))
+        folders.append(run_dir)
+    print("\n" + _table(rows))
+    labels = [run_name for run_name, _ in rows]
+    plot_runs(folders, x="step", y="global_loss", out=out, labels=labels)
+    plot_runs(folders, x="bytes", y="global_loss", out=by_bytes, labels=labels)
+    print(f"\nrun folders: {', '.join(map(str, folders))}\nplots: {out}, {by_bytes}")
     return 0
 
 
@@ -147,40 +211,79 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="exogym", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps the description's layout and shows every option's default (options without one say what
+    leaving them out means in their help; flags are off unless given)."""
 
-    run = sub.add_parser("run", help="train one strategy on a built-in task",
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, "") or isinstance(action, (argparse._StoreTrueAction, argparse._HelpAction)):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, status 2 (argparse's own prints the usage too)
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="exogym", description=__doc__, formatter_class=_HelpFormatter)
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of any error")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    run = sub.add_parser("run", help="train one strategy on a built-in task", formatter_class=_HelpFormatter,
                          description="Train one strategy on a built-in task; writes a run folder under --log-dir.")
-    run.add_argument("--strategy", default="ddp", choices=sorted(STRATEGY_BUILDERS))
-    run.add_argument("--run-name", default=None, help="run folder name (default: strategy, nodes and time)")
+    run.add_argument("--strategy", default="ddp", choices=sorted(STRATEGY_BUILDERS), help="the strategy")
+    run.add_argument("--run-name", default=None,
+                     help="run folder name; an existing folder is never replaced (default: strategy, nodes and time)")
     _add_training_options(run)
     run.set_defaults(func=cmd_run)
 
     compare = sub.add_parser("compare", help="train several strategies on one task, then a table and plots",
-                             description="Train several strategies with the same settings; print a table and "
-                                         "save loss-vs-steps and loss-vs-bytes plots.")
-    compare.add_argument("--strategies", nargs="+", default=list(STRATEGY_BUILDERS), choices=list(STRATEGY_BUILDERS))
-    compare.add_argument("--out", default="comparison.png", help="plot file (default comparison.png)")
-    compare.add_argument("--prefix", default="", help="prefix for the run folder names")
+                             formatter_class=_HelpFormatter,
+                             description="Train several strategies with the same settings; print a table and save\n"
+                                         "loss-vs-steps and loss-vs-bytes plots. Run folders are\n"
+                                         "<log-dir>/<prefix><strategy>; an existing one is never replaced.")
+    compare.add_argument("--strategies", nargs="+", default=list(STRATEGY_BUILDERS), choices=list(STRATEGY_BUILDERS),
+                         help="the strategies to run, in order")
+    compare.add_argument("--out", default="comparison.png", help="plot file (and <name>_vs_bytes.png beside it)")
+    compare.add_argument("--prefix", default="", help="prefix of the run folder names (default: none)")
     _add_training_options(compare)
     compare.set_defaults(func=cmd_compare)
 
-    plot = sub.add_parser("plot", help="plot run folders against each other",
-                          description="Draw one column of several run folders against steps, examples, bytes or time.")
+    plot = sub.add_parser("plot", help="plot run folders against each other", formatter_class=_HelpFormatter,
+                          description="Draw one column of several run folders against steps, examples, bytes or "
+                                      "time; the legend shows the folder names.")
     plot.add_argument("runs", nargs="+", help="run folders (logs/<run_name>)")
-    plot.add_argument("--x", default="step", choices=["step", "examples", "tokens", "bytes", "wall_time_s", "sim_time_s"])
-    plot.add_argument("--y", default="global_loss", help="a column of train.csv or val.csv (default global_loss)")
-    plot.add_argument("--out", default="plot.png")
+    plot.add_argument("--x", default="step", choices=list(X_AXES), help="the x axis")
+    plot.add_argument("--y", default="global_loss", help="a column of train.csv or val.csv")
+    plot.add_argument("--out", default="plot.png", help="the PNG to write")
     plot.set_defaults(func=cmd_plot)
     return parser
 
 
+# Raised by exogym's own checks of what a user passed (before any node starts): one line, status 2.
+_USER_ERRORS = (UsageError, ValueError, TypeError, KeyError, FileNotFoundError, ImportError)
+
+
+def _is_user_error(e: BaseException) -> bool:
+    if not isinstance(e, _USER_ERRORS):
+        return False
+    # An exception from inside a running node carries a note naming the node: that is a bug, not a usage error.
+    return not any("raised in node" in note for note in getattr(e, "__notes__", ()))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except Exception as e:
+        if args.debug or not _is_user_error(e):
+            raise
+        text = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        print(f"exogym {args.command}: error: {' '.join(str(text).split())} (--debug for the traceback)",
+              file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
-from tqdm.auto import tqdm
 
 from exogym.checkpoint import CheckpointPlan, NodeState, finalize_checkpoint, save_node_state
 from exogym.comm import CollectiveError, Transport, bind_transport
 from exogym.data.sharding import NodeBatches, batch_size_of, move_to_device, split_batch, token_count
 from exogym.diagnostics import parameter_divergence
 from exogym.global_model import global_state_dict
+from exogym.model_call import contract_error, model_caller, parse_model_output
 from exogym.record import LiveLog, NodeLog
 from exogym.rejoin import hand_over_state
 from exogym.rng import GlobalRNGState
@@ -46,30 +46,8 @@ class _StepRecord:
     sim_time_s: float
 
 
-def parse_model_output(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Split model(batch) into the loss and extra scalar metrics, or say what the contract is."""
-    metrics: dict[str, torch.Tensor] = {}
-    if isinstance(out, dict):
-        if "loss" not in out:
-            raise TypeError(f"model(batch) returned a dict without a 'loss' entry (keys: {sorted(out)}); "
-                            "return the scalar loss under 'loss'")
-        for name, value in out.items():
-            if name == "loss":
-                continue
-            value = torch.as_tensor(value.detach() if isinstance(value, torch.Tensor) else value)
-            if value.numel() != 1:
-                raise TypeError(f"model(batch) returned metric {name!r} of shape {tuple(value.shape)}; "
-                                "extra entries must be scalars")
-            metrics[name] = value.reshape(()).float()
-        out = out["loss"]
-    if not isinstance(out, torch.Tensor) or out.numel() != 1 or not out.is_floating_point():
-        shape = f" of shape {tuple(out.shape)} and dtype {out.dtype}" if isinstance(out, torch.Tensor) else ""
-        raise TypeError(f"model(batch) must return a scalar floating-point loss tensor or a dict with 'loss'; "
-                        f"got {type(out).__name__}{shape}")
-    if not out.requires_grad:
-        raise TypeError("the loss returned by model(batch) does not require grad; compute it from the model's "
-                        "parameters, outside torch.no_grad()")
-    return out.reshape(()), metrics
+class NonFiniteLoss(FloatingPointError):
+    """A node's training loss is nan or inf; the message names the node and the step."""
 
 
 class TrainNode:
@@ -88,7 +66,7 @@ class TrainNode:
         self._step_flops: float | None = None
         self._tokens = self.log.rows[-1].get("tokens", 0) if self.log.rows else 0
         self._eval_model: torch.nn.Module | None = None
-        self._bar = None
+        self._call = None  # how the model is called (model(batch) or model(**batch)), decided on the first batch
         self.fused = None  # a FusedEngine when the backend runs the nodes' forward/backward batched
 
     def run(self, comm: Transport) -> tuple[NodeLog, dict[str, torch.Tensor] | None]:
@@ -97,17 +75,16 @@ class TrainNode:
             try:
                 return self._train(comm)
             except Exception as e:
-                if hasattr(e, "add_note") and not isinstance(e, CollectiveError):  # those name their nodes
+                if hasattr(e, "add_note") and not isinstance(e, (CollectiveError, NonFiniteLoss)):  # those name theirs
                     e.add_note(f"(raised in node {self.rank} at step {self.step + 1})")
                 raise
-            finally:
-                if self._bar is not None:
-                    self._bar.close()
 
     def _train(self, comm: Transport) -> tuple[NodeLog, dict[str, torch.Tensor] | None]:
         cfg, s = self.cfg, self.strategy
         first_step = self._start(comm)
         batches: Iterator[Any] = self.batches.iterate(from_step=first_step)
+        if cfg.validate and first_step == 0:
+            self._validate(comm, 0)  # the initial model's loss: every curve starts at step 0
         for self.step in range(first_step, cfg.max_steps):
             comm.step = self.step + 1  # steps count from 1 in records and messages
             batch = next(batches)  # drawn even when the node sits out: its data position is a function of the step
@@ -170,8 +147,6 @@ class TrainNode:
             comm.restore(self.resume.comm_stats, self.resume.clock)
             first_step = self.resume.step
         self.model.train()
-        if self.rank == 0 and cfg.progress:
-            self._bar = tqdm(total=cfg.max_steps, initial=first_step, desc="exogym", unit="step", dynamic_ncols=True)
         return first_step
 
     def _after_step(self, comm: Transport, done: int) -> None:
@@ -248,19 +223,31 @@ class TrainNode:
         n = batch_size_of(batch)
         if self.cfg.minibatch_size >= n:
             with self._autocast():
-                loss, metrics = parse_model_output(model(batch))
+                loss, metrics = parse_model_output(self._model_out(model, batch))
             loss.backward()
             return loss.detach(), metrics
         total, totals = None, {}
         for part in split_batch(batch, self.cfg.minibatch_size):
             w = batch_size_of(part) / n
             with self._autocast():
-                loss, metrics = parse_model_output(model(part))
+                loss, metrics = parse_model_output(self._model_out(model, part))
             (loss * w).backward()
             total = loss.detach() * w if total is None else total + loss.detach() * w
             for k, v in metrics.items():
                 totals[k] = v * w + totals.get(k, 0.0)
         return total, totals
+
+    def _model_out(self, model: torch.nn.Module, batch: Any) -> Any:
+        """model(batch), or model(**batch) for a dict batch whose keys are the forward's parameters."""
+        if self._call is not None:
+            return self._call(model, batch)
+        call = model_caller(model, batch)
+        try:
+            out = call(model, batch)
+        except TypeError as e:  # the first call: most likely a model that does not take the whole batch
+            raise contract_error(batch, e) from e
+        self._call = call
+        return out
 
     def _flush(self) -> None:
         """Move the losses since the last flush to the host (one sync per log interval, not per step)."""
@@ -275,8 +262,8 @@ class TrainNode:
             if u.loss is not None:
                 loss = next(losses)
                 if not math.isfinite(loss):
-                    raise FloatingPointError(f"the training loss on node {self.rank} is {loss} at step {first + i}; "
-                                             "lower the learning rate, set max_norm, or check the data")
+                    raise NonFiniteLoss(f"the training loss on node {self.rank} is {loss} at step {first + i}; "
+                                        "lower the learning rate, set max_norm, or check the data")
                 row.update(loss=loss, **{n: next(metrics[n]) for n in names})
             row["lr"] = u.lr
             if self.cfg.membership is not None:
@@ -290,12 +277,6 @@ class TrainNode:
         self._unflushed.clear()
         self.log.rows.extend(rows)
         self.live.add_rows(self.rank, rows)
-        if self._bar is not None:
-            self._bar.update(len(rows))
-            last = rows[-1]
-            self._bar.set_postfix_str(f"loss {last.get('loss', math.nan):.4f}, sent {_human_bytes(last['bytes'])}"
-                                      + (f", sim {rows[-1]['sim_time_s']:.1f}s" if "sim_time_s" in rows[-1] else "")
-                                      + (f", val {self.log.val[-1]['global_loss']:.4f}" if self.log.val else ""))
 
     def _validate(self, comm: Transport, done: int) -> None:
         state = global_state_dict(self.model, self.strategy, comm)  # every node takes part
@@ -320,21 +301,11 @@ class TrainNode:
         for batch in self.val_batches:
             n = batch_size_of(batch)
             with self._autocast():
-                out = model(batch)
-            loss = out["loss"] if isinstance(out, dict) else out
-            values = {"loss": loss.detach().float().reshape(())}
-            if isinstance(out, dict):
-                values.update({k: torch.as_tensor(v).detach().float().reshape(()) for k, v in out.items() if k != "loss"})
+                loss, metrics = parse_model_output(self._model_out(model, batch), training=False)
+            values = {"loss": loss.detach().float(), **metrics}
             for k, v in values.items():
                 sums[k] = v * n + sums.get(k, 0.0)
             count += n
         model.train(was_training)
         return {k: float(v) / count for k, v in sums.items()}
 
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000:
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1000
-    return f"{n:.1f}TB"

@@ -30,7 +30,6 @@ class RunConfig:
     val_interval: int
     log_interval: int
     autocast: bool
-    progress: bool
     validate: bool  # every node takes part in building the global model, node 0 evaluates it
     diagnostics_interval: int | None = None
     time_model: TimeModel | None = None  # None: no simulated time

@@ -20,9 +20,12 @@ from exogym.record import RunRecord
 
 __all__ = ["RunCurves", "load_run", "plot_runs", "X_AXES"]
 
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+_DASHES = ("-", "--", "-.", ":", (0, (5, 1, 1, 1)), (0, (3, 1, 1, 1, 1, 1)))
+
 X_AXES = ("step", "examples", "tokens", "bytes", "wall_time_s", "sim_time_s")
 _X_LABELS = {"step": "step", "examples": "examples seen", "tokens": "tokens seen",
-             "bytes": "bytes sent (all nodes)", "wall_time_s": "wall-clock seconds", "sim_time_s": "simulated seconds"}
+             "bytes": "bytes sent per node", "wall_time_s": "wall-clock seconds", "sim_time_s": "simulated seconds"}
 
 
 @dataclass
@@ -51,13 +54,15 @@ def load_run(run: Union[str, os.PathLike, RunRecord], label: str | None = None) 
                                 "(CSVLogger writes logs/<run_name>/train.csv)")
     config_file = folder / "config.json"
     config = json.loads(config_file.read_text()) if config_file.exists() else {}
-    name = label or config.get("run_name") or folder.name
+    name = label or folder.name  # the name the user gave the folder (config's run_name may be a default)
     return RunCurves(name, _read_rows(folder / "train.csv"), _read_rows(folder / "val.csv"))
 
 
 def _series(run: RunCurves, x: str, y: str) -> tuple[list[float], list[float]]:
     """(xs, ys) for column y: validation columns are placed at the train row of the same step."""
     by_step = {int(row["step"]): row for row in run.train}
+    if run.train:  # the step-0 evaluation (the initial model): nothing trained, seen, sent or spent yet
+        by_step.setdefault(0, {k: 0.0 for k in run.train[0]})
     if run.train and y in run.train[0]:
         rows = run.train
     elif run.val and y in run.val[0]:
@@ -91,11 +96,13 @@ def plot_runs(runs: Sequence[Union[str, os.PathLike, RunRecord, RunCurves]], *, 
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     log = log_x if log_x is not None else x == "bytes"
-    for run in curves:
+    for i, run in enumerate(curves):
         xs, ys = _series(run, x, y)
         if log:  # a log axis cannot show x = 0 (e.g. an evaluation before DiLoCo's first sync)
             xs, ys = zip(*[(a, b) for a, b in zip(xs, ys) if a > 0]) if any(a > 0 for a in xs) else ((), ())
-        ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=run.label)
+        # Each run its own marker and dash pattern, so a curve lying on another still shows.
+        ax.plot(xs, ys, label=run.label, marker=_MARKERS[i % len(_MARKERS)], markersize=5, fillstyle="none",
+                linestyle=_DASHES[i % len(_DASHES)], linewidth=1.4, markevery=max(1, len(xs) // 12), alpha=0.9)
     if log:
         ax.set_xscale("log")
     ax.set_xlabel(_X_LABELS[x])

@@ -9,13 +9,15 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
     from exogym.logger import Logger
+    from exogym.progress import RunProgress
 
 __all__ = ["RunRecord", "NodeLog", "LiveLog", "merge_step_rows"]
 
 
 def merge_step_rows(rows: Sequence[dict[str, float]], *, global_batch: int) -> dict[str, float]:
-    """One step's rows from several nodes -> one row: loss and metrics averaged over the nodes, bytes and
-    tokens and nodes up summed, simulated time the latest, lr and wall time from the lowest rank."""
+    """One step's rows from several nodes -> one row: loss and metrics averaged over the nodes that computed
+    the step (the nodes up), bytes per node (the mean over the nodes), tokens and nodes up summed, simulated
+    time the latest, lr and wall time from the lowest rank."""
     first = rows[0]
     merged: dict[str, float] = {"step": first["step"]}
     for key in dict.fromkeys(k for r in rows for k in r):
@@ -27,7 +29,7 @@ def merge_step_rows(rows: Sequence[dict[str, float]], *, global_batch: int) -> d
         merged["tokens"] = sum(r["tokens"] for r in rows)
     if "up" in first:  # failures / elastic pools: how many nodes were up
         merged["nodes_up"] = sum(r["up"] for r in rows)
-    merged.update(bytes=sum(r["bytes"] for r in rows), wall_time_s=first["wall_time_s"])
+    merged.update(bytes=sum(r["bytes"] for r in rows) / len(rows), wall_time_s=first["wall_time_s"])
     if "sim_time_s" in first:
         merged["sim_time_s"] = max(r["sim_time_s"] for r in rows)  # the cluster is as far as its slowest node
     return merged
@@ -52,40 +54,46 @@ class NodeLog:
 
 
 class LiveLog:
-    """Feeds a logger while the run trains: a step's merged row goes out once every node it hears from has
-    reported that step (in the sim backend all nodes; in a torch.distributed process only its own)."""
+    """Feeds a logger and the progress bar while the run trains: a step's merged row (the same row the
+    record keeps) goes out once every node it hears from has reported that step (in the sim backend and
+    the spawned torch backend all nodes; in a torchrun process only its own)."""
 
     def __init__(self, logger: "Logger | None", ranks: Sequence[int], *, global_batch: int, log_interval: int = 1,
-                 last_step: int | None = None):
-        self.logger, self.global_batch = logger, global_batch
+                 last_step: int | None = None, progress: "RunProgress | None" = None):
+        self.logger, self.global_batch, self.progress = logger, global_batch, progress
         self.log_interval, self.last_step = log_interval, last_step  # every log_interval-th step's row, and the last
         self._queues: dict[int, deque] = {r: deque() for r in ranks}
 
     def add_rows(self, rank: int, rows: list[dict[str, float]]) -> None:
-        if self.logger is None or rank not in self._queues:
+        if (self.logger is None and self.progress is None) or rank not in self._queues:
             return
         self._queues[rank].extend(rows)
         while all(self._queues.values()):
             row = merge_step_rows([q.popleft() for q in self._queues.values()], global_batch=self.global_batch)
             step = int(row["step"])
-            if step % self.log_interval == 0 or step == self.last_step:
+            if self.logger is not None and (step % self.log_interval == 0 or step == self.last_step):
                 self.logger.log("train", row)
+            if self.progress is not None:
+                self.progress.train_row(row)
 
     def add_row(self, table: str, row: dict[str, float]) -> None:
         """A row only node 0 measures ("val", "diagnostics")."""
         if self.logger is not None:
             self.logger.log(table, row)
+        if self.progress is not None and table == "val":
+            self.progress.val_row(row)
 
 
 @dataclass
 class RunRecord:
     """The measurements of a finished run, on `trainer.record`.
 
-    train: one row per step: step, loss (mean over nodes), extra metrics (mean), lr, examples (global),
-        tokens (global, when batches hold token ids), bytes (all nodes, cumulative), wall_time_s, and
+    train: one row per step: step, loss (mean over the nodes up), extra metrics (likewise), lr, examples
+        (global), tokens (global, when batches hold token ids), bytes (sent per node, cumulative: the mean
+        over the nodes; total_bytes is the sum), wall_time_s, and
         sim_time_s (the latest node's virtual clock) when the run has a time model; nodes_up with failures
         or an elastic pool.
-    val: one row per evaluation: step, local_loss (node 0's model), global_loss (the global model),
+    val: one row per evaluation (at step 0, every val_interval steps and at the end): step, local_loss (node 0's model), global_loss (the global model),
         and local_/global_ versions of every extra metric.
     diagnostics: rows of step, param_correlation, param_variance (fit's diagnostics_interval).
     node_loss[r][s]: node r's training loss at step s+1 (nan where it sat out the step).

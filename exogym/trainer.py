@@ -28,6 +28,7 @@ from exogym.fingerprint import run_fingerprint
 from exogym.membership import RandomFailures, build_membership
 from exogym.network import Network
 from exogym.plan import RunConfig, RunPlan
+from exogym.progress import RunProgress
 from exogym.record import LiveLog, RunRecord
 from exogym.rng import GlobalRNGState
 from exogym.run_folder import check_writable
@@ -238,7 +239,7 @@ class Trainer:
         cfg = RunConfig(num_nodes=num_nodes, max_steps=total_steps, batch_size=batch_size,
                         minibatch_size=minibatch_size, val_interval=val_interval,
                         log_interval=max(log_interval, 10),  # the nodes' host syncs of the loss; loggers: below
-                        autocast=autocast, progress=progress, validate=val_batches is not None,
+                        autocast=autocast, validate=val_batches is not None,
                         diagnostics_interval=diagnostics_interval, time_model=time_model,
                         steps_per_epoch=steps_per_epoch, membership=membership,
                         shard_sizes=tuple(nb.shard_size for nb in node_batches),
@@ -303,6 +304,7 @@ class Trainer:
                                   resume_after=resume_after) if is_main else None
         run_name = claim.name if claim is not None else run_name or default_run_name(config)
         config["run_name"] = run_name
+        bar = None
         try:
             checkpoints = None
             if checkpoint_interval is not None or checkpoint_dir is not None:  # a folder alone: one, at the end
@@ -310,8 +312,10 @@ class Trainer:
                 checkpoints = CheckpointPlan(check_writable(root, "checkpoint_dir"), checkpoint_interval or total_steps,
                                              keep_checkpoints, config, run_id, fingerprint)
                 checkpoints.check_owner(overwrite=overwrite)
+            bar = RunProgress(total_steps, initial=manifest["step"] if resume else 0) if progress and is_main else None
             live = LiveLog(logger, range(num_nodes) if launch is None else [launch.rank],  # torchrun: its own
-                           global_batch=num_nodes * batch_size, log_interval=log_interval, last_step=total_steps)
+                           global_batch=num_nodes * batch_size, log_interval=log_interval, last_step=total_steps,
+                           progress=bar)
             plan = RunPlan(model=self.model, strategy=strategy, node_batches=node_batches, val_batches=val_batches,
                            devices=node_devices, cfg=cfg, seed=seed, live=live, checkpoints=checkpoints,
                            resume=resume, node_timeout=node_timeout, port=port,
@@ -319,6 +323,8 @@ class Trainer:
             if logger is not None:
                 logger.start(config)
         except BaseException:
+            if bar is not None:
+                bar.close()
             if claim is not None:
                 claim.abandon()
             raise
@@ -328,6 +334,8 @@ class Trainer:
             memory_cap.apply()
             results = _RUNNERS[backend](plan)
         except BaseException as e:
+            if bar is not None:
+                bar.close()
             if logger is not None:
                 logger.finish({"status": "failed", "error": f"{type(e).__name__}: {e}"})
             if claim is not None:
@@ -340,6 +348,8 @@ class Trainer:
         self.record = RunRecord.from_nodes(logs, config=config, global_batch=num_nodes * batch_size,
                                            wall_time_s=time.perf_counter() - start,
                                            peak_memory_mb=peak_memory_mb(node_devices))
+        if bar is not None:
+            bar.close(self.record.summary())
         if logger is not None:
             logger.finish({"status": "completed", **self.record.summary()})
         if claim is not None:

@@ -58,7 +58,7 @@ def test_hooks_get_every_step_and_every_evaluation(tmp_path):
     _sim(train_loss_hook=train.append, eval_loss_hook=evals.append, ckpt_interval=2, save_dir=tmp_path).train()
     assert [s.step for s in train] == list(range(1, 13)) and all(isinstance(s, TrainStats) for s in train)
     assert all(math.isclose(s.perplexity, math.exp(s.loss)) for s in train)
-    assert [s.step for s in evals] == [6, 12] and all(isinstance(s, EvalStats) for s in evals)
+    assert [s.step for s in evals] == [0, 6, 12] and all(isinstance(s, EvalStats) for s in evals)
     assert all(0 <= s.accuracy <= 1 and math.isclose(s.perplexity, math.exp(s.loss)) for s in evals)
     # ckpt_interval counts outer steps: every 2 x 4 local steps, plus the end.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000008", "step_000000012"]

@@ -70,7 +70,7 @@ def test_rows_arrive_every_log_interval_and_a_failed_run_is_finished():
                    logger=lg, **FIT)
     assert lg.calls[0] == ("start", 2) and lg.calls[-1] == ("finish", "completed")
     assert [c for c in lg.calls if c[0] == "train"] == [("train", 2), ("train", 4), ("train", 5)]  # every 2nd, last
-    assert [c for c in lg.calls if c[0] == "val"] == [("val", 4), ("val", 5)]
+    assert [c for c in lg.calls if c[0] == "val"] == [("val", 0), ("val", 4), ("val", 5)]
     lg = Recording()
     _trainer().fit(SimpleReduceStrategy(), 2, batch_size=8, max_steps=3, logger=lg, **FIT)  # default: every step
     assert [c for c in lg.calls if c[0] == "train"] == [("train", 1), ("train", 2), ("train", 3)]

@@ -24,11 +24,11 @@ def test_record_rows_bytes_and_validation_schedule():
     assert [row["step"] for row in r.train] == list(range(1, 8))
     assert r.column("examples") == [s * 32 for s in range(1, 8)]
     grad_bytes = sum(p.numel() * 4 for p in toy.TinyMLP().parameters())
-    per_step = all_reduce_bytes(grad_bytes, 4) * 4  # every node, every step
-    assert r.column("bytes") == [s * per_step for s in range(1, 8)]
-    assert r.bytes_per_node == [7 * all_reduce_bytes(grad_bytes, 4)] * 4
-    assert r.total_bytes == 7 * per_step
-    assert [row["step"] for row in r.val] == [3, 6, 7]
+    per_step = all_reduce_bytes(grad_bytes, 4)  # what each node sends every step
+    assert r.column("bytes") == [s * per_step for s in range(1, 8)]  # per node, cumulative
+    assert r.bytes_per_node == [7 * per_step] * 4
+    assert r.total_bytes == 7 * per_step * 4
+    assert [row["step"] for row in r.val] == [0, 3, 6, 7]  # the initial model, every val_interval, the end
     assert set(r.val[0]) == {"step", "local_loss", "global_loss", "local_accuracy", "global_accuracy"}
     # DDP keeps the nodes identical, so node 0's model is the global model (up to averaging's rounding).
     assert math.isclose(r.val[-1]["local_loss"], r.val[-1]["global_loss"], rel_tol=1e-5)
@@ -41,7 +41,7 @@ def test_validation_batches_are_the_same_every_time():
     t = Trainer(toy.TinyMLP(), toy.make_classification(64), toy.make_classification(40, seed=1))
     t.fit(toy.LocalOnly(lr=0.0, tag="frozen"), 2, batch_size=8, max_steps=4, val_interval=1, val_size=24, **FIT)
     losses = t.record.column("global_loss", table="val")
-    assert len(losses) == 4 and len(set(losses)) == 1  # lr 0: the same model on the same batches
+    assert len(losses) == 5 and len(set(losses)) == 1  # steps 0..4  # lr 0: the same model on the same batches
 
 
 def test_lambda_cosine_schedule_is_recorded():

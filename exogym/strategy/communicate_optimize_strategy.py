@@ -23,8 +23,8 @@ from exogym.compression import Compressor
 from exogym.spellings import Respelled
 from exogym.strategy.communicate import Group, new_group
 from exogym.strategy.context import NodeContext
-from exogym.strategy.optim import OptimSpec, ensure_optim_spec
-from exogym.strategy.strategy import Strategy
+from exogym.strategy.optim import OptimSpec, ensure_optim_spec, pop_optimizer_options
+from exogym.strategy.strategy import Strategy, strategy_keywords
 
 __all__ = ["CommunicationModule", "CommunicateOptimizeStrategy", "ModularStrategy", "AveragingCommunicator",
            "round_generator"]
@@ -130,8 +130,12 @@ class ModularStrategy(Strategy):
     def __init__(self, optim_spec: OptimSpec | str | type | None = None, max_norm: float | None = None, *,
                  inner_optim: OptimSpec | str | type | None = None, lr: float | None = None,
                  weight_decay: float | None = None, **kwargs: Any):
+        # The name form's options ("sgd", momentum=0.9) are the inner optimizer's; the rest are the base class's.
+        options = pop_optimizer_options(type(self).__name__, optim_spec if optim_spec is not None else inner_optim,
+                                        self._default_inner, kwargs, strategy_keywords(type(self)))
         super().__init__(max_norm=max_norm, **kwargs)
-        self.optim_spec = inner_spec(optim_spec, inner_optim, self._default_inner, lr=lr, weight_decay=weight_decay)
+        self.optim_spec = inner_spec(optim_spec, inner_optim, self._default_inner, lr=lr, weight_decay=weight_decay,
+                                     **options)
         self.modules: list[CommunicationModule] = []
 
     def _use_modules(self, communication_modules: Sequence[CommunicationModule]) -> None:
@@ -221,14 +225,15 @@ class CommunicateOptimizeStrategy(ModularStrategy):
 
 
 def inner_spec(optim_spec: OptimSpec | str | type | None, inner_optim: OptimSpec | str | type | None,
-               default: OptimSpec, *, lr: float | None, weight_decay: float | None) -> OptimSpec:
-    """The inner optimizer from either spelling (optim_spec= or inner_optim=), with lr / weight_decay."""
+               default: OptimSpec, *, lr: float | None, weight_decay: float | None, **options: Any) -> OptimSpec:
+    """The inner optimizer from either spelling (optim_spec= or inner_optim=), with lr / weight_decay and,
+    for a name or class, the optimizer's other options (momentum=0.9, betas=...)."""
     if optim_spec is not None and inner_optim is not None:
         raise TypeError(f"got both optim_spec={optim_spec!r} and inner_optim={inner_optim!r}; pass one of them")
     check_number("lr", lr, positive=True, allow_none=True)
     check_number("weight_decay", weight_decay, minimum=0.0, allow_none=True)
     return ensure_optim_spec(optim_spec if optim_spec is not None else inner_optim, default,
-                             lr=lr, weight_decay=weight_decay)
+                             lr=lr, weight_decay=weight_decay, **options)
 
 
 def __getattr__(name: str) -> Any:

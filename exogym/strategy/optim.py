@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import inspect
 from typing import Any, Iterable
 
@@ -103,3 +104,38 @@ def ensure_optim_spec(optim: OptimSpec | str | type | None, default: OptimSpec |
     if isinstance(optim, str) or inspect.isclass(optim):
         return OptimSpec(optim, **kwargs)
     raise TypeError(f"an optimizer must be an OptimSpec, a name such as 'adamw', or an Optimizer class; got {optim!r}")
+
+
+def pop_optimizer_options(owner: str, optim: OptimSpec | str | type | None, default: OptimSpec | None,
+                          kwargs: dict[str, Any], owner_keywords: Iterable[str]) -> dict[str, Any]:
+    """The name form's options: `SPARTAStrategy("sgd", lr=0.05, momentum=0.9)`.
+
+    Removes from `kwargs` (a strategy's leftover keywords, those it does not take itself) the ones that
+    are options of its inner optimizer (named, a class, or the strategy's default) and returns them. A
+    keyword that is neither the strategy's nor the optimizer's is a TypeError naming both lists.
+    """
+    leftover = {k: v for k, v in kwargs.items() if k not in set(owner_keywords)}
+    if not leftover:
+        return {}
+    if isinstance(optim, OptimSpec):
+        cls, options = optim.cls, None  # a full spec holds its own options
+    else:
+        cls = _optimizer_class(optim) if isinstance(optim, str) else optim if optim is not None else (
+            default.cls if default is not None else None)
+        options = _optimizer_keywords(cls) if inspect.isclass(cls) else set()
+        if options is None:  # the optimizer takes **kwargs: whatever the strategy does not take is its
+            return {k: kwargs.pop(k) for k in leftover}
+    accepted = options or set()
+    unknown = sorted(k for k in leftover if k not in accepted)
+    if unknown:
+        mine = sorted(set(owner_keywords))
+        parts = []
+        for k in unknown:
+            close = difflib.get_close_matches(k, mine + sorted(accepted), n=1)
+            parts.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        name = getattr(cls, "__name__", None)
+        theirs = ("" if name is None else f"; options of {name} go inside the OptimSpec ({optim!r})"
+                  if options is None else f"; its optimizer {name} accepts: {', '.join(sorted(accepted))}")
+        raise TypeError(f"{owner} got unexpected keyword argument(s) {', '.join(parts)}; accepted keywords are: "
+                        f"{', '.join(mine)}{theirs}")
+    return {k: kwargs.pop(k) for k in leftover}

@@ -16,10 +16,17 @@ from exogym._validation import check_number, init_keywords, reject_unknown_kwarg
 from exogym.strategy.context import NodeContext
 from exogym.strategy.lr_schedule import LRSchedule
 from exogym.strategy.mean import mean_
-from exogym.spellings import Respelled, named_schedule, pop_ignored_strategy_keywords
-from exogym.strategy.optim import OptimSpec, ensure_optim_spec
+from exogym.spellings import IGNORED_STRATEGY_KEYWORDS, Respelled, named_schedule, pop_ignored_strategy_keywords
+from exogym.strategy.optim import OptimSpec, ensure_optim_spec, pop_optimizer_options
 
 __all__ = ["Strategy", "SimpleReduceStrategy", "NodeContext", "parameter_state"]
+
+
+def strategy_keywords(cls: type) -> list[str]:
+    """The keywords a strategy class handles itself (its constructors' and the original's ignored ones): the
+    rest of a constructor's keywords are options of its optimizer (the name form, "sgd", momentum=0.9)."""
+    ignored = list(IGNORED_STRATEGY_KEYWORDS) if getattr(cls, "_original_ignored_keywords", True) else []
+    return init_keywords(cls) + ignored
 
 
 class Strategy(metaclass=Respelled):
@@ -246,9 +253,12 @@ class SimpleReduceStrategy(Strategy):
 
     def __init__(self, optim_spec: OptimSpec | str | type | None = None, max_norm: float | None = None, *,
                  lr: float | None = None, **kwargs: Any):
+        default = OptimSpec(torch.optim.AdamW, lr=1e-3)
+        # The name form's options ("sgd", momentum=0.9) are the optimizer's; the rest are the base class's.
+        options = pop_optimizer_options(type(self).__name__, optim_spec, default, kwargs, strategy_keywords(type(self)))
         super().__init__(max_norm=max_norm, **kwargs)
         check_number("lr", lr, positive=True, allow_none=True)
-        self.optim_spec = ensure_optim_spec(optim_spec, OptimSpec(torch.optim.AdamW, lr=1e-3), lr=lr)
+        self.optim_spec = ensure_optim_spec(optim_spec, default, lr=lr, **options)
 
     def step(self) -> None:
         self.communicate_gradients()  # one bucket per dtype: one collective per step instead of one per parameter

