@@ -14,9 +14,9 @@ from exogym import Trainer
 from exogym.checkpoint import CheckpointError
 from exogym.compression import ErrorFeedback, IntQuantizer, TopK
 from exogym.logger import Logger
-from exogym.strategy import (AveragingCommunicator, CommunicateOptimizeStrategy, DeMoStrategy, DiLoCoStrategy,
-                             FedAvgStrategy, OptimSpec, SimpleReduceStrategy, SPARTADiLoCoStrategy, SPARTAStrategy,
-                             StreamingDiLoCoStrategy)
+from exogym.strategy import (AveragingCommunicator, CommunicateOptimizeStrategy, DeMoStrategy, DGCStrategy,
+                             DiLoCoStrategy, FedAvgStrategy, OptimSpec, SimpleReduceStrategy, SPARTADiLoCoStrategy,
+                             SPARTAStrategy, StreamingDiLoCoStrategy)
 
 FIT = dict(progress=False, device="cpu", logger=False, batch_size=8, val_interval=5)
 
@@ -188,6 +188,7 @@ STRATEGIES = {
     "sparta-diloco": lambda: SPARTADiLoCoStrategy(lr=1e-2, p_sparta=0.2, H=3),
     "averaging-int8": lambda: CommunicateOptimizeStrategy([AveragingCommunicator(2, quantization_bits=8)], lr=1e-2),
     "demo": lambda: DeMoStrategy(lr=1e-3, warmup_steps=2),
+    "dgc": lambda: DGCStrategy(lr=1e-2, target_sparsity=0.05, warmup_steps=4, clip_threshold=1.0),
     "custom": lambda: toy.LocalOnly(lr=0.1),
 }
 

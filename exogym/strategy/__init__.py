@@ -9,10 +9,11 @@ from exogym.strategy.sparta import SparseCommunicator, SPARTAStrategy, TopKSpars
 from exogym.strategy.federated_averaging import FedAvgStrategy
 from exogym.strategy.sparta_diloco import SPARTADiLoCoStrategy
 from exogym.strategy.demo import DeMo, DeMoStrategy
+from exogym.strategy.dgc import DGCStrategy
 from exogym.strategy.streaming_diloco import StreamingDiLoCoCommunicator, StreamingDiLoCoStrategy
 
 __all__ = ["Strategy", "SimpleReduceStrategy", "OptimSpec",
            "CommunicateOptimizeStrategy", "CommunicationModule", "AveragingCommunicator", "SparseCommunicator",
            "DiLoCoCommunicator", "DiLoCoStrategy", "FedAvgStrategy", "SPARTAStrategy", "SPARTADiLoCoStrategy",
-           "DeMo", "DeMoStrategy", "TopKSparseCommunicator", "StreamingDiLoCoCommunicator",
+           "DeMo", "DeMoStrategy", "DGCStrategy", "TopKSparseCommunicator", "StreamingDiLoCoCommunicator",
            "StreamingDiLoCoStrategy"]

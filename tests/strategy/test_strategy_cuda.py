@@ -6,7 +6,7 @@ from torch.testing import assert_close
 
 import toy
 from exogym import Trainer
-from exogym.strategy import DeMoStrategy, DiLoCoStrategy, FedAvgStrategy, OptimSpec, SPARTAStrategy
+from exogym.strategy import DeMoStrategy, DGCStrategy, DiLoCoStrategy, FedAvgStrategy, OptimSpec, SPARTAStrategy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 FIT = dict(progress=False, logger=False, val_interval=100)
@@ -35,3 +35,11 @@ def test_demo_runs_on_the_gpu():
     _, record = fit(DeMoStrategy(lr=1e-2, compression_topk=4, compression_chunk=4), "cuda")
     losses = record.column("loss")
     assert sum(losses[-3:]) < sum(losses[:3])
+
+
+def test_dgc_runs_on_the_gpu():
+    make = lambda: DGCStrategy(SGD, target_sparsity=0.05, warmup_steps=4, clip_threshold=1.0)  # noqa: E731
+    _, record = fit(make(), "cuda")
+    losses = record.column("loss")
+    assert sum(losses[-3:]) < sum(losses[:3])
+    assert record.bytes_per_node == fit(make(), "cpu")[1].bytes_per_node  # k depends on the sizes only

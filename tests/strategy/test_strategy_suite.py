@@ -9,8 +9,9 @@ from torch.utils.data import Subset
 import toy
 from exogym import Trainer
 from exogym.comm import all_reduce_bytes
-from exogym.strategy import (CommunicateOptimizeStrategy, CommunicationModule, DeMoStrategy, DiLoCoStrategy,
-                             FedAvgStrategy, OptimSpec, SimpleReduceStrategy, SPARTADiLoCoStrategy, SPARTAStrategy)
+from exogym.strategy import (CommunicateOptimizeStrategy, CommunicationModule, DeMoStrategy, DGCStrategy,
+                             DiLoCoStrategy, FedAvgStrategy, OptimSpec, SimpleReduceStrategy, SPARTADiLoCoStrategy,
+                             SPARTAStrategy)
 from exogym.strategy.communicate import all_reduce
 from strategy_toys import FIT, run_linear
 
@@ -18,6 +19,7 @@ K, STEPS, H, P = 4, 40, 5, 0.05
 MODEL_BYTES = 4 * (16 * 8 + 16 + 3 * 16 + 3)  # TinyMLP in fp32
 DDP_STEP = all_reduce_bytes(MODEL_BYTES, K)  # what DDP sends per node per step
 DEMO_STEP = (K - 1) * (8 * 4 + 4 * 4 + 4 * 4 + 1 * 3) * (8 + 4)  # chunks x topk x (index + value), chunk 4, topk 4
+DGC_STEP = (K - 1) * (7 + 1 + 3 + 1) * (4 + 4)  # ceil(P x numel) entries per parameter x (int32 index + fp32 value)
 
 STRATEGIES = {
     "ddp": (lambda: SimpleReduceStrategy(lr=1e-2), 1.0),
@@ -27,6 +29,7 @@ STRATEGIES = {
     "sparta": (lambda: SPARTAStrategy(lr=1e-2, p_sparta=P), P),
     "sparta-diloco": (lambda: SPARTADiLoCoStrategy(lr=1e-2, p_sparta=P, H=H), P + 1 / H),
     "demo": (lambda: DeMoStrategy(lr=1e-2, compression_topk=4, compression_chunk=4), DEMO_STEP / DDP_STEP),
+    "dgc": (lambda: DGCStrategy(lr=0.05, target_sparsity=P, momentum=0.9), DGC_STEP / DDP_STEP),
 }
 
 
