@@ -30,9 +30,9 @@ from exogym import RandomFailures, Trainer
 from exogym.data.mnist import load_mnist
 from exogym.models import MnistCNN
 from exogym.strategy import DiLoCoStrategy, OptimSpec, SimpleReduceStrategy
+from published_output import output_path
 
 
-DOCS_IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
 
 
 def main() -> None:
@@ -46,9 +46,10 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="60 steps, 2 schedules, 1 failure rate")
-    parser.add_argument("--plot", default=str(DOCS_IMG / "elastic_compute.png"),
+    parser.add_argument("--plot", default=None,
                         help="the plot; the numbers go next to it as a .json file")
     args = parser.parse_args()
+    args.plot = str(output_path(parser, args, "elastic_compute.png", given=args.plot))
     if args.quick:
         args.steps, args.rates = 60, [0.02]
 

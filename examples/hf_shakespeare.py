@@ -23,9 +23,9 @@ import torch
 from exogym import Trainer
 from exogym.data.shakespeare import VAL_FRACTION, CharVocab, shakespeare_text
 from exogym.strategy import DiLoCoStrategy, OptimSpec, SimpleReduceStrategy
+from published_output import output_path
 
 NODES = 4
-DOCS_IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
 
 
 def char_blocks(ids: torch.Tensor, block_size: int):
@@ -61,8 +61,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="blocks per node per step (default 8)")
     parser.add_argument("--H", type=int, default=10, help="DiLoCo: inner steps per round (default 10)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(DOCS_IMG / "hf_shakespeare.json"), help="the JSON file of the numbers")
+    parser.add_argument("--out", default=None, help="the JSON file of the numbers")
     args = parser.parse_args()
+    args.out = str(output_path(parser, args, "hf_shakespeare.json", given=args.out))
 
     text = shakespeare_text()
     vocab = CharVocab.from_text(text)

@@ -32,9 +32,9 @@ from exogym.data.mnist import load_mnist
 from exogym.models import ExoGymMnistCNN, MnistCNN
 from exogym.strategy import (DeMoStrategy, DiLoCoStrategy, FedAvgStrategy, OptimSpec, SimpleReduceStrategy,
                              SPARTAStrategy)
+from published_output import output_path
 
 GLOBAL_BATCH = 128
-DOCS_IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
 PUBLISHED_RUNS = ("DDP", "DiLoCo H=20", "SPARTA p=0.005")  # the original README's curve compared these
 
 
@@ -126,12 +126,9 @@ def main() -> None:
         if unknown:
             parser.error(f"unknown run label(s) {unknown}; the runs are {[label for label, *_ in runs]}")
         runs = [r for r in runs if r[0] in args.runs]
-    # The published tables' files in docs/img are written only by the runs that make them (every run, the
-    # default steps, lr and threads); any other run writes under runs/, so a quick look never replaces them.
     name = "mnist_published.json" if args.published else f"mnist_seed{args.seed}.json"
-    published = (args.runs is None and args.threads == 1 and args.steps == parser.get_default("steps")
-                 and args.lr == parser.get_default("lr"))
-    out = Path(args.out) if args.out else (DOCS_IMG if published else Path("runs")) / name
+    check = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in ("seed", "published")})
+    out = output_path(parser, check, name, given=args.out)  # docs/img for every default but seed/published
     out.parent.mkdir(parents=True, exist_ok=True)
 
     train, test = load_mnist("train"), load_mnist("test")

@@ -22,6 +22,7 @@ from torch import nn
 from exogym import Trainer
 from exogym.data.mnist1d import load_mnist1d
 from exogym.strategy import DiLoCoStrategy, OptimSpec, SimpleReduceStrategy
+from published_output import output_path
 
 PAPER = {"logistic regression": 0.32, "MLP": 0.68, "CNN": 0.94, "GRU": 0.91}  # Greydanus 2020, test accuracy
 
@@ -43,7 +44,6 @@ class Conv1dNet(nn.Module):
         return {"loss": F.cross_entropy(logits, y), "accuracy": (logits.argmax(1) == y).float().mean()}
 
 
-DOCS_IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
 
 
 def main() -> None:
@@ -51,8 +51,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(DOCS_IMG / "mnist1d.json"), help="the JSON file of the numbers")
+    parser.add_argument("--out", default=None, help="the JSON file of the numbers")
     args = parser.parse_args()
+    args.out = str(output_path(parser, args, "mnist1d.json", given=args.out))
 
     train, test = load_mnist1d("train"), load_mnist1d("test")
     adam = OptimSpec(torch.optim.Adam, lr=args.lr)

@@ -21,9 +21,9 @@ import torch
 from exogym import Trainer
 from exogym.strategy import DiLoCoStrategy, OptimSpec, SimpleReduceStrategy
 from exogym.tasks import get_task
+from published_output import output_path
 
 
-DOCS_IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
 
 
 def main() -> None:
@@ -35,8 +35,9 @@ def main() -> None:
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--sample", type=int, default=200, help="characters to generate from each model")
-    parser.add_argument("--out", default=str(DOCS_IMG / "shakespeare_gpt.json"), help="the JSON file of the numbers")
+    parser.add_argument("--out", default=None, help="the JSON file of the numbers")
     args = parser.parse_args()
+    args.out = str(output_path(parser, args, "shakespeare_gpt.json", given=args.out))
 
     adamw = OptimSpec(torch.optim.AdamW, lr=args.lr, weight_decay=0.1)
     schedule = {"warmup_steps": max(1, args.steps // 10), "cosine_anneal": True}

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import torch
 
@@ -24,8 +23,8 @@ from exogym.data.mnist import load_mnist
 from exogym.models import MnistCNN
 from exogym.network import Network
 from exogym.strategy import DeMoStrategy, DiLoCoStrategy, OptimSpec, SimpleReduceStrategy, SPARTAStrategy
+from published_output import output_path
 
-DOCS_IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
 
 
 def strategies(lr: float) -> list[tuple[str, object]]:
@@ -51,10 +50,10 @@ def main() -> None:
     parser.add_argument("--latency", default="50ms")
     parser.add_argument("--device-tflops", type=float, default=10.0, help="sustained TFLOP/s per node (default 10)")
     parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--out", default=str(DOCS_IMG / "wan_time_to_loss.json"),
+    parser.add_argument("--out", default=None,
                         help="the JSON file of the numbers (the plot goes next to it)")
     args = parser.parse_args()
-    out = Path(args.out)
+    out = output_path(parser, args, "wan_time_to_loss.json", given=args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
     network = Network(bandwidth=args.bandwidth, latency=args.latency)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import traceback
 from pathlib import Path
 from typing import Callable, NoReturn, Sequence
 

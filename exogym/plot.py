@@ -52,8 +52,6 @@ def load_run(run: Union[str, os.PathLike, RunRecord], label: str | None = None) 
     if not (folder / "train.csv").exists():
         raise FileNotFoundError(f"{str(folder)!r} is not a run folder: it has no train.csv "
                                 "(CSVLogger writes logs/<run_name>/train.csv)")
-    config_file = folder / "config.json"
-    config = json.loads(config_file.read_text()) if config_file.exists() else {}
     name = label or folder.name  # the name the user gave the folder (config's run_name may be a default)
     return RunCurves(name, _read_rows(folder / "train.csv"), _read_rows(folder / "val.csv"))
 
