@@ -10,7 +10,6 @@ RunRecord objects.
 from __future__ import annotations
 
 import csv
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path

@@ -5,6 +5,7 @@ in the docs points to a file that exists."""
 import importlib.util
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,9 @@ STEPS = {"DiLoCo H=20": 20, "FedAvg H=10": 10}
 
 
 def _example(name):
+    # Examples import their folder's helpers (published_output) as scripts do: with the folder on sys.path.
+    if str(ROOT / "examples") not in sys.path:
+        sys.path.insert(0, str(ROOT / "examples"))
     spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
