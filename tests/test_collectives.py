@@ -178,3 +178,23 @@ def test_per_member_lists_are_checked_before_anything_is_sent():
         comm.reduce_scatter(torch.zeros(2), [torch.zeros(2), torch.zeros(3), torch.zeros(2)])
     with pytest.raises(ValueError, match=r"reduce_scatter input_list\[1\] has shape \(3,\), but it must match \(2,\)"):
         run_on_nodes(wrong_shape)
+
+
+def test_waiting_nodes_hand_back_their_reduction_buffers_and_get_the_exact_sum():
+    # Sim nodes run in rank order: nodes 0..2 wait in the all-reduce while node 3 computes. Their flat buffers
+    # are folded into one accumulator on arrival and give back their memory until they resume.
+    held = {}
+
+    def action(s):
+        t = torch.arange(1000, dtype=torch.float32) * (s.rank + 1) / 7
+        if s.rank == 3:
+            held["while_waiting"] = [toy.REGISTRY[("buffer", r)].untyped_storage().nbytes() for r in range(3)]
+        toy.REGISTRY[("buffer", s.rank)] = t
+        comm.all_reduce(t)
+        return t.clone()
+
+    results, _ = run_on_nodes(action, nodes=4, tag="released")
+    assert held["while_waiting"] == [0, 0, 0]
+    parts = [torch.arange(1000, dtype=torch.float32) * (r + 1) / 7 for r in range(4)]
+    want = ((parts[0] + parts[1]) + parts[2]) + parts[3]  # rank order, as the unfolded reduction sums
+    assert all(torch.equal(r, want) for r in results)

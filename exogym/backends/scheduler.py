@@ -153,7 +153,8 @@ class Scheduler:
         self._hub.switch()
 
     def rendezvous(self, rank: int, group: tuple[int, ...], call: CollectiveCall,
-                   complete: Callable[[list[CollectiveCall]], None]) -> Pending:
+                   complete: Callable[[list[CollectiveCall]], None],
+                   arrive: Callable[[Pending], None] | None = None) -> Pending:
         """Arrive at the next collective on `group`. A blocking call returns once every member has arrived
         and the collective is computed; a non-blocking one returns at once (wait on it with `wait`).
 
@@ -184,6 +185,8 @@ class Scheduler:
                     "skipped or repeated a call). A strategy whose nodes meet at different steps on purpose sets "
                     "the class attribute collectives_match_steps = False")
         pending.calls[rank] = call
+        if arrive is not None:  # e.g. fold this member's tensor into the reduction now (exogym.backends.sim)
+            arrive(pending)
         if len(pending.calls) < len(group):
             if call.blocking:
                 self.wait(rank, pending)

@@ -43,9 +43,56 @@ def _reduce_into(acc: torch.Tensor, others: Sequence[torch.Tensor], op: ReduceOp
         acc.div_(group_size)
 
 
+def _fold_arrivals(pending: Pending) -> None:
+    """A sum or mean: fold each member's tensor into one accumulator as soon as every lower-ranked member's is in
+    (the same rank-order sum as at completion, so the same bits), and give back the memory of a tensor that owns
+    its storage until its node resumes: K nodes waiting in a reduction hold one accumulator, not K buffers."""
+    first = pending.calls.get(pending.group[0])
+    if first is None:
+        return
+    box = first.args.setdefault("fold", {"acc": None, "next": 0})
+    ranks = pending.group
+    while box["next"] < len(ranks) and ranks[box["next"]] in pending.calls:
+        call = pending.calls[ranks[box["next"]]]
+        t = call.args["tensor"]
+        if box["acc"] is None:
+            box["acc"] = t.detach().clone()
+        else:
+            box["acc"].add_(t.to(box["acc"].device))
+        box["next"] += 1
+        if len(pending.calls) < len(ranks) and _owns_storage(t):
+            t.untyped_storage().resize_(0)  # restored, with the result, when the node resumes (_restore)
+            call.args["released"] = True
+
+
+def _owns_storage(t: torch.Tensor) -> bool:
+    """Only a plain tensor that is its storage's whole (a flat buffer) can hand its memory back meanwhile."""
+    return (t._base is None and t.storage_offset() == 0 and t.is_contiguous() and not t.requires_grad
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+
+
+def _restore(call: CollectiveCall) -> None:
+    """On the node's own turn after a reduction completed: its released tensor gets its memory and the result."""
+    if call.args.pop("released", False):
+        t = call.args["tensor"]
+        t.untyped_storage().resize_(t.numel() * t.element_size())
+        t.copy_(call.args.pop("result"))
+
+
 def _complete_all_reduce(calls: list[CollectiveCall]) -> None:
     tensors = [c.args["tensor"] for c in calls]
     op = calls[0].args["op"]
+    box = calls[0].args.pop("fold", None)
+    if box is not None:  # folded on arrival: the accumulator holds the rank-order sum
+        acc = box["acc"]
+        if op is ReduceOp.AVG:
+            acc.div_(len(calls))
+        for c in calls:
+            if c.args.get("released"):
+                c.args["result"] = acc  # copied in when that node resumes
+            else:
+                c.args["tensor"].copy_(acc)
+        return
     # Reduce into the first member's tensor (no temporary), then copy the result to the others.
     _reduce_into(tensors[0], tensors[1:], op, len(tensors))
     for t in tensors[1:]:
@@ -106,8 +153,12 @@ class SimTransport(TransportBase):
                                                  name, payload, group.ranks)
                 for c in calls:
                     c.args["done_at"] = done_at
-        pending = self.scheduler.rendezvous(self.rank, group.ranks, call, complete)
-        return SimWork(self, pending, call if timed else None) if async_op else None
+        fold = _fold_arrivals if name == "all_reduce" and args["op"] in (ReduceOp.SUM, ReduceOp.AVG) else None
+        pending = self.scheduler.rendezvous(self.rank, group.ranks, call, complete, fold)
+        if async_op:
+            return SimWork(self, pending, call, timed)
+        _restore(call)
+        return None
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, group: Group, *, account: bool = False,
                    async_op: bool = False) -> "SimWork | None":
@@ -143,16 +194,17 @@ class SimTransport(TransportBase):
 class SimWork:
     """The handle of an async collective (torch.distributed's Work): results are in the tensors after wait()."""
 
-    def __init__(self, comm: SimTransport, pending: Pending, timed_call: CollectiveCall | None):
-        self._comm, self._pending, self._timed_call = comm, pending, timed_call
+    def __init__(self, comm: SimTransport, pending: Pending, call: CollectiveCall, timed: bool):
+        self._comm, self._pending, self._call, self._timed = comm, pending, call, timed
 
     def is_completed(self) -> bool:
         return self._pending.done
 
     def wait(self, timeout: Any = None) -> bool:
         self._comm.scheduler.wait(self._comm.rank, self._pending)
-        if self._timed_call is not None:
-            self._comm.clock.catch_up(self._timed_call.args["done_at"])
+        _restore(self._call)
+        if self._timed:
+            self._comm.clock.catch_up(self._call.args["done_at"])
         return True
 
 

@@ -25,7 +25,7 @@ from typing import Hashable, Sequence
 import torch
 
 from exogym.compression import Compressor, Payload
-from exogym.flatten import flatten_by_dtype, unflatten_into
+from exogym.flatten import flat_base, flatten_by_dtype, unflatten_into
 from exogym.strategy.communicate import Group, alive_ranks, all_gather, all_reduce, get_rank
 
 __all__ = ["PendingMean", "start_mean", "compressed_mean", "mean_"]
@@ -94,12 +94,15 @@ def start_mean(tensors: Sequence[torch.Tensor], compressor: Compressor | None = 
     keys: per tensor, the stream each belongs to (error feedback's memory); None for a node whose
     contribution is left out.
     async_op=True: the transfer runs while the node computes; the tensors may be changed at once."""
+    base = None if async_op or compressor is not None else flat_base(list(tensors))  # already one flat buffer
     tensors = [t.detach() for t in tensors]
     up = alive_ranks(group)
     members = sorted(up if members is None else set(members) & set(up))
     divisor = float(len(members) if divisor is None else divisor)
     if compressor is None:
-        buffers = flatten_by_dtype(tensors)  # flat copies: the caller may change its tensors meanwhile
+        # One flat buffer already (flat_views) is sent as it is; otherwise flat copies (also because an async
+        # caller may change its tensors meanwhile).
+        buffers = [(base.detach(), tensors)] if base is not None else flatten_by_dtype(tensors)
         works = []
         for flat, _ in buffers:
             if get_rank() not in members:

@@ -19,6 +19,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from exogym.flatten import flat_views
 from exogym.strategy.communicate import shared_state
 from exogym.strategy.optim import OptimSpec
 
@@ -47,8 +48,14 @@ class OuterModel:
                         keep: bool = True) -> list[torch.Tensor]:
         """Delta_i = theta_g - theta_i (the outer gradient, DiLoCo's Algorithm 1) on `indices` (default all);
         zeros when this node's is lost (drop_prob) but it still takes part in the reduction."""
-        return [(self.master[i].to(params[i].device) - params[i].detach()) if keep else torch.zeros_like(params[i])
-                for i in self._indices(indices)]
+        chosen = list(self._indices(indices))
+        out = flat_views([params[i] for i in chosen])  # one buffer: the mean sends it without a flattened copy
+        for i, delta in zip(chosen, out):
+            if keep:
+                torch.sub(self.master[i].to(params[i].device), params[i].detach(), out=delta)
+            else:
+                delta.zero_()
+        return out
 
     @torch.no_grad()
     def step(self, grads: list[torch.Tensor], indices: Sequence[int] | None = None, *, sync: int) -> None:
