@@ -26,7 +26,23 @@ def random_affine(images: torch.Tensor, *, degrees: float = 10.0, translate: flo
     return F.grid_sample(images, grid, padding_mode="border", align_corners=False)
 
 
-class MnistCNN(nn.Module):
+class _ImageClassifier(nn.Module):
+    """features -> head -> cross-entropy, with random_affine on training batches when self.augment is set."""
+
+    features: nn.Module
+    head: nn.Module
+    augment: bool
+
+    def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        images, labels = batch
+        if self.augment and self.training:
+            images = random_affine(images)
+        logits = self.head(self.features(images))  # [B, num_classes]
+        return {"loss": F.cross_entropy(logits, labels),
+                "accuracy": (logits.argmax(dim=1) == labels).float().mean()}
+
+
+class MnistCNN(_ImageClassifier):
     """Two conv blocks and a linear head; `model((images, labels))` -> {"loss", "accuracy"}.
 
     images: [B, 1, 28, 28] float, labels: [B] int64. ~20k parameters with the defaults.
@@ -46,16 +62,8 @@ class MnistCNN(nn.Module):
         self.head = nn.Sequential(nn.Flatten(), nn.Dropout(dropout), nn.Linear(c2 * 7 * 7, num_classes))
         self.augment = augment
 
-    def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
-        images, labels = batch
-        if self.augment and self.training:
-            images = random_affine(images)
-        logits = self.head(self.features(images))  # [B, num_classes]
-        return {"loss": F.cross_entropy(logits, labels),
-                "accuracy": (logits.argmax(dim=1) == labels).float().mean()}
 
-
-class ExoGymMnistCNN(nn.Module):
+class ExoGymMnistCNN(_ImageClassifier):
     """The CNN of the original EXO Gym's MNIST example (the curve in its README): two blocks of two 3x3
     convolutions (64, 64 then 128, 128 channels, padded), each convolution followed by BatchNorm and ReLU,
     each block by 2x2 max-pooling and Dropout2d(0.25); then Linear(6272, 256), ReLU, Dropout(0.5),
@@ -77,14 +85,6 @@ class ExoGymMnistCNN(nn.Module):
         self.head = nn.Sequential(nn.Flatten(), nn.Linear(128 * 7 * 7, 256), nn.ReLU(), nn.Dropout(0.5),
                                   nn.Linear(256, num_classes))
         self.augment = augment
-
-    def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
-        images, labels = batch
-        if self.augment and self.training:
-            images = random_affine(images)
-        logits = self.head(self.features(images))  # [B, num_classes]
-        return {"loss": F.cross_entropy(logits, labels),
-                "accuracy": (logits.argmax(dim=1) == labels).float().mean()}
 
 
 class FedAvgCNN(nn.Module):
