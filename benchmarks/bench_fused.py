@@ -25,7 +25,7 @@ import time
 import torch
 from torch.utils.data import DistributedSampler
 
-from workload import MLP, SmallCNN, make_data, make_tokens
+from workload import MLP, SmallCNN, average_grads, make_data, make_tokens
 
 MODES = ("plain", "one model", "sequential", "fused", "auto")
 
@@ -66,13 +66,7 @@ def time_plain(model_name: str, k: int, steps: int, warmup: int, one_model: bool
         for r in range(k):
             opts[r].zero_grad()
             out_loss(models[r](node_batch(r, s))).backward()
-        for params in zip(*(m.parameters() for m in models)):
-            avg = params[0].grad.clone()
-            for p in params[1:]:
-                avg.add_(p.grad)
-            avg.div_(k)
-            for p in params:
-                p.grad.copy_(avg)
+        average_grads(models)
         for o in opts:
             o.step()
     return (clock() - start) / steps

@@ -20,7 +20,7 @@ import time
 import torch
 from torch.utils.data import DistributedSampler
 
-from workload import SmallCNN, make_data
+from workload import SmallCNN, average_grads, make_data
 
 
 def run_plain(k: int, steps: int, batch: int, clock=time.perf_counter) -> float:
@@ -41,13 +41,7 @@ def run_plain(k: int, steps: int, batch: int, clock=time.perf_counter) -> float:
             idx = shards[r][s * batch:(s + 1) * batch]
             opts[r].zero_grad()
             models[r]((data.tensors[0][idx], data.tensors[1][idx])).backward()
-        for params in zip(*(m.parameters() for m in models)):
-            avg = params[0].grad.clone()
-            for p in params[1:]:
-                avg.add_(p.grad)
-            avg.div_(k)
-            for p in params:
-                p.grad.copy_(avg)
+        average_grads(models)
         for o in opts:
             o.step()
     return clock() - start

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
+from exogym import Trainer
+
 
 def points(n: int, seed: int, dim: int = 16, classes: int = 4) -> TensorDataset:
     g = torch.Generator().manual_seed(0)
@@ -25,3 +27,12 @@ class MLP(torch.nn.Module):
         x, y = batch
         logits = self.net(x)
         return {"loss": F.cross_entropy(logits, y), "accuracy": (logits.argmax(1) == y).float().mean()}
+
+
+def train_on_points(strategy, steps: int) -> tuple[float, int]:
+    """Train MLP on 4 nodes for `steps` steps from the same initial weights; (global validation loss, bytes sent
+    per node)."""
+    torch.manual_seed(0)
+    trainer = Trainer(MLP(), points(4096, seed=1), points(512, seed=2))
+    trainer.fit(strategy, 4, max_steps=steps, batch_size=32, val_interval=steps, progress=False, logger=False)
+    return trainer.record.val[-1]["global_loss"], trainer.record.bytes_per_node[0]

@@ -14,8 +14,7 @@ import argparse
 
 import torch
 
-from _toy import MLP, points
-from exogym import Trainer
+from _toy import train_on_points
 from exogym.strategy import (DeMoStrategy, DiLoCoStrategy, FedAvgStrategy, OptimSpec, SimpleReduceStrategy,
                              SPARTAStrategy)
 
@@ -30,10 +29,7 @@ def main(steps: int = 200) -> list[tuple[str, float, int]]:
     rows = []
     print("| strategy | validation loss (global model) | MB sent per node |\n|---|---|---|")
     for name, strategy in runs:
-        torch.manual_seed(0)
-        trainer = Trainer(MLP(), points(4096, seed=1), points(512, seed=2))
-        trainer.fit(strategy, 4, max_steps=steps, batch_size=32, val_interval=steps, progress=False, logger=False)
-        loss, sent = trainer.record.val[-1]["global_loss"], trainer.record.bytes_per_node[0]
+        loss, sent = train_on_points(strategy, steps)
         rows.append((name, loss, sent))
         print(f"| {name} | {loss:.3f} | {sent / 1e6:.3f} |", flush=True)
     return rows

@@ -195,12 +195,4 @@ STRATEGIES = {
 
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_every_strategy_resumes_bit_identically(tmp_path, name):
-    make = STRATEGIES[name]
-    full_t = _trainer()
-    full = full_t.fit(make(), 4, max_steps=10, **FIT)
-    _trainer().fit(make(), 4, max_steps=10, checkpoint_interval=5, checkpoint_dir=tmp_path, **FIT)
-    resumed_t = _trainer()
-    resumed = resumed_t.fit(make(), 4, max_steps=10, resume_from=tmp_path / "step_000000005", **FIT)
-    assert all(torch.equal(a, b) for a, b in zip(full.parameters(), resumed.parameters()))
-    assert resumed_t.record.node_loss == full_t.record.node_loss
-    assert resumed_t.record.bytes_per_node == full_t.record.bytes_per_node
+    toy.assert_resumes_bit_identically(STRATEGIES[name], _trainer, tmp_path, **FIT)

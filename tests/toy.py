@@ -60,3 +60,17 @@ class LocalOnly(Strategy):
 
 def params(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
+
+
+def assert_resumes_bit_identically(make_strategy, make_trainer, checkpoint_dir, nodes=4, steps=10, **fit):
+    """A run stopped at steps // 2 and resumed from its checkpoint ends bit-identical to one never stopped."""
+    full_t = make_trainer()
+    full = full_t.fit(make_strategy(), nodes, max_steps=steps, **fit)
+    make_trainer().fit(make_strategy(), nodes, max_steps=steps, checkpoint_interval=steps // 2,
+                       checkpoint_dir=checkpoint_dir, **fit)
+    resumed_t = make_trainer()
+    resumed = resumed_t.fit(make_strategy(), nodes, max_steps=steps,
+                            resume_from=checkpoint_dir / f"step_{steps // 2:09d}", **fit)
+    assert all(torch.equal(a, b) for a, b in zip(full.parameters(), resumed.parameters()))
+    assert resumed_t.record.node_loss == full_t.record.node_loss
+    assert resumed_t.record.bytes_per_node == full_t.record.bytes_per_node

@@ -153,7 +153,8 @@ class SimTransport(TransportBase):
                                                  name, payload, group.ranks)
                 for c in calls:
                     c.args["done_at"] = done_at
-        fold = _fold_arrivals if name == "all_reduce" and args["op"] in (ReduceOp.SUM, ReduceOp.AVG) else None
+        fold = (_fold_arrivals if name == "all_reduce" and group.size > 1 and args["op"] in (ReduceOp.SUM, ReduceOp.AVG)
+                else None)  # alone in the group there is nothing to fold, and no buffer to give back
         pending = self.scheduler.rendezvous(self.rank, group.ranks, call, complete, fold)
         if async_op:
             return SimWork(self, pending, call, timed)

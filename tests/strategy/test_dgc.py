@@ -100,15 +100,7 @@ def test_resume_from_a_checkpoint_is_bit_identical(tmp_path):
         return Trainer(toy.TinyMLP(hidden=16, dropout=0.2), toy.make_classification(96),
                        toy.make_classification(24, seed=1))
 
-    fit = dict(FIT, batch_size=8, val_interval=5)
-    full_t = trainer()
-    full = full_t.fit(make(), 4, max_steps=10, **fit)
-    trainer().fit(make(), 4, max_steps=10, checkpoint_interval=5, checkpoint_dir=tmp_path, **fit)
-    resumed_t = trainer()
-    resumed = resumed_t.fit(make(), 4, max_steps=10, resume_from=tmp_path / "step_000000005", **fit)
-    assert all(torch.equal(a, b) for a, b in zip(full.parameters(), resumed.parameters()))
-    assert resumed_t.record.node_loss == full_t.record.node_loss
-    assert resumed_t.record.bytes_per_node == full_t.record.bytes_per_node
+    toy.assert_resumes_bit_identically(make, trainer, tmp_path, **dict(FIT, batch_size=8, val_interval=5))
 
 
 def test_the_original_image_train_call_trains():
