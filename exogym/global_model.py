@@ -24,33 +24,51 @@ __all__ = ["global_state_dict", "split_global_state", "mean_over"]
 def split_global_state(model: torch.nn.Module, strategy) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
     """(a copy of the model's state with the strategy's global entries in place, the keys to average, the
     strategy's global keys)."""
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    overrides = dict(strategy.global_state() or {})
-    unknown = set(overrides) - set(state)
-    if unknown:
-        raise KeyError(f"{type(strategy).__name__}.global_state() returned keys not in the model: {sorted(unknown)}")
-    for k, v in overrides.items():
-        state[k] = v.detach().to(state[k].device, state[k].dtype).clone()
-    averaged = [k for k, v in state.items() if k not in overrides and v.is_floating_point()]
-    return state, averaged, list(overrides)
+    entries = model.state_dict()
+    overrides = _global_entries(entries, strategy)
+    state = {k: (overrides[k] if k in overrides else v).detach().to(v.device, v.dtype).clone()
+             for k, v in entries.items()}
+    return state, _averaged_keys(state, overrides), list(overrides)
 
 
 @torch.no_grad()
-def global_state_dict(model: torch.nn.Module, strategy, comm: Transport) -> dict[str, torch.Tensor]:
+def global_state_dict(model: torch.nn.Module, strategy, comm: Transport, *,
+                      result: bool = True) -> dict[str, torch.Tensor] | None:
     """Every node must call this together, up or down; the result is meaningful on the nodes up. The
     strategy's entries come from the first node up, the rest are averaged over its model sources among
-    the nodes up (one all-reduce per dtype)."""
+    the nodes up (one all-reduce per dtype). result=False: this node only takes part (it sends its share and
+    keeps no copy of the model, so K nodes waiting in the mean hold K buffers of the averaged entries only)."""
     up = list(comm.up())
-    state, averaged, own = split_global_state(model, strategy)
+    if result:
+        state, averaged, own = split_global_state(model, strategy)
+    else:
+        state = model.state_dict()
+        overrides = _global_entries(state, strategy)
+        own = list(overrides)
+        averaged = _averaged_keys(state, overrides)
     sources = strategy.model_sources(up, comm.step or 0) or up
-    for flat, tensors in flatten_by_dtype(state[k] for k in averaged):
+    for flat, tensors in flatten_by_dtype(state[k] for k in averaged):  # flat copies: the model is untouched
         mean_over(flat, sources, comm)
-        unflatten_into(flat, tensors)
+        if result:
+            unflatten_into(flat, tensors)
     if own and up[0] != 0:  # node 0 is down: its copy of the strategy's global entries is stale
         for flat, tensors in flatten_by_dtype(state[k] for k in own):
             comm.broadcast(flat, up[0], comm.world)
-            unflatten_into(flat, tensors)
-    return state
+            if result:
+                unflatten_into(flat, tensors)
+    return state if result else None
+
+
+def _global_entries(entries: dict[str, torch.Tensor], strategy) -> dict[str, torch.Tensor]:
+    overrides = dict(strategy.global_state() or {})
+    unknown = set(overrides) - set(entries)
+    if unknown:
+        raise KeyError(f"{type(strategy).__name__}.global_state() returned keys not in the model: {sorted(unknown)}")
+    return overrides
+
+
+def _averaged_keys(state: dict[str, torch.Tensor], overrides: dict[str, torch.Tensor]) -> list[str]:
+    return [k for k, v in state.items() if k not in overrides and v.is_floating_point()]
 
 
 @torch.no_grad()

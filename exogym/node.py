@@ -105,7 +105,7 @@ class TrainNode:
                 s.finish()  # e.g. DiLoCo's last, shorter round: the global model includes every step
             self._record_step(comm, loss, metrics, lr)
             self._after_step(comm, self.step + 1)
-        final = global_state_dict(self.model, s, comm)
+        final = global_state_dict(self.model, s, comm, result=self.rank == 0)
         self.log.comm = {"bytes_sent": comm.stats.bytes_sent, "payload_bytes": comm.stats.payload_bytes,
                          "bytes_by_op": dict(comm.stats.bytes_by_op), "calls_by_op": dict(comm.stats.calls_by_op)}
         if cfg.time_model is not None:
@@ -279,7 +279,7 @@ class TrainNode:
         self.live.add_rows(self.rank, rows)
 
     def _validate(self, comm: Transport, done: int) -> None:
-        state = global_state_dict(self.model, self.strategy, comm)  # every node takes part
+        state = global_state_dict(self.model, self.strategy, comm, result=self.rank == 0)  # every node takes part
         if self.rank != 0:
             return
         if self._eval_model is None:

@@ -71,12 +71,19 @@ def _owns_storage(t: torch.Tensor) -> bool:
             and t.untyped_storage().nbytes() == t.numel() * t.element_size())
 
 
+_TENSOR_ARGS = ("tensor", "tensor_list", "output", "input_list", "result")
+
+
 def _restore(call: CollectiveCall) -> None:
-    """On the node's own turn after a reduction completed: its released tensor gets its memory and the result."""
+    """On the node's own turn after a collective completed: a released tensor gets its memory and the result.
+    Then the call lets go of the node's tensors: the completed collective stays referenced until every member
+    has resumed, and the node's buffers must not live that long (K nodes would hold K of them again)."""
     if call.args.pop("released", False):
         t = call.args["tensor"]
         t.untyped_storage().resize_(t.numel() * t.element_size())
-        t.copy_(call.args.pop("result"))
+        t.copy_(call.args["result"])
+    for key in _TENSOR_ARGS:
+        call.args.pop(key, None)
 
 
 def _complete_all_reduce(calls: list[CollectiveCall]) -> None:
