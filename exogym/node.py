@@ -140,7 +140,8 @@ class TrainNode:
         comm.match_steps = getattr(s, "collectives_match_steps", True)  # the sim pairs collectives by step too
         s.setup(self.model, NodeContext(rank=self.rank, num_nodes=cfg.num_nodes, max_steps=cfg.max_steps,
                                         steps_per_epoch=cfg.steps_per_epoch, shard_size=self.batches.shard_size,
-                                        shard_sizes=cfg.shard_sizes, shard_steps=cfg.shard_steps))
+                                        shard_sizes=cfg.shard_sizes, shard_steps=cfg.shard_steps,
+                                        execution="fused" if self.fused is not None else "sequential"))
         first_step = 0
         if self.resume is not None:  # the strategy's state (optimizers and all), counts and clock, where they were
             s.load_state_dict(self.resume.strategy)

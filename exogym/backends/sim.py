@@ -240,7 +240,6 @@ def run_sim(plan: "RunPlan") -> list[Any]:
     """Run every node of the plan under one scheduler on this thread; return their results in rank order."""
     start = time.perf_counter()
     k = plan.num_nodes
-    nodes = [plan.make_node(r, start) for r in range(k)]
     rngs = [plan.node_rng(r) for r in range(k)]
     device_types = tuple(sorted({"cpu", *(d.type for d in plan.devices)}))
     modes = [_NodeModes(device_types) for _ in range(k)]
@@ -259,8 +258,6 @@ def run_sim(plan: "RunPlan") -> list[Any]:
     if plan.execution == "fused":  # one batched forward/backward for the nodes that compute (exogym.fused)
         engine = FusedEngine(plan.model, k, plan.devices[0], minibatch_size=plan.cfg.minibatch_size,
                              autocast=plan.cfg.autocast, seed=plan.seed)
-        for node in nodes:
-            node.fused = engine
     comms: list[SimTransport] = []
     scheduler = Scheduler(k, on_resume=resume, on_pause=pause, node_timeout=plan.node_timeout,
                           step_of=lambda r: comms[r].step,
@@ -269,7 +266,15 @@ def run_sim(plan: "RunPlan") -> list[Any]:
         engine.scheduler = scheduler
     shared: dict = {}  # state every node holds identically, kept once for the run (exogym.strategy.communicate)
     comms.extend(SimTransport(scheduler, r, k, plan.cfg.time_model, plan.cfg.membership, shared) for r in range(k))
+
+    def node_body(r: int) -> Any:
+        # The node's model and strategy are copied on its first turn, not all K up front: state a strategy keeps
+        # once (DDP's replica) then never exists K times, not even at the start.
+        node = plan.make_node(r, start)
+        node.fused = engine
+        return node.run(comms[r])
+
     try:
-        return scheduler.run([lambda r=r: nodes[r].run(comms[r]) for r in range(k)])
+        return scheduler.run([lambda r=r: node_body(r) for r in range(k)])
     finally:
         caller.apply()

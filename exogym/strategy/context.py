@@ -16,6 +16,8 @@ class NodeContext:
     shard_size: examples in this node's training data per epoch (differs across nodes with unequal shards).
     shard_sizes / shard_steps: every node's shard_size, and its steps in one pass over its own shard, by rank
     (FedAvg weights by the first and runs E passes of the second; () where a run does not say).
+    execution: "sequential" (each node computes with its own module) or "fused" (exogym.fused: the nodes'
+    parameters are views of stacked tensors).
     """
 
     rank: int
@@ -25,3 +27,4 @@ class NodeContext:
     shard_size: int = 0
     shard_sizes: tuple[int, ...] = ()
     shard_steps: tuple[int, ...] = ()
+    execution: str = "sequential"

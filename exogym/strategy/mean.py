@@ -20,12 +20,13 @@ are counted by exogym.strategy.communicate, like any collective a strategy makes
 
 from __future__ import annotations
 
+import math
 from typing import Hashable, Sequence
 
 import torch
 
 from exogym.compression import Compressor, Payload
-from exogym.flatten import flat_base, flatten_by_dtype, unflatten_into
+from exogym.flatten import flat_base, flatten_by_dtype
 from exogym.strategy.communicate import Group, alive_ranks, all_gather, all_reduce, get_rank
 
 __all__ = ["PendingMean", "start_mean", "compressed_mean", "mean_"]
@@ -35,16 +36,19 @@ class PendingMean:
     """A mean in flight: wait() returns it (one tensor per input tensor); sent() what this node's own
     payloads decode to (what the others received from it)."""
 
-    def __init__(self, compressor: Compressor | None, tensors: list[torch.Tensor], own: list[Payload],
+    def __init__(self, compressor: Compressor | None, count: int, own: list[Payload],
                  buffers: list, work: object, members: list[int], divisor: float, gathered_from: list[int]):
-        self.compressor, self._tensors, self._own = compressor, tensors, own
+        # Uncompressed, buffers are [(flat, [(input index, shape)])]: no reference to the inputs, so a caller may
+        # free them while the mean is in flight (the flat copies hold what is sent).
+        self.compressor, self._count, self._own = compressor, count, own
         self._buffers, self._work, self.members, self.divisor = buffers, work, members, divisor
         self._result: list[torch.Tensor] | None = None
         self._slot = {rank: i for i, rank in enumerate(gathered_from)}  # rank -> its buffer in the all-gather
 
     @torch.no_grad()
     def wait(self, into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """The mean, one tensor per input; into=the tensors to write it into (saves a copy)."""
+        """The mean, one tensor per input (uncompressed: views of the received flat buffers); into=the tensors to
+        write it into."""
         if self._result is not None:
             if into is not None:
                 for t, r in zip(into, self._result):
@@ -67,12 +71,18 @@ class PendingMean:
         return [self.compressor.decode(p) for p in self._own]
 
     def _float_mean(self, into: list[torch.Tensor] | None) -> list[torch.Tensor]:
-        targets = into if into is not None else [torch.empty_like(t) for t in self._tensors]
-        out = {id(t): target for t, target in zip(self._tensors, targets)}
-        for flat, group in self._buffers:
+        out: list[torch.Tensor] = [None] * self._count  # type: ignore[list-item]
+        for flat, layout in self._buffers:
             flat.div_(self.divisor)
-            unflatten_into(flat, [out[id(t)] for t in group])
-        return [out[id(t)] for t in self._tensors]
+            chunks = flat.split([math.prod(shape) for _, shape in layout])
+            for (i, shape), chunk in zip(layout, chunks):
+                out[i] = chunk.view(shape)
+        if into is None:
+            return out
+        for t, r in zip(into, out):
+            if t.data_ptr() != r.data_ptr() or t.stride() != r.stride():  # a view of the sent buffer already holds it
+                t.copy_(r)
+        return list(into)
 
     def _decoded_mean(self) -> list[torch.Tensor]:
         total: list[torch.Tensor] | None = None
@@ -86,15 +96,19 @@ class PendingMean:
 def start_mean(tensors: Sequence[torch.Tensor], compressor: Compressor | None = None, *,
                group: Group | Sequence[int] | None = None, members: Sequence[int] | None = None,
                keys: Sequence[Hashable | None] | None = None, divisor: float | None = None,
-               async_op: bool = False) -> PendingMean:
+               async_op: bool = False, consume: bool = False) -> PendingMean:
     """Start averaging `tensors` (the same shapes on every node) over `group` (default: all nodes; only the
     members up at this step take part): the sum over `members` (default: every member up) / divisor (default
     len(members)). A member outside `members` still takes part (sending its tensors, or zeros without
     compression) but its contribution is left out.
     keys: per tensor, the stream each belongs to (error feedback's memory); None for a node whose
     contribution is left out.
-    async_op=True: the transfer runs while the node computes; the tensors may be changed at once."""
-    base = None if async_op or compressor is not None else flat_base(list(tensors))  # already one flat buffer
+    async_op=True: the transfer runs while the node computes; the tensors may be changed at once.
+    consume=True (uncompressed): the caller hands the list over; it is emptied once its tensors are copied into
+    the flat buffers, before the transfer, so a node waiting in the mean holds no reference to them (in the sim
+    the waiting node's flat buffer gives back its memory too)."""
+    given = tensors
+    base = None if async_op or compressor is not None or consume else flat_base(list(tensors))  # one flat already
     tensors = [t.detach() for t in tensors]
     up = alive_ranks(group)
     members = sorted(up if members is None else set(members) & set(up))
@@ -102,19 +116,30 @@ def start_mean(tensors: Sequence[torch.Tensor], compressor: Compressor | None = 
     if compressor is None:
         # One flat buffer already (flat_views) is sent as it is; otherwise flat copies (also because an async
         # caller may change its tensors meanwhile).
-        buffers = [(base.detach(), tensors)] if base is not None else flatten_by_dtype(tensors)
+        if base is not None:
+            buffers = [(base.detach(), [(i, t.shape) for i, t in enumerate(tensors)])]
+        else:
+            by_dtype: dict[torch.dtype, list[int]] = {}
+            for i, t in enumerate(tensors):
+                by_dtype.setdefault(t.dtype, []).append(i)
+            buffers = [(flat, [(i, tensors[i].shape) for i in indices])  # flatten_by_dtype's order: first-seen dtype
+                       for (flat, _), indices in zip(flatten_by_dtype(tensors), by_dtype.values())]
+        count = len(tensors)
+        if consume:
+            given.clear()  # type: ignore[attr-defined]
+            del tensors
         works = []
         for flat, _ in buffers:
             if get_rank() not in members:
                 flat.zero_()
             works.append(all_reduce(flat, group=group, async_op=async_op))
-        return PendingMean(None, tensors, [], buffers, _AllOf(works) if async_op else None, members, divisor, up)
+        return PendingMean(None, count, [], buffers, _AllOf(works) if async_op else None, members, divisor, up)
     keys = [None] * len(tensors) if keys is None else list(keys)
     own = [compressor.encode(t, key=k) for t, k in zip(tensors, keys)]
     packed = _pack(own)  # [P] uint8
     gathered = [torch.empty_like(packed) for _ in up]
     work = all_gather(gathered, packed, group=group, async_op=async_op)
-    return PendingMean(compressor, tensors, own, gathered, work if async_op else None, members, divisor, up)
+    return PendingMean(compressor, len(tensors), own, gathered, work if async_op else None, members, divisor, up)
 
 
 @torch.no_grad()

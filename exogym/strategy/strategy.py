@@ -8,6 +8,7 @@ copy to that node's model and tells it the run's facts (exogym.strategy.context.
 from __future__ import annotations
 
 import inspect
+import uuid
 from typing import Any, Callable, Mapping
 
 import torch
@@ -15,7 +16,9 @@ import torch
 from exogym._validation import check_number, init_keywords, reject_unknown_kwargs
 from exogym.strategy.context import NodeContext
 from exogym.strategy.lr_schedule import LRSchedule
-from exogym.strategy.mean import mean_
+from exogym.strategy.communicate import alive_ranks
+from exogym.strategy.mean import mean_, start_mean
+from exogym.strategy.replica import Replica, replica_for
 from exogym.spellings import IGNORED_STRATEGY_KEYWORDS, Respelled, named_schedule, pop_ignored_strategy_keywords
 from exogym.strategy.optim import OptimSpec, ensure_optim_spec, pop_optimizer_options
 
@@ -259,11 +262,66 @@ class SimpleReduceStrategy(Strategy):
         super().__init__(max_norm=max_norm, **kwargs)
         check_number("lr", lr, positive=True, allow_none=True)
         self.optim_spec = ensure_optim_spec(optim_spec, default, lr=lr, **options)
+        self._replica_key = uuid.uuid4().hex  # every node's copy of this strategy shares it: one replica
+
+    def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
+        if not self._keeps_one_replica():
+            super()._init_node(model, rank, num_nodes)
+            self.replica = None
+            return
+        self.model, self.rank, self.num_nodes = model, rank, num_nodes
+        self.local_step = 0
+        self.optim_spec = ensure_optim_spec(self.optim_spec)
+        self.replica = replica_for(self._replica_key, model, lambda: Replica(
+            model, self.optim_spec, self.lr_schedule, self.context.max_steps))
+        self.replica.attach(model)
+        self.optim, self.scheduler = self.replica.optim, self.replica.scheduler
+        self._next_lr = float(self.optim.param_groups[0]["lr"])
+
+    def _keeps_one_replica(self) -> bool:
+        """One replica for all nodes (exogym.strategy.replica) when this is DDP's own step (a subclass that changes
+        how a node steps keeps its own copy) and each node computes with its own module (not fused, whose
+        stacked parameters are every node's own)."""
+        own = ("step", "update_parameters", "communicate_gradients", "zero_grad", "_clip_grads", "current_lr",
+               "state_dict", "load_state_dict")
+        return (self.context.execution == "sequential" and getattr(self, "optim_spec", None) is not None
+                and all(getattr(type(self), m) is getattr(SimpleReduceStrategy, m) for m in own))
 
     def step(self) -> None:
-        self.communicate_gradients()  # one bucket per dtype: one collective per step instead of one per parameter
-        self.update_parameters()
-        super().step()
+        if self.replica is None:
+            self.communicate_gradients()  # one bucket per dtype: one collective per step instead of one per parameter
+            self.update_parameters()
+            super().step()
+            return
+        params = list(self.model.parameters())
+        has_grad = [p.grad is not None for p in params]
+        grads = [p.grad for p in params if p.grad is not None]
+        if self.num_nodes > 1 and len(alive_ranks()) > 1:
+            for p in params:
+                p.grad = None  # handed to the mean, which drops them once copied: K waiting nodes hold no gradients
+            grads = start_mean(grads, consume=True).wait()  # views of the received buffer
+        mean = iter(grads)
+        self.replica.apply_once(self.local_step, [next(mean) if h else None for h in has_grad], self._update)
+        for p in params:
+            p.grad = None  # zero_grad (the replica's optimizer's) clears the replica's, which hold none between steps
+        self.local_step += 1  # the replica stepped the LR schedule (once, not once per node)
+        self._next_lr = float(self.optim.param_groups[0]["lr"])
+
+    def _update(self, params: list[torch.nn.Parameter]) -> None:
+        if self.max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, self.max_norm)
+        self.optim.step()
+
+    def current_lr(self) -> float:
+        if self.replica is None:
+            return super().current_lr()
+        return self._next_lr  # this node's: a node that is down keeps the rate of its last step
+
+    def load_state_dict(self, state: Mapping[str, Mapping[str, Any]]) -> None:
+        super().load_state_dict(state)  # into the one replica's optimizer and schedule (the same on every node)
+        if self.replica is not None:
+            self.replica.steps_applied = self.local_step
+            self._next_lr = float(self.optim.param_groups[0]["lr"])
 
     def global_state(self) -> Mapping[str, torch.Tensor]:
         return parameter_state(self.model)  # every replica holds the same parameters
