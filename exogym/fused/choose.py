@@ -124,7 +124,7 @@ def _probe(model: torch.nn.Module, batch: Any, k: int, device: torch.device, min
            seed: int, *, timed: bool) -> tuple[float, float] | None:
     """One unbatched forward/backward (checks the model contract) and one batched one over k copies; with
     `timed`, the fastest of _REPEATS of each (seconds for all k nodes)."""
-    from exogym.node import parse_model_output  # node imports the engine; import late
+    from exogym.model_call import model_caller, parse_model_output
 
     batch = move_to_device(batch, device)
     engine = FusedEngine(model, k, device, minibatch_size=minibatch_size, autocast=autocast, seed=seed)
@@ -132,15 +132,16 @@ def _probe(model: torch.nn.Module, batch: Any, k: int, device: torch.device, min
     n = batch_size_of(batch)
     parts = split_batch(batch, minibatch_size) if minibatch_size < n else [batch]
     ctx = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if autocast else None
+    call = model_caller(engine.template, batch)  # model(batch), or model(**batch) for a keyword batch
 
     def sequential() -> None:
         for m in copies:
             for part in parts:
                 if ctx is None:
-                    loss, _ = parse_model_output(m(part))
+                    loss, _ = parse_model_output(call(m, part))
                 else:
                     with ctx():
-                        loss, _ = parse_model_output(m(part))
+                        loss, _ = parse_model_output(call(m, part))
                 loss.backward()
             m.zero_grad(set_to_none=True)
 

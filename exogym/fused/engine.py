@@ -33,6 +33,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from exogym.data.sharding import batch_size_of, split_batch
 from exogym.fused.attention import fold_attention
 from exogym.fused.stacked import NodeStacks
+from exogym.model_call import parse_model_output, takes_keyword_batch
 
 __all__ = ["FusedEngine", "NodeWork"]
 
@@ -48,17 +49,6 @@ class NodeWork:
     result: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None
     seconds: float = 0.0  # the member's share of the batched step's wall time
     extra: dict = field(default_factory=dict)
-
-
-def _split_output(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """model(batch) under vmap -> (loss, metrics). The contract itself (exogym.node.parse_model_output) is
-    checked on an unbatched call before the run starts; under vmap `requires_grad` reads False, so the
-    loss's is checked on the batched result instead (run_group)."""
-    if isinstance(out, dict):
-        metrics = {k: torch.as_tensor(v.detach() if isinstance(v, torch.Tensor) else v).reshape(()).float()
-                   for k, v in out.items() if k != "loss"}
-        return out["loss"].reshape(()), metrics
-    return out.reshape(()), {}
 
 
 def _signature(batch: Any) -> tuple:
@@ -189,10 +179,18 @@ class FusedEngine:
         self.batched_steps += 1
 
     def _call(self, spec, first: list[Any]):
+        keywords = None
+
         def one_node(params: dict, buffers: dict, tensors: list[torch.Tensor]):
+            nonlocal keywords
             it = iter(tensors)
-            leaves = [next(it) if isinstance(x, torch.Tensor) else x for x in first]
-            return _split_output(functional_call(self.template, (params, buffers), (tree_unflatten(leaves, spec),)))
+            batch = tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in first], spec)
+            if keywords is None:  # model(**batch) for a dict batch naming the forward's parameters (exogym.model_call)
+                keywords = takes_keyword_batch(self.template, batch)
+            args, kwargs = ((), batch) if keywords else ((batch,), None)
+            # The contract was checked on an unbatched call before the run; under vmap a loss's requires_grad
+            # reads False, so run_group checks it on the batched result.
+            return parse_model_output(functional_call(self.template, (params, buffers), args, kwargs), training=False)
 
         return one_node
 
