@@ -138,6 +138,8 @@ class DeMo(torch.optim.Optimizer):
             raise TypeError("DeMo.step does not take a closure")
         entries = [(p, g) for g in self.param_groups for p in g["params"]]
         sent = [self.extract(p, g) for p, g in entries]
+        for p, _ in entries:
+            p.grad = None  # in the momentum now: a node waiting in the all-gather holds no gradients (zero_grad's None)
         gathered = self._all_gather([i for i, _ in sent], [v for _, v in sent])
         for (p, g), (idx, values) in zip(entries, gathered):
             update = self.combine(p, g, idx, values)

@@ -14,7 +14,7 @@ import torch
 
 from exogym._validation import check_int, check_number
 from exogym.compression import Quantizer, TopK, compressor_from
-from exogym.strategy.communicate import alive_ranks
+from exogym.strategy.communicate import alive_ranks, in_running_node, shared_state
 from exogym.strategy.communicate_optimize_strategy import (CommunicationModule, ModularStrategy, compressor_state,
                                                            round_generator)
 from exogym.strategy.mean import mean_, start_mean
@@ -120,7 +120,7 @@ class SparseCommunicator(CommunicationModule):
             for n in sizes:
                 whole, frac = divmod(p * n, 1.0)
                 k = min(n, int(whole) + int(torch.rand((), generator=gen).item() < frac))
-                out.append(torch.randperm(n, generator=gen)[:k])
+                out.append(torch.randperm(n, generator=gen)[:k].clone())  # not a view: n indices would live on
             return out
         if self.mode == "sequential":
             out = []
@@ -134,20 +134,23 @@ class SparseCommunicator(CommunicationModule):
         for i, n in enumerate(sizes):
             parts = min(num_parts(p, n), n)
             cycle, part = divmod(t, parts)
-            out.append(torch.randperm(n, generator=_parameter_generator(self.seed, _PARTITIONED, cycle, i))[part::parts])
+            perm = torch.randperm(n, generator=_parameter_generator(self.seed, _PARTITIONED, cycle, i))
+            out.append(perm[part::parts].clone())
         return out
 
     def _window(self, t: int, index: int, n: int) -> torch.Tensor:
         """Window t mod P of parameter `index`'s fixed permutation: P windows of n // P entries, the first
         n mod P of them one longer, so together they cover every entry once."""
-        cache = self.__dict__.setdefault("_permutations", {})  # drawn once per parameter, the same on every node
-        if index not in cache:
-            cache[index] = torch.randperm(n, generator=_parameter_generator(self.seed, _SHUFFLED, 0, index))
+        def draw() -> torch.Tensor:
+            return torch.randperm(n, generator=_parameter_generator(self.seed, _SHUFFLED, 0, index))
+
+        # Drawn once per parameter and the same on every node: kept once for the run (outside one, drawn anew)
+        perm = shared_state(("sparta_permutation", self.seed, index, n), draw) if in_running_node() else draw()
         parts = num_parts(self.p_sparta, n)
         w = t % parts
         size, extra = divmod(n, parts)
         start = w * size + min(w, extra)
-        return cache[index][start:start + size + (w < extra)]
+        return perm[start:start + size + (w < extra)]
 
     # ---- the steps of one synchronisation -------------------------------------------------------
     @torch.no_grad()
