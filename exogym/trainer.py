@@ -247,7 +247,7 @@ class Trainer:
         execution, execution_why = choose_execution(
             execution, model=self.model, first_batch=lambda: next(node_batches[0].iterate(from_step=0)),
             num_nodes=num_nodes, devices=node_devices, backend=backend, minibatch_size=minibatch_size,
-            autocast=autocast, seed=seed, resume_from=resume_from)
+            autocast=autocast, seed=seed, resume_from=resume_from, optim_spec=getattr(strategy, "optim_spec", None))
         n_params = sum(p.numel() for p in self.model.parameters())
         config = {"strategy": type(strategy).__name__, "strategy_config": strategy.config(), "num_nodes": num_nodes,
                   "max_steps": total_steps, "steps_per_epoch": steps_per_epoch, "num_epochs": num_epochs,

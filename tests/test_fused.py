@@ -245,3 +245,25 @@ def test_a_transformers_model_called_with_keywords_fuses():
     runs = [_fit(ex, STRATEGIES["diloco"], gpt2(), data=Tokens(), steps=4, network=None)
             for ex in ("sequential", "fused")]
     _same_run(*runs, rtol=1e-4, atol=1e-5)  # the batched matmuls round differently; weights are O(0.02)
+
+
+@pytest.mark.parametrize("name", ["ddp", "diloco", "sparta", "fedavg-sampled", "readme", "sgd-momentum"])
+def test_stacked_optimizer_steps_move_no_bit(name, monkeypatch):
+    """The nodes' SGD / Adam / AdamW steps taken as one step over the stacked tensors give the bits of one step
+    per node (the same fused forward/backward either way), through a failure and a node coming back."""
+    from exogym.fused.optim import StackedOptimizers
+
+    make = STRATEGIES.get(name) or (lambda: SimpleReduceStrategy(OptimSpec(torch.optim.SGD, lr=0.1, momentum=0.9,
+                                                                           nesterov=True, weight_decay=1e-3)))
+    sizes = []
+    original = StackedOptimizers._step_stacked
+    monkeypatch.setattr(StackedOptimizers, "_step_stacked", lambda self, group: (sizes.append(len(group)),
+                                                                                 original(self, group)))
+    kw = dict(network=None, failures=[(2, 3, 5)], steps=8)
+    stacked = _fit("fused", make, **kw)
+    assert sizes and max(sizes) > 1  # nodes did step together
+    monkeypatch.setattr(StackedOptimizers, "adopt", lambda *args, **kwargs: False)
+    alone = _fit("fused", make, **kw)
+    for a, b in zip(stacked[0].state_dict().values(), alone[0].state_dict().values()):
+        assert torch.equal(a, b)
+    assert stacked[1].node_loss == alone[1].node_loss and stacked[1].bytes_per_node == alone[1].bytes_per_node

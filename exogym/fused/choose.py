@@ -5,10 +5,11 @@ model vmap cannot run (data-dependent control flow, in-place writes to its input
 batching rule that cannot run under vmap) is a ValueError naming the reason before training.
 
 "auto" picks fused only where it measured faster: the same probe, timed. On throwaway copies of the
-model and node 0's first batch it times K sequential forward/backward passes against one batched pass
-(one warm-up, then the fastest of `_REPEATS` each, interleaved), and fuses when the batched pass takes
-less than `_MARGIN` of the sequential time. Optimizer steps and collectives cost the same either way, so
-the forward/backward is where the two differ. Where fusing cannot run or does not pay, "auto" runs
+model and node 0's first batch it times K sequential forward/backward passes and optimizer steps against
+one batched pass and one stacked optimizer step (exogym.fused.optim; the strategy's optimizer when it is
+SGD, Adam or AdamW, the ones fused runs step stacked), one warm-up, then the fastest of `_REPEATS` each,
+interleaved, and fuses when the batched side takes less than `_MARGIN` of the sequential time.
+Collectives, and other optimizers' steps, cost the same either way. Where fusing cannot run or does not pay, "auto" runs
 sequential and says why, once per run (a FusedFallbackWarning, or the announcement line).
 """
 
@@ -25,6 +26,7 @@ import torch
 
 from exogym.data.sharding import batch_size_of, move_to_device, split_batch
 from exogym.fused.engine import FusedEngine, NodeWork, _forked_rng
+from exogym.fused.optim import StepWork
 
 __all__ = ["EXECUTIONS", "FusedFallbackWarning", "choose_execution"]
 
@@ -43,7 +45,8 @@ class FusedFallbackWarning(UserWarning):
 
 def choose_execution(execution: str, *, model: torch.nn.Module, first_batch: Callable[[], Any],
                      num_nodes: int, devices: Sequence[torch.device], backend: str, minibatch_size: int, autocast: bool,
-                     seed: int, resume_from: str | os.PathLike | None = None) -> tuple[str, str]:
+                     seed: int, resume_from: str | os.PathLike | None = None,
+                     optim_spec: Any = None) -> tuple[str, str]:
     """("sequential" | "fused", why). Raises ValueError for a bad value or, under "fused", a model or run
     that cannot be fused. first_batch() gives node 0's first batch (drawn only for a probe). A resumed
     run under "auto" keeps the execution of the run it continues (fused and sequential runs draw dropout
@@ -60,7 +63,7 @@ def choose_execution(execution: str, *, model: torch.nn.Module, first_batch: Cal
     if reason is None:
         try:
             timing = _probe(model, first_batch(), num_nodes, devices[0], minibatch_size, autocast, seed,
-                            timed=execution == "auto")
+                            timed=execution == "auto", optim_spec=optim_spec)
         except _NotBatchable as e:
             reason = _explain(e.__cause__)
     if reason is not None:
@@ -73,7 +76,8 @@ def choose_execution(execution: str, *, model: torch.nn.Module, first_batch: Cal
     if execution == "fused":
         return "fused", "requested"
     fused_s, seq_s = timing
-    why = (f"probe: one batched forward/backward of {num_nodes} nodes took {fused_s * 1e3:.1f} ms, "
+    what = "forward/backward and optimizer step" if _stackable(optim_spec) else "forward/backward"
+    why = (f"probe: one batched {what} of {num_nodes} nodes took {fused_s * 1e3:.1f} ms, "
            f"{num_nodes} sequential ones {seq_s * 1e3:.1f} ms")
     if fused_s < _MARGIN * seq_s:
         return "fused", why
@@ -120,15 +124,27 @@ def _static_obstacle(model: torch.nn.Module, num_nodes: int, devices: Sequence[t
     return None
 
 
+def _stackable(optim_spec: Any) -> bool:
+    from exogym.fused.optim import STACKABLE
+    from exogym.strategy.optim import OptimSpec
+
+    return isinstance(optim_spec, OptimSpec) and optim_spec.cls in STACKABLE
+
+
 def _probe(model: torch.nn.Module, batch: Any, k: int, device: torch.device, minibatch_size: int, autocast: bool,
-           seed: int, *, timed: bool) -> tuple[float, float] | None:
+           seed: int, *, timed: bool, optim_spec: Any = None) -> tuple[float, float] | None:
     """One unbatched forward/backward (checks the model contract) and one batched one over k copies; with
-    `timed`, the fastest of _REPEATS of each (seconds for all k nodes)."""
+    `timed`, the fastest of _REPEATS of each (seconds for all k nodes). With the strategy's optimizer (an
+    OptimSpec of SGD, Adam or AdamW, which fused runs step stacked) each side also takes its optimizer steps:
+    k of them one after another, or one over the stacks (exogym.fused.optim); other optimizers step per node
+    either way, so they are left out of both."""
     from exogym.model_call import model_caller, parse_model_output
 
     batch = move_to_device(batch, device)
     engine = FusedEngine(model, k, device, minibatch_size=minibatch_size, autocast=autocast, seed=seed)
     copies = [copy.deepcopy(engine.template).train() for _ in range(k)]
+    optims = [optim_spec.build(m) for m in copies] if _stackable(optim_spec) else []
+    stacked = bool(optims) and all(engine.optimizers.register(r, m, o) for r, (m, o) in enumerate(zip(copies, optims)))
     n = batch_size_of(batch)
     parts = split_batch(batch, minibatch_size) if minibatch_size < n else [batch]
     ctx = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if autocast else None
@@ -143,10 +159,18 @@ def _probe(model: torch.nn.Module, batch: Any, k: int, device: torch.device, min
                     with ctx():
                         loss, _ = parse_model_output(call(m, part))
                 loss.backward()
+        for o in optims:
+            o.step()
+        for m in copies:
             m.zero_grad(set_to_none=True)
 
     def fused() -> None:
         engine.run_group([NodeWork(r, 1, m, batch) for r, m in enumerate(copies)])
+        if stacked:
+            engine.optimizers.run([StepWork(r, m, o, o.step) for r, (m, o) in enumerate(zip(copies, optims))])
+        else:
+            for o in optims:
+                o.step()
         for m in copies:
             m.zero_grad(set_to_none=True)
 

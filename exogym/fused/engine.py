@@ -32,6 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from exogym.data.sharding import batch_size_of, split_batch
 from exogym.fused.attention import fold_attention
+from exogym.fused.optim import StackedOptimizers, StepWork
 from exogym.fused.stacked import NodeStacks
 from exogym.model_call import parse_model_output, takes_keyword_batch
 
@@ -74,8 +75,10 @@ class FusedEngine:
         self.template = copy.deepcopy(template).to(device)  # only its structure is used, under functional_call
         self.device, self.minibatch_size, self.autocast, self.seed = device, minibatch_size, autocast, seed
         self.stacks = NodeStacks(self.template, num_nodes, device)
+        self.optimizers = StackedOptimizers(self.stacks)  # the nodes' SGD / Adam / AdamW steps, stacked
         self.scheduler = None  # set by the backend: park() is how a node waits for the batched step
         self._parked: dict[int, NodeWork] = {}
+        self._parked_steps: dict[int, StepWork] = {}
         self.batched_steps = 0  # how many vmapped forward/backward groups ran (for tests and reports)
         # The attention fold is a TorchFunctionMode, which puts Python on every op's path: keep it only for
         # models whose first batched step called SDPA (on CUDA, vmap batches SDPA itself).
@@ -90,8 +93,18 @@ class FusedEngine:
         self.scheduler.park(rank)  # returns after run_parked has filled in the result
         return work.result, work.seconds
 
-    def release(self, rank: int, model: torch.nn.Module) -> None:
+    def adopt_optimizer(self, rank: int, model: torch.nn.Module, optim: Any) -> bool:
+        """Step node `rank`'s optimizer with the others' (exogym.fused.optim) where that is exact."""
+        return self.optimizers.adopt(rank, model, optim, self._park_step)
+
+    def _park_step(self, work: StepWork) -> None:
+        self._parked_steps[work.rank] = work
+        self.scheduler.park(work.rank)  # returns after run_parked has stepped it
+
+    def release(self, rank: int, model: torch.nn.Module, optim: Any = None) -> None:
+        """Give node `rank`'s tensors (and its optimizer's state) storage of their own, before they are pickled."""
         self.stacks.release(rank, model)
+        self.optimizers.release(rank, optim)
 
     def count_flops(self, model: torch.nn.Module, forward_backward) -> float:
         """FLOPs of one sequential forward/backward of `model`'s arithmetic, on a throwaway copy (the node's
@@ -105,8 +118,11 @@ class FusedEngine:
 
     # --- scheduler side ------------------------------------------------------------------------------
     def run_parked(self, ranks: list[int]) -> None:
-        """Compute every parked node's forward/backward (ranks: those parked, any order)."""
-        works = [self._parked.pop(r) for r in sorted(ranks)]
+        """Compute every parked node's forward/backward or optimizer step (ranks: those parked, any order)."""
+        steps = [self._parked_steps.pop(r) for r in sorted(ranks) if r in self._parked_steps]
+        if steps:
+            self.optimizers.run(steps)
+        works = [self._parked.pop(r) for r in sorted(ranks) if r in self._parked]
         groups: dict[tuple, list[NodeWork]] = {}
         for w in works:
             groups.setdefault(_signature(w.batch), []).append(w)
