@@ -278,6 +278,16 @@ class SimpleReduceStrategy(Strategy):
         self.optim, self.scheduler = self.replica.optim, self.replica.scheduler
         self._next_lr = float(self.optim.param_groups[0]["lr"])
 
+    def setup(self, model: torch.nn.Module, context: NodeContext) -> None:
+        super().setup(model, context)
+        if self.replica is not None and self.optim is not self.replica.optim:
+            # A subclass's _init_node built its own optimizer: each node then steps its own copy.
+            for p in model.parameters():
+                p.data = p.data.clone()
+            self.replica = None
+            if self.scheduler is not None and self.scheduler.optimizer is not self.optim:
+                self.scheduler = self.lr_schedule.build(self.optim, max_steps=context.max_steps)
+
     def _keeps_one_replica(self) -> bool:
         """One replica for all nodes (exogym.strategy.replica) when this is DDP's own step (a subclass that changes
         how a node steps keeps its own copy) and each node computes with its own module (not fused, whose

@@ -44,6 +44,21 @@ def test_ddp_keeps_one_replica_for_all_nodes():
     assert len({NODES[r][0].w.data_ptr() for r in range(3)}) == 3 and NODES[0][1].replica is None
 
 
+class _OwnOptimizer(SimpleReduceStrategy):
+    """DDP whose _init_node builds its own optimizer (as a README-style subclass may)."""
+
+    def _init_node(self, model, rank, num_nodes):
+        super()._init_node(model, rank, num_nodes)
+        self.optim = torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_a_subclass_building_its_own_optimizer_steps_its_own_copies():
+    model, _ = run_linear(watched(_OwnOptimizer)(SGD), GRADS, INIT, 3)
+    assert len({NODES[r][0].w.data_ptr() for r in range(3)}) == 3 and NODES[0][1].replica is None
+    expected, _ = run_linear(SimpleReduceStrategy(SGD), GRADS, INIT, 3)  # the same SGD, kept once
+    assert torch.equal(model.w, expected.w) and not torch.equal(model.w, torch.tensor(INIT))
+
+
 def _ddp_run(cls, **fit):
     # AdamW under a chainable schedule (StepLR multiplies the current rate: stepped K times it would decay K
     # times as fast), clipping, gradient accumulation, a failure and a node coming back, and validation.
