@@ -71,7 +71,24 @@ def _owns_storage(t: torch.Tensor) -> bool:
             and t.untyped_storage().nbytes() == t.numel() * t.element_size())
 
 
-_TENSOR_ARGS = ("tensor", "tensor_list", "output", "input_list", "result")
+def _release_gather_outputs(pending: Pending) -> None:
+    """An all-gather: a waiting node's output buffers give back their memory until it resumes (K nodes waiting
+    would otherwise hold K x K payloads; they hold the K inputs and, at completion, one copy of them)."""
+    if len(pending.calls) == len(pending.group):
+        return  # the last member completes the gather at once
+    for call in pending.calls.values():
+        if "outputs_released" in call.args:
+            continue
+        outs = call.args["tensor_list"]
+        release = (call.blocking and all(_owns_storage(t) for t in outs)
+                   and len({t.untyped_storage().data_ptr() for t in outs}) == len(outs))
+        if release:
+            for t in outs:
+                t.untyped_storage().resize_(0)
+        call.args["outputs_released"] = release
+
+
+_TENSOR_ARGS = ("tensor", "tensor_list", "output", "input_list", "result", "gathered")
 
 
 def _restore(call: CollectiveCall) -> None:
@@ -82,6 +99,10 @@ def _restore(call: CollectiveCall) -> None:
         t = call.args["tensor"]
         t.untyped_storage().resize_(t.numel() * t.element_size())
         t.copy_(call.args["result"])
+    if call.args.pop("outputs_released", False):
+        for out, member in zip(call.args["tensor_list"], call.args["gathered"]):
+            out.untyped_storage().resize_(out.numel() * out.element_size())
+            out.copy_(member)
     for key in _TENSOR_ARGS:
         call.args.pop(key, None)
 
@@ -115,7 +136,13 @@ def _complete_broadcast(calls: list[CollectiveCall]) -> None:
 
 
 def _complete_all_gather(calls: list[CollectiveCall]) -> None:
+    # Released outputs are filled when their node resumes, from one copy of the inputs (whose owners may
+    # change them once they run on).
+    gathered = [c.args["tensor"].clone() for c in calls] if any(c.args.get("outputs_released") for c in calls) else None
     for c in calls:
+        if c.args.get("outputs_released"):
+            c.args["gathered"] = gathered
+            continue
         for out, other in zip(c.args["tensor_list"], calls):
             out.copy_(other.args["tensor"])
 
@@ -161,6 +188,7 @@ class SimTransport(TransportBase):
                 for c in calls:
                     c.args["done_at"] = done_at
         fold = (_fold_arrivals if name == "all_reduce" and group.size > 1 and args["op"] in (ReduceOp.SUM, ReduceOp.AVG)
+                else _release_gather_outputs if name == "all_gather" and group.size > 1
                 else None)  # alone in the group there is nothing to fold, and no buffer to give back
         pending = self.scheduler.rendezvous(self.rank, group.ranks, call, complete, fold)
         if async_op:
