@@ -7,8 +7,10 @@ tokens. Each configuration runs in a fresh process and reports its peak RSS (ru_
   is what one process per node, or a simulator holding everything per node, keeps;
 - "plain loop": K model copies with their optimizers in one process, stepping one after another (measured
   with --plain).
+Then, per strategy, the line through the smallest and largest K: GiB per node, the fixed part, and the largest K
+whose peak fits in --budget GiB (24: this machine).
 Usage: python benchmarks/bench_memory.py [--nodes 8 64] [--strategies ddp diloco sparta fedavg demo]
-       [--steps 3] [--plain]
+       [--steps 3] [--plain] [--budget 24]
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ def main() -> None:
     ap.add_argument("--strategies", nargs="+", default=list(OPTIM_BYTES), choices=list(OPTIM_BYTES))
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--plain", action="store_true", help="also measure the plain loop holding K copies")
+    ap.add_argument("--budget", type=float, default=24.0, help="GiB for the largest-K column (default 24: this machine)")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -93,16 +96,33 @@ def main() -> None:
           f"one thread; peak RSS of a fresh process per row")
     print("| strategy | K | sim peak GiB | K copies of per-node state GiB | sim / K copies | seconds |")
     print("|---|---|---|---|---|---|")
+    peaks: dict[str, dict[int, float]] = {name: {} for name in args.strategies}
     for k in args.nodes:
         for name in args.strategies:
             copies = k * weights * (4 + 4 + OPTIM_BYTES[name] + OUTER_BYTES.get(name, 0)) / 2**30
             sim = _measure("sim", name, k, args.steps)
+            peaks[name][k] = sim["peak_gib"]
             print(f"| {name} | {k} | {sim['peak_gib']:.2f} | {copies:.2f} | {sim['peak_gib'] / copies:.2f} | "
                   f"{sim['seconds']:.0f} |", flush=True)
         if args.plain:
             plain = _measure("plain", "ddp", k, args.steps)
             print(f"| plain loop, AdamW | {k} | {plain['peak_gib']:.2f} | {k * weights * 16 / 2**30:.2f} | "
                   f"{plain['peak_gib'] / (k * weights * 16 / 2**30):.2f} | {plain['seconds']:.0f} |", flush=True)
+    if len(args.nodes) > 1:
+        print_capacity(peaks, args.budget)
+
+
+def print_capacity(peaks: dict[str, dict[int, float]], budget: float) -> None:
+    """The largest K whose peak fits in `budget` GiB, on the line through the smallest and largest K measured
+    (memory grows linearly with K: a fixed part, and what each node holds)."""
+    print(f"\n| strategy | GiB per node (slope) | fixed GiB (intercept) | largest K in {budget:g} GiB |")
+    print("|---|---|---|---|")
+    for name, by_k in peaks.items():
+        (k0, m0), (k1, m1) = min(by_k.items()), max(by_k.items())
+        slope = (m1 - m0) / (k1 - k0)
+        fixed = m0 - slope * k0
+        largest = "no limit from memory (less than 1 MiB per node)" if slope < 2**-10 else f"{int((budget - fixed) / slope):,}"
+        print(f"| {name} | {slope:.4f} | {fixed:.2f} | {largest} |")
 
 
 if __name__ == "__main__":
