@@ -4,7 +4,9 @@ For exogym's GPT (4 layers, width 128, 8 sequences x 64 tokens per node), the ML
 the small CNN (32 examples per node, MNIST-shaped) at K = 8, 32, 64 nodes, DDP with AdamW:
 - plain: K model copies and K AdamW optimizers in one loop, gradients averaged (no simulator);
 - one model: one model, one AdamW, batch K x per-node batch (what batching could reach at best);
-- sequential / fused / auto: trainer.fit(..., execution=...).
+- sequential / fused / auto: trainer.fit(..., execution=...), DDP through a subclass that keeps K copies
+  (workload.ddp_keeping_k_copies: the plain loop's arithmetic; SimpleReduceStrategy itself keeps one
+  replica in sequential runs, which no fused run can, so comparing with it would not compare the executions).
 Times are seconds per step after warm-up (exogym: a run of warm-up + timed steps minus a run of the
 warm-up steps alone, so setup, the "auto" probe and the first steps cancel out; the warm-up run's time,
 probe included, is printed apart). Each cell runs
@@ -25,7 +27,7 @@ import time
 import torch
 from torch.utils.data import DistributedSampler
 
-from workload import MLP, SmallCNN, average_grads, make_data, make_tokens
+from workload import MLP, SmallCNN, average_grads, ddp_keeping_k_copies, make_data, make_tokens
 
 MODES = ("plain", "one model", "sequential", "fused", "auto")
 
@@ -78,7 +80,7 @@ def time_exogym(model_name: str, k: int, steps: int, warmup: int, execution: str
     import warnings
 
     from exogym import Trainer
-    from exogym.strategy import OptimSpec, SimpleReduceStrategy
+    from exogym.strategy import OptimSpec
 
     make_model, make_dataset, batch = workload(model_name)
     data = make_dataset(k * batch * (steps + warmup))
@@ -89,7 +91,7 @@ def time_exogym(model_name: str, k: int, steps: int, warmup: int, execution: str
         started = clock()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            trainer.fit(SimpleReduceStrategy(OptimSpec(torch.optim.AdamW, lr=1e-3)), k, batch_size=batch,
+            trainer.fit(ddp_keeping_k_copies(OptimSpec(torch.optim.AdamW, lr=1e-3)), k, batch_size=batch,
                         max_steps=n, device="cpu", progress=False, logger=False, execution=execution)
         times.append(clock() - started)
         chosen = trainer.record.config["execution"]

@@ -24,7 +24,7 @@ import time
 import torch
 from torch.utils.data import DistributedSampler
 
-from workload import SmallCNN, average_grads, make_data
+from workload import SmallCNN, average_grads, ddp_keeping_k_copies, make_data
 
 
 def run_plain(k: int, steps: int, batch: int, clock=time.perf_counter) -> float:
@@ -55,14 +55,9 @@ def run_sim(k: int, steps: int, batch: int, clock=time.perf_counter, copies: boo
     from exogym import Trainer
     from exogym.strategy import OptimSpec, SimpleReduceStrategy
 
-    class KCopies(SimpleReduceStrategy):
-        """DDP whose step is overridden (unchanged): a subclass keeps each node's own copy and optimizer."""
-
-        def step(self):
-            super().step()
-
     trainer = Trainer(SmallCNN(), make_data(k * batch * steps))
-    strategy = (KCopies if copies else SimpleReduceStrategy)(OptimSpec(torch.optim.AdamW, lr=1e-3))
+    spec = OptimSpec(torch.optim.AdamW, lr=1e-3)
+    strategy = ddp_keeping_k_copies(spec) if copies else SimpleReduceStrategy(spec)
     start = clock()
     trainer.fit(strategy, k, batch_size=batch, max_steps=steps, device="cpu", progress=False, log_interval=50)
     return clock() - start

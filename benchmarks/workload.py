@@ -56,3 +56,15 @@ def make_tokens(n: int, block: int = 64, vocab: int = 65) -> TensorDataset:
     g = torch.Generator().manual_seed(0)
     t = torch.randint(0, vocab, (n, block + 1), generator=g)
     return TensorDataset(t[:, :-1], t[:, 1:])
+
+
+def ddp_keeping_k_copies(optim_spec):
+    """DDP through a subclass whose step is overridden (unchanged): it keeps every node's own copy and optimizer,
+    the arithmetic of a plain loop over K copies (SimpleReduceStrategy itself keeps one replica in the sim)."""
+    from exogym.strategy import SimpleReduceStrategy
+
+    class KCopies(SimpleReduceStrategy):
+        def step(self):
+            super().step()
+
+    return KCopies(optim_spec)
