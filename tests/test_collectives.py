@@ -7,7 +7,7 @@ import toy
 from exogym import Trainer
 from exogym.backends.scheduler import CollectiveError
 from exogym.comm import all_gather_bytes, all_reduce_bytes, broadcast_bytes, reduce_scatter_bytes, Group
-from exogym.strategy import Strategy
+from exogym.strategy import OptimSpec, Strategy
 from exogym.strategy import communicate as comm
 
 
@@ -198,3 +198,28 @@ def test_waiting_nodes_hand_back_their_reduction_buffers_and_get_the_exact_sum()
     parts = [torch.arange(1000, dtype=torch.float32) * (r + 1) / 7 for r in range(4)]
     want = ((parts[0] + parts[1]) + parts[2]) + parts[3]  # rank order, as the unfolded reduction sums
     assert all(torch.equal(r, want) for r in results)
+
+
+class _InPlaceGather(Strategy):
+    """All-gathers with its own slot of the output list as the input (torch.distributed allows it): the sim, which
+    frees a waiting node's outputs until it resumes, must not free the input with them."""
+
+    def __init__(self):
+        super().__init__()
+        self.optim_spec = OptimSpec(torch.optim.SGD, lr=0.1)
+    def step(self):
+        rank = comm.get_rank()
+        outs = [torch.zeros(3) for _ in range(3)]
+        outs[rank].fill_(rank + 1)
+        comm.all_gather(outs, outs[rank])
+        toy.REGISTRY[("inplace-gather", rank, self.local_step)] = [o[0].item() for o in outs]
+        self.optim.step()
+        super().step()
+
+
+def test_an_all_gather_into_its_own_input_slot_gathers_every_node():
+    Trainer(toy.TinyMLP(), toy.make_classification(64)).fit(_InPlaceGather(), 3, batch_size=4, max_steps=2,
+                                                            progress=False, logger=False)
+    for rank in range(3):
+        for step in range(2):
+            assert toy.REGISTRY[("inplace-gather", rank, step)] == [1.0, 2.0, 3.0]

@@ -80,8 +80,9 @@ def _release_gather_outputs(pending: Pending) -> None:
         if "outputs_released" in call.args:
             continue
         outs = call.args["tensor_list"]
-        release = (call.blocking and all(_owns_storage(t) for t in outs)
-                   and len({t.untyped_storage().data_ptr() for t in outs}) == len(outs))
+        storages = {t.untyped_storage().data_ptr() for t in outs}  # distinct, and none is the input's
+        release = (call.blocking and all(_owns_storage(t) for t in outs) and len(storages) == len(outs)
+                   and call.args["tensor"].untyped_storage().data_ptr() not in storages)
         if release:
             for t in outs:
                 t.untyped_storage().resize_(0)
