@@ -198,14 +198,19 @@ class StackedOptimizers:
 
 
 def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """[M, ...] of equally shaped tensors: a view when they are consecutive slots of one stack, else a copy."""
-    base = tensors[0]._base
-    if base is not None and base.dim() == tensors[0].dim() + 1 and base.is_contiguous():
-        step = base[0].numel() * base.element_size()
-        start = (tensors[0].data_ptr() - base.data_ptr()) // step if step else 0
-        if all(t._base is base and t.data_ptr() == base.data_ptr() + (start + i) * step and t.is_contiguous()
-               for i, t in enumerate(tensors)) and start + len(tensors) <= base.shape[0]:
-            return base[start:start + len(tensors)]
+    """[M, ...] of equally shaped tensors: a view when they lie in one storage at equal, non-overlapping
+    spacing with equal strides (the fused backward's gradients, in whatever layout autograd gave them; the
+    state stacks' slots), else a copy."""
+    t0 = tensors[0]
+    if len(tensors) > 1:
+        size = t0.element_size()
+        gap, rest = divmod(tensors[1].data_ptr() - t0.data_ptr(), size)
+        extent = 1 + sum((n - 1) * st for n, st in zip(t0.shape, t0.stride()))  # elements one tensor spans
+        if rest == 0 and gap >= extent and all(
+                t.untyped_storage().data_ptr() == t0.untyped_storage().data_ptr() and t.shape == t0.shape
+                and t.stride() == t0.stride() and t.data_ptr() == t0.data_ptr() + i * gap * size
+                for i, t in enumerate(tensors)):
+            return t0.as_strided((len(tensors), *t0.shape), (gap, *t0.stride()), t0.storage_offset())
     return torch.stack(tensors)
 
 
