@@ -6,6 +6,8 @@ into every member's tensors; nodes on different devices meet on the first member
 
 from __future__ import annotations
 
+import ctypes
+import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -63,6 +65,20 @@ def _fold_arrivals(pending: Pending) -> None:
         if len(pending.calls) < len(ranks) and _owns_storage(t):
             t.untyped_storage().resize_(0)  # restored, with the result, when the node resumes (_restore)
             call.args["released"] = True
+            if t.numel() * t.element_size() >= _LARGE:
+                _trim_heap()
+
+
+_LARGE = 32 << 20  # a reduction of a model this size (bytes): its nodes' transients are worth giving back
+_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None) if sys.platform.startswith("linux") else None
+
+
+def _trim_heap() -> None:
+    """Give the heap's free pages back to the OS (glibc's malloc_trim). A node reaching a large reduction has just
+    freed its step's activations and gradients, in pieces small enough to live in the heap, where they would
+    stay resident between the long-lived optimizer states of K nodes: at K=64 of a 10.7M-weight GPT, 0.2 GiB."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def _owns_storage(t: torch.Tensor) -> bool:
