@@ -12,7 +12,7 @@ On torch.distributed each process holds its own replica (one node's), and the co
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable
+from typing import Callable, Hashable
 
 import torch
 
