@@ -306,14 +306,12 @@ class SimpleReduceStrategy(Strategy):
         params = list(self.model.parameters())
         has_grad = [p.grad is not None for p in params]
         grads = [p.grad for p in params if p.grad is not None]
+        for p in params:  # the node's own: handed to the mean (or, alone, to the update); zero_grad is the replica's
+            p.grad = None
         if self.num_nodes > 1 and len(alive_ranks()) > 1:
-            for p in params:
-                p.grad = None  # handed to the mean, which drops them once copied: K waiting nodes hold no gradients
-            grads = start_mean(grads, consume=True).wait()  # views of the received buffer
+            grads = start_mean(grads, consume=True).wait()  # the mean drops them once copied: waiting nodes hold none
         mean = iter(grads)
         self.replica.apply_once(self.local_step, [next(mean) if h else None for h in has_grad], self._update)
-        for p in params:
-            p.grad = None  # zero_grad (the replica's optimizer's) clears the replica's, which hold none between steps
         self.local_step += 1  # the replica stepped the LR schedule (once, not once per node)
         self._next_lr = float(self.optim.param_groups[0]["lr"])
 
