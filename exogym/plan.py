@@ -13,7 +13,7 @@ from exogym.data.sharding import NodeBatches
 from exogym.membership import Membership
 from exogym.node import TrainNode
 from exogym.record import LiveLog
-from exogym.rng import NodeRNG, node_seed
+from exogym.rng import NodeRNG, NumpyBaton, node_seed
 from exogym.simtime import TimeModel
 
 __all__ = ["RunConfig", "RunPlan"]
@@ -74,6 +74,7 @@ class RunPlan:
                          self.devices[rank], self.cfg, start_time, self.live, resume=state,
                          checkpoints=self.checkpoints)
 
-    def node_rng(self, rank: int) -> NodeRNG:
+    def node_rng(self, rank: int, baton: NumpyBaton | None = None) -> NodeRNG:
+        """Node `rank`'s streams; `baton`: shared by the nodes that hand over to one another (the sim)."""
         state = self.resume[rank].rng if self.resume is not None else None
-        return NodeRNG(node_seed(self.seed, rank), self.devices[rank], state)
+        return NodeRNG(node_seed(self.seed, rank), self.devices[rank], state, baton)

@@ -262,8 +262,27 @@ def test_stacked_optimizer_steps_move_no_bit(name, monkeypatch):
     kw = dict(network=None, failures=[(2, 3, 5)], steps=8)
     stacked = _fit("fused", make, **kw)
     assert sizes and max(sizes) > 1  # nodes did step together
-    monkeypatch.setattr(StackedOptimizers, "adopt", lambda *args, **kwargs: False)
+    # Each node steps its own optimizer (which fused execution switched to torch's fused kernel, as it does the
+    # stacked step): only the stacking differs.
+    monkeypatch.setattr(StackedOptimizers, "_step_stacked", lambda self, group: [w.step() for w in group])
     alone = _fit("fused", make, **kw)
     for a, b in zip(stacked[0].state_dict().values(), alone[0].state_dict().values()):
         assert torch.equal(a, b)
     assert stacked[1].node_loss == alone[1].node_loss and stacked[1].bytes_per_node == alone[1].bytes_per_node
+
+
+@pytest.mark.parametrize("spec, kernel", [(OptimSpec(torch.optim.AdamW, lr=1e-2), True),
+                                          (OptimSpec(torch.optim.SGD, lr=0.1, momentum=0.9), True),
+                                          (OptimSpec(torch.optim.AdamW, lr=1e-2, foreach=False), None),
+                                          (OptimSpec(torch.optim.AdamW, lr=1e-2, fused=False), False)])
+def test_stacked_steps_take_the_fused_kernel_unless_the_optimizer_names_its_own(spec, kernel, monkeypatch):
+    """An SGD / Adam / AdamW that leaves the implementation to torch steps with its fused kernel under fused
+    execution (one pass instead of one per op); one that names foreach or fused keeps what it named."""
+    from exogym.fused.optim import StackedOptimizers
+
+    seen = []
+    original = StackedOptimizers._step_stacked
+    monkeypatch.setattr(StackedOptimizers, "_step_stacked", lambda self, group: (
+        seen.extend(g["fused"] for w in group for g in w.optim.param_groups), original(self, group)))
+    _fit("fused", lambda: SimpleReduceStrategy(spec), steps=2, network=None)
+    assert seen and set(seen) == {kernel}

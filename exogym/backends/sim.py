@@ -17,6 +17,7 @@ from exogym.backends.scheduler import CollectiveCall, CollectiveError, Pending, 
 from exogym.comm import TransportBase, Group, ReduceOp, make_group, payload_nbytes, tensor_nbytes
 from exogym.fused.engine import FusedEngine
 from exogym.membership import Membership
+from exogym.rng import NumpyBaton
 from exogym.simtime import TimeModel
 
 if TYPE_CHECKING:
@@ -285,7 +286,8 @@ def run_sim(plan: "RunPlan") -> list[Any]:
     """Run every node of the plan under one scheduler on this thread; return their results in rank order."""
     start = time.perf_counter()
     k = plan.num_nodes
-    rngs = [plan.node_rng(r) for r in range(k)]
+    baton = NumpyBaton()  # numpy's stream handed from node to node by copying its bytes where exact
+    rngs = [plan.node_rng(r, baton) for r in range(k)]
     device_types = tuple(sorted({"cpu", *(d.type for d in plan.devices)}))
     modes = [_NodeModes(device_types) for _ in range(k)]
     caller = _NodeModes(device_types)

@@ -26,7 +26,7 @@ import torch
 
 from exogym.data.sharding import batch_size_of, move_to_device, split_batch
 from exogym.fused.engine import FusedEngine, NodeWork, _forked_rng
-from exogym.fused.optim import StepWork
+from exogym.fused.optim import StepWork, prefer_fused_kernel
 
 __all__ = ["EXECUTIONS", "FusedFallbackWarning", "choose_execution"]
 
@@ -143,8 +143,12 @@ def _probe(model: torch.nn.Module, batch: Any, k: int, device: torch.device, min
     batch = move_to_device(batch, device)
     engine = FusedEngine(model, k, device, minibatch_size=minibatch_size, autocast=autocast, seed=seed)
     copies = [copy.deepcopy(engine.template).train() for _ in range(k)]
-    optims = [optim_spec.build(m) for m in copies] if _stackable(optim_spec) else []
-    stacked = bool(optims) and all(engine.optimizers.register(r, m, o) for r, (m, o) in enumerate(zip(copies, optims)))
+    optims = [optim_spec.build(m) for m in copies] if _stackable(optim_spec) else []  # as sequential runs step
+    fused_optims = [optim_spec.build(m) for m in copies] if optims else []  # as fused runs step (their kernel)
+    stacked = bool(fused_optims) and all(engine.optimizers.register(r, m, o)
+                                         for r, (m, o) in enumerate(zip(copies, fused_optims)))
+    for o in fused_optims:
+        prefer_fused_kernel(o)
     n = batch_size_of(batch)
     parts = split_batch(batch, minibatch_size) if minibatch_size < n else [batch]
     ctx = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if autocast else None
@@ -167,9 +171,9 @@ def _probe(model: torch.nn.Module, batch: Any, k: int, device: torch.device, min
     def fused() -> None:
         engine.run_group([NodeWork(r, 1, m, batch) for r, m in enumerate(copies)])
         if stacked:
-            engine.optimizers.run([StepWork(r, m, o, o.step) for r, (m, o) in enumerate(zip(copies, optims))])
+            engine.optimizers.run([StepWork(r, m, o, o.step) for r, (m, o) in enumerate(zip(copies, fused_optims))])
         else:
-            for o in optims:
+            for o in fused_optims:
                 o.step()
         for m in copies:
             m.zero_grad(set_to_none=True)

@@ -32,6 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from exogym.data.sharding import batch_size_of, split_batch
 from exogym.fused.attention import fold_attention
+from exogym.fused.layers import batching_friendly
 from exogym.fused.optim import StackedOptimizers, StepWork
 from exogym.fused.stacked import NodeStacks
 from exogym.model_call import parse_model_output, takes_keyword_batch
@@ -73,6 +74,7 @@ class FusedEngine:
     def __init__(self, template: torch.nn.Module, num_nodes: int, device: torch.device, *, minibatch_size: int,
                  autocast: bool, seed: int):
         self.template = copy.deepcopy(template).to(device)  # only its structure is used, under functional_call
+        self._batched = batching_friendly(self.template)  # the same, with forwards that vmap batches well
         self.device, self.minibatch_size, self.autocast, self.seed = device, minibatch_size, autocast, seed
         self.stacks = NodeStacks(self.template, num_nodes, device)
         self.optimizers = StackedOptimizers(self.stacks)  # the nodes' SGD / Adam / AdamW steps, stacked
@@ -147,7 +149,7 @@ class FusedEngine:
         grads: list[torch.Tensor] | None = None
         total, totals = None, {}
         training = group[0].model.training
-        self.template.train(training)
+        self._batched.train(training)
         seed = int(np.random.SeedSequence([self.seed, 0xF05ED, group[0].step, *members]).generate_state(1)[0])
         with _forked_rng(self.device), torch.enable_grad():
             torch.random.default_generator.manual_seed(seed)
@@ -205,11 +207,11 @@ class FusedEngine:
             it = iter(tensors)
             batch = tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in first], spec)
             if keywords is None:  # model(**batch) for a dict batch naming the forward's parameters (exogym.model_call)
-                keywords = takes_keyword_batch(self.template, batch)
+                keywords = takes_keyword_batch(self._batched, batch)
             args, kwargs = ((), batch) if keywords else ((batch,), None)
             # The contract was checked on an unbatched call before the run; under vmap a loss's requires_grad
             # reads False, so run_group checks it on the batched result.
-            return parse_model_output(functional_call(self.template, (params, buffers), args, kwargs), training=False)
+            return parse_model_output(functional_call(self._batched, (params, buffers), args, kwargs), training=False)
 
         return one_node
 
