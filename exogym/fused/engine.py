@@ -178,8 +178,9 @@ class FusedEngine:
                         totals[k] = v * w + totals.get(k, 0.0)
         if copied:
             self.stacks.scatter_buffers(members, buffers)
-        # Autograd may hand a stacked gradient back in another layout (a linear weight's comes transposed): one
-        # copy into the parameter's own layout, or every elementwise optimizer op after it walks it strided.
+        # Autograd may hand a stacked gradient back in another layout (F.linear's weight's comes transposed where
+        # exogym.fused.layers keeps F.linear): one copy into the parameter's own layout, or every elementwise
+        # optimizer op after it walks it strided. A no-op for a gradient already in that layout.
         grads = [None if g is None else g.contiguous() for g in grads or []]
         for j, w in enumerate(group):  # each node's .grad is its slice (accumulated onto any it had)
             named = node_params[j]

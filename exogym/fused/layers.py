@@ -4,11 +4,11 @@ Under vmap, F.linear(x, W) becomes bmm(x, W^T), and autograd hands the weight's 
 transpose of a contiguous [K, in, out] tensor. Every elementwise op of the optimizer then walks it strided,
 or one copy per step puts it in the parameter's layout: 40% of a 32-node MLP step was that copy (measured
 here, 784-256-256-10, 32 rows per node). Written as (W x^T)^T, the same products give the weight gradient
-as bmm(dy^T, x), already in the parameter's layout, and the transposes fall on the activations instead. That
-pays where a node's activation is smaller than its weight (rows <= in_features: small per-node batches, the
-MLP); where it is larger (a GPT's 512 tokens per node against a 128-wide layer) strided activations cost more
-than the copy, so those layers keep F.linear. Either way the products are the same, only summed in another
-order (float rounding).
+as bmm(dy^T, x), already in the parameter's layout, and the transposes fall on the activations instead: the
+layer's output and its input's gradient come out strided, and the elementwise ops around them walk them so.
+That pays where those two are smaller than the weight, rows x (in + out) <= in x out (small per-node batches:
+the MLP's first two layers); elsewhere (a GPT's 512 tokens per node, where a strided GELU gradient cost 1.6x)
+the layer keeps F.linear. Either way the products are the same, only summed in another order (float rounding).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ __all__ = ["batching_friendly", "batched_linear"]
 def batched_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """nn.Linear's forward; under vmap, in the form whose weight gradient needs no transposing copy."""
     rows = x.numel() // x.shape[-1] if x.dim() else 1
-    if rows > self.in_features:
+    if rows * (self.in_features + self.out_features) > self.in_features * self.out_features:
         return F.linear(x, self.weight, self.bias)
     x2 = x.reshape(rows, self.in_features)
     y = self.weight @ x2.mT if self.bias is None else torch.addmm(self.bias.unsqueeze(-1), self.weight, x2.mT)

@@ -1,18 +1,22 @@
-"""Stacked optimizer steps under fused execution: the nodes' SGD, Adam and AdamW steps as one step over [M, ...].
+"""Stacked optimizer steps under fused execution: the nodes' SGD, Adam and AdamW steps taken at once.
 
 These optimizers are elementwise: an entry's update reads only that entry's parameter, gradient and state and
-the step's scalars (lr, betas, the step count). Stepping the stacked tensors of M nodes with one optimizer of
-the same class and hyperparameters is therefore the same arithmetic, entry by entry, as M separate steps, and
-gives the same bits (tests/test_fused.py compares them). A node's `optim.step()` parks it (like its
-forward/backward); when no node can run, the parked steps are grouped by what makes them stackable (class,
-parameter groups, hyperparameters, which parameters have gradients, the step count) and each group takes one
-step. Anything else (a closure, step hooks, a mismatch) steps each node's own optimizer, as without fusing.
+the step's scalars (lr, betas, the step count). A node's `optim.step()` parks it (like its forward/backward);
+when no node can run, the parked steps are grouped by what makes them stackable (class, parameter groups,
+hyperparameters, which parameters have gradients, the step counts) and each group takes one step. Anything else
+(a closure, step hooks, a mismatch) steps each node's own optimizer, as without fusing.
 
-Where the state lives: every per-entry state tensor (Adam's moments, SGD's momentum) is kept in one [K, ...]
-stack per parameter and key, and node r's optimizer state holds views of slot r, as its parameters do
-(exogym.fused.stacked). A state tensor that is not its slot's view (loaded from a checkpoint, handed over by a
-survivor) is copied in before the step; `release` gives a node's state storage of its own before it is
-pickled. The step count, a scalar per parameter, stays each node's own tensor.
+Two ways, both exact (tests/test_fused.py compares the bits with one step per node):
+- torch's fused kernel (`fused=True`; chosen for an optimizer that leaves the implementation to torch, see
+  `prefer_fused_kernel`): one call over every member's own tensors, state where each node keeps it. Not over
+  stacked tensors: the kernel's vectorised body and scalar tail round differently, so an entry's bits would
+  depend on where its node's slice starts.
+- the for-loop or foreach implementations (an optimizer that names one): one step over [M, ...] stacks of
+  parameters, gradients and state, the same arithmetic entry by entry as M steps. Every per-entry state tensor
+  (Adam's moments, SGD's momentum) is kept in one [K, ...] stack per parameter and key, and node r's optimizer
+  state holds views of slot r, as its parameters do (exogym.fused.stacked). A state tensor that is not its
+  slot's view (loaded from a checkpoint, handed over by a survivor) is copied in before the step; `release`
+  gives a node's state storage of its own before it is pickled. The step count stays each node's own tensor.
 """
 
 from __future__ import annotations
