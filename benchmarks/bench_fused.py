@@ -155,8 +155,8 @@ def main() -> None:
         model_name, mode, k, steps, warmup, threads, cpu_time = args.child
         return child(model_name, mode, int(k), int(steps), int(warmup), int(threads), cpu_time == "1")
     print(f"DDP + AdamW, {args.steps} timed steps after {args.warmup} warm-up, fastest of {args.repeat}, "
-          f"torch {torch.__version__}, "
-          f"{args.threads or torch.get_num_threads()} thread(s), {'CPU' if args.cpu_time else 'wall'} time; time per step relative to the plain loop (peak MB)")
+          f"torch {torch.__version__}, {args.threads or torch.get_num_threads()} thread(s), "
+          f"{'CPU' if args.cpu_time else 'wall'} time; time per step relative to the plain loop (peak MB)")
     print(f"{'model':>5} {'K':>3} {'plain s/step':>12} " + " ".join(f"{m:>16}" for m in args.modes[1:])
           + "  fused/one-model  auto chose (warm-up run s)")
     for model_name in args.models:

@@ -127,7 +127,7 @@ class TrainNode:
         joiners = m.joiners(step)
         if joiners:  # every node up at this step takes part (some send, the joiners receive)
             if self.fused is not None:  # a survivor's packed state must not carry the stacks its views are in
-                self.fused.release(self.rank, self.model, getattr(self.strategy, "optim", None))
+                self.fused.release(self.rank, self.model)
             hand_over_state(self.model, self.strategy, step, list(m.survivors(step)), list(joiners))
         return True
 
@@ -174,7 +174,7 @@ class TrainNode:
     def _save_checkpoint(self, comm: Transport, done: int) -> None:
         # The global random streams are this node's own while it runs (the backend swapped them in).
         if self.fused is not None:  # views into the stacked tensors would pickle every node's slots
-            self.fused.release(self.rank, self.model, getattr(self.strategy, "optim", None))
+            self.fused.release(self.rank, self.model)
         state = NodeState(done, self.model.state_dict(), self.strategy.state_dict(),
                           GlobalRNGState.capture(self.device), comm.stats, self.log, comm.clock)
         save_node_state(self.checkpoints, self.rank, state)

@@ -247,24 +247,29 @@ def test_a_transformers_model_called_with_keywords_fuses():
     _same_run(*runs, rtol=1e-4, atol=1e-5)  # the batched matmuls round differently; weights are O(0.02)
 
 
-@pytest.mark.parametrize("name", ["ddp", "diloco", "sparta", "fedavg-sampled", "readme", "sgd-momentum"])
-def test_stacked_optimizer_steps_move_no_bit(name, monkeypatch):
-    """The nodes' SGD / Adam / AdamW steps taken as one step over the stacked tensors give the bits of one step
-    per node (the same fused forward/backward either way), through a failure and a node coming back."""
+@pytest.mark.parametrize("name", ["ddp", "diloco", "sparta", "fedavg-sampled", "readme", "sgd-momentum",
+                                  "adamw-for-loop"])
+def test_optimizer_steps_taken_together_move_no_bit(name, monkeypatch):
+    """The nodes' SGD / Adam / AdamW steps taken in one call give the bits of one step per node with the same
+    implementation (the same fused forward/backward either way), through a failure and a node coming back, and
+    with FedAvg's sampled clients, whose step counts differ."""
     from exogym.fused.optim import StackedOptimizers
 
-    make = STRATEGIES.get(name) or (lambda: SimpleReduceStrategy(OptimSpec(torch.optim.SGD, lr=0.1, momentum=0.9,
-                                                                           nesterov=True, weight_decay=1e-3)))
+    make = STRATEGIES.get(name) or {
+        "sgd-momentum": lambda: SimpleReduceStrategy(OptimSpec(torch.optim.SGD, lr=0.1, momentum=0.9, nesterov=True,
+                                                               weight_decay=1e-3)),
+        "adamw-for-loop": lambda: SimpleReduceStrategy(OptimSpec(torch.optim.AdamW, lr=1e-2, foreach=False)),
+    }[name]
     sizes = []
-    original = StackedOptimizers._step_stacked
-    monkeypatch.setattr(StackedOptimizers, "_step_stacked", lambda self, group: (sizes.append(len(group)),
+    original = StackedOptimizers._step_together
+    monkeypatch.setattr(StackedOptimizers, "_step_together", lambda self, group: (sizes.append(len(group)),
                                                                                  original(self, group)))
     kw = dict(network=None, failures=[(2, 3, 5)], steps=8)
     stacked = _fit("fused", make, **kw)
     assert sizes and max(sizes) > 1  # nodes did step together
-    # Each node steps its own optimizer (which fused execution switched to torch's fused kernel, as it does the
-    # stacked step): only the stacking differs.
-    monkeypatch.setattr(StackedOptimizers, "_step_stacked", lambda self, group: [w.step() for w in group])
+    # Each node steps its own optimizer (which fused execution switched to torch's fused kernel where it was left to
+    # torch): only the one call differs.
+    monkeypatch.setattr(StackedOptimizers, "_step_together", lambda self, group: [w.step() for w in group])
     alone = _fit("fused", make, **kw)
     for a, b in zip(stacked[0].state_dict().values(), alone[0].state_dict().values()):
         assert torch.equal(a, b)
@@ -281,8 +286,36 @@ def test_stacked_steps_take_the_fused_kernel_unless_the_optimizer_names_its_own(
     from exogym.fused.optim import StackedOptimizers
 
     seen = []
-    original = StackedOptimizers._step_stacked
-    monkeypatch.setattr(StackedOptimizers, "_step_stacked", lambda self, group: (
+    original = StackedOptimizers._step_together
+    monkeypatch.setattr(StackedOptimizers, "_step_together", lambda self, group: (
         seen.extend(g["fused"] for w in group for g in w.optim.param_groups), original(self, group)))
     _fit("fused", lambda: SimpleReduceStrategy(spec), steps=2, network=None)
     assert seen and set(seen) == {kernel}
+
+
+@pytest.mark.parametrize("rows, strided_path", [(4, True), (64, False)])
+def test_batched_linear_gives_the_weight_gradient_in_the_parameters_layout(rows, strided_path):
+    """Where a node's rows are few (rows x (in + out) <= in x out), the batched template's nn.Linear computes
+    (W x^T)^T: the stacked weight gradient comes back contiguous (no transposing copy before the optimizer);
+    elsewhere it keeps F.linear. Either way, the values are F.linear's."""
+    from torch.func import functional_call, vmap
+
+    from exogym.fused.layers import batching_friendly
+
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(24, 16))
+    fast = batching_friendly(plain)
+    k = 3
+    x = torch.randn(k, rows, 24)
+
+    def grads(module):  # as the engine takes them: a vmapped forward, one autograd.grad over the stacks
+        stacks = {n: torch.randn(k, *p.shape, generator=torch.Generator().manual_seed(1)).requires_grad_()
+                  for n, p in module.named_parameters()}
+        out = vmap(lambda p, xs: functional_call(module, p, (xs,)))(stacks, x)
+        return dict(zip(stacks, torch.autograd.grad((out ** 2).sum(), list(stacks.values()))))
+
+    got, want = grads(fast), grads(plain)
+    for name in want:
+        assert_close(got[name], want[name], rtol=1e-5, atol=1e-5)
+    assert got["0.weight"].is_contiguous() == strided_path
+    assert not want["0.weight"].is_contiguous()  # what F.linear under vmap gives: the transpose

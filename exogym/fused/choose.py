@@ -6,8 +6,8 @@ batching rule that cannot run under vmap) is a ValueError naming the reason befo
 
 "auto" picks fused only where it measured faster: the same probe, timed. On throwaway copies of the
 model and node 0's first batch it times K sequential forward/backward passes and optimizer steps against
-one batched pass and one stacked optimizer step (exogym.fused.optim; the strategy's optimizer when it is
-SGD, Adam or AdamW, the ones fused runs step stacked), one warm-up, then the fastest of `_REPEATS` each,
+one batched pass and the optimizer steps taken together (exogym.fused.optim; the strategy's optimizer when it is
+SGD, Adam or AdamW, the ones fused runs step together), one warm-up, then the fastest of `_REPEATS` each,
 interleaved, and fuses when the batched side takes less than `_MARGIN` of the sequential time.
 Collectives, and other optimizers' steps, cost the same either way. Where fusing cannot run or does not pay, "auto" runs
 sequential and says why, once per run (a FusedFallbackWarning, or the announcement line).
@@ -135,9 +135,9 @@ def _probe(model: torch.nn.Module, batch: Any, k: int, device: torch.device, min
            seed: int, *, timed: bool, optim_spec: Any = None) -> tuple[float, float] | None:
     """One unbatched forward/backward (checks the model contract) and one batched one over k copies; with
     `timed`, the fastest of _REPEATS of each (seconds for all k nodes). With the strategy's optimizer (an
-    OptimSpec of SGD, Adam or AdamW, which fused runs step stacked) each side also takes its optimizer steps:
-    k of them one after another, or one over the stacks (exogym.fused.optim); other optimizers step per node
-    either way, so they are left out of both."""
+    OptimSpec of SGD, Adam or AdamW, which fused runs step together) each side also takes its optimizer steps:
+    k of them one after another, or in one call as fused runs take them (exogym.fused.optim); other optimizers
+    step per node either way, so they are left out of both."""
     from exogym.model_call import model_caller, parse_model_output
 
     batch = move_to_device(batch, device)
@@ -145,7 +145,7 @@ def _probe(model: torch.nn.Module, batch: Any, k: int, device: torch.device, min
     copies = [copy.deepcopy(engine.template).train() for _ in range(k)]
     optims = [optim_spec.build(m) for m in copies] if _stackable(optim_spec) else []  # as sequential runs step
     fused_optims = [optim_spec.build(m) for m in copies] if optims else []  # as fused runs step (their kernel)
-    stacked = bool(fused_optims) and all(engine.optimizers.register(r, m, o)
+    together = bool(fused_optims) and all(engine.optimizers.register(r, m, o)
                                          for r, (m, o) in enumerate(zip(copies, fused_optims)))
     for o in fused_optims:
         prefer_fused_kernel(o)
@@ -170,7 +170,7 @@ def _probe(model: torch.nn.Module, batch: Any, k: int, device: torch.device, min
 
     def fused() -> None:
         engine.run_group([NodeWork(r, 1, m, batch) for r, m in enumerate(copies)])
-        if stacked:
+        if together:
             engine.optimizers.run([StepWork(r, m, o, o.step) for r, (m, o) in enumerate(zip(copies, fused_optims))])
         else:
             for o in fused_optims:

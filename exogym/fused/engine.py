@@ -77,7 +77,7 @@ class FusedEngine:
         self._batched = batching_friendly(self.template)  # the same, with forwards that vmap batches well
         self.device, self.minibatch_size, self.autocast, self.seed = device, minibatch_size, autocast, seed
         self.stacks = NodeStacks(self.template, num_nodes, device)
-        self.optimizers = StackedOptimizers(self.stacks)  # the nodes' SGD / Adam / AdamW steps, stacked
+        self.optimizers = StackedOptimizers(self.stacks)  # the nodes' SGD / Adam / AdamW steps, taken together
         self.scheduler = None  # set by the backend: park() is how a node waits for the batched step
         self._parked: dict[int, NodeWork] = {}
         self._parked_steps: dict[int, StepWork] = {}
@@ -103,10 +103,10 @@ class FusedEngine:
         self._parked_steps[work.rank] = work
         self.scheduler.park(work.rank)  # returns after run_parked has stepped it
 
-    def release(self, rank: int, model: torch.nn.Module, optim: Any = None) -> None:
-        """Give node `rank`'s tensors (and its optimizer's state) storage of their own, before they are pickled."""
+    def release(self, rank: int, model: torch.nn.Module) -> None:
+        """Give node `rank`'s tensors storage of their own, before they are pickled (its optimizer's state is its
+        own already)."""
         self.stacks.release(rank, model)
-        self.optimizers.release(rank, optim)
 
     def count_flops(self, model: torch.nn.Module, forward_backward) -> float:
         """FLOPs of one sequential forward/backward of `model`'s arithmetic, on a throwaway copy (the node's
