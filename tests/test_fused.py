@@ -253,7 +253,7 @@ def test_optimizer_steps_taken_together_move_no_bit(name, monkeypatch):
     """The nodes' SGD / Adam / AdamW steps taken in one call give the bits of one step per node with the same
     implementation (the same fused forward/backward either way), through a failure and a node coming back, and
     with FedAvg's sampled clients, whose step counts differ."""
-    from exogym.fused.optim import StackedOptimizers
+    from exogym.fused.optim import JointSteps
 
     make = STRATEGIES.get(name) or {
         "sgd-momentum": lambda: SimpleReduceStrategy(OptimSpec(torch.optim.SGD, lr=0.1, momentum=0.9, nesterov=True,
@@ -261,15 +261,15 @@ def test_optimizer_steps_taken_together_move_no_bit(name, monkeypatch):
         "adamw-for-loop": lambda: SimpleReduceStrategy(OptimSpec(torch.optim.AdamW, lr=1e-2, foreach=False)),
     }[name]
     sizes = []
-    original = StackedOptimizers._step_together
-    monkeypatch.setattr(StackedOptimizers, "_step_together", lambda self, group: (sizes.append(len(group)),
+    original = JointSteps._step_together
+    monkeypatch.setattr(JointSteps, "_step_together", lambda self, group: (sizes.append(len(group)),
                                                                                  original(self, group)))
     kw = dict(network=None, failures=[(2, 3, 5)], steps=8)
     stacked = _fit("fused", make, **kw)
     assert sizes and max(sizes) > 1  # nodes did step together
     # Each node steps its own optimizer (which fused execution switched to torch's fused kernel where it was left to
     # torch): only the one call differs.
-    monkeypatch.setattr(StackedOptimizers, "_step_together", lambda self, group: [w.step() for w in group])
+    monkeypatch.setattr(JointSteps, "_step_together", lambda self, group: [w.step() for w in group])
     alone = _fit("fused", make, **kw)
     for a, b in zip(stacked[0].state_dict().values(), alone[0].state_dict().values()):
         assert torch.equal(a, b)
@@ -280,14 +280,14 @@ def test_optimizer_steps_taken_together_move_no_bit(name, monkeypatch):
                                           (OptimSpec(torch.optim.SGD, lr=0.1, momentum=0.9), True),
                                           (OptimSpec(torch.optim.AdamW, lr=1e-2, foreach=False), None),
                                           (OptimSpec(torch.optim.AdamW, lr=1e-2, fused=False), False)])
-def test_stacked_steps_take_the_fused_kernel_unless_the_optimizer_names_its_own(spec, kernel, monkeypatch):
+def test_steps_taken_together_use_the_fused_kernel_unless_the_optimizer_names_its_own(spec, kernel, monkeypatch):
     """An SGD / Adam / AdamW that leaves the implementation to torch steps with its fused kernel under fused
     execution (one pass instead of one per op); one that names foreach or fused keeps what it named."""
-    from exogym.fused.optim import StackedOptimizers
+    from exogym.fused.optim import JointSteps
 
     seen = []
-    original = StackedOptimizers._step_together
-    monkeypatch.setattr(StackedOptimizers, "_step_together", lambda self, group: (
+    original = JointSteps._step_together
+    monkeypatch.setattr(JointSteps, "_step_together", lambda self, group: (
         seen.extend(g["fused"] for w in group for g in w.optim.param_groups), original(self, group)))
     _fit("fused", lambda: SimpleReduceStrategy(spec), steps=2, network=None)
     assert seen and set(seen) == {kernel}

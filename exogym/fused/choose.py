@@ -76,7 +76,7 @@ def choose_execution(execution: str, *, model: torch.nn.Module, first_batch: Cal
     if execution == "fused":
         return "fused", "requested"
     fused_s, seq_s = timing
-    what = "forward/backward and optimizer step" if _stackable(optim_spec) else "forward/backward"
+    what = "forward/backward and optimizer step" if _joinable(optim_spec) else "forward/backward"
     why = (f"probe: one batched {what} of {num_nodes} nodes took {fused_s * 1e3:.1f} ms, "
            f"{num_nodes} sequential ones {seq_s * 1e3:.1f} ms")
     if fused_s < _MARGIN * seq_s:
@@ -124,11 +124,11 @@ def _static_obstacle(model: torch.nn.Module, num_nodes: int, devices: Sequence[t
     return None
 
 
-def _stackable(optim_spec: Any) -> bool:
-    from exogym.fused.optim import STACKABLE
+def _joinable(optim_spec: Any) -> bool:
+    from exogym.fused.optim import JOINABLE
     from exogym.strategy.optim import OptimSpec
 
-    return isinstance(optim_spec, OptimSpec) and optim_spec.cls in STACKABLE
+    return isinstance(optim_spec, OptimSpec) and optim_spec.cls in JOINABLE
 
 
 def _probe(model: torch.nn.Module, batch: Any, k: int, device: torch.device, minibatch_size: int, autocast: bool,
@@ -143,7 +143,7 @@ def _probe(model: torch.nn.Module, batch: Any, k: int, device: torch.device, min
     batch = move_to_device(batch, device)
     engine = FusedEngine(model, k, device, minibatch_size=minibatch_size, autocast=autocast, seed=seed)
     copies = [copy.deepcopy(engine.template).train() for _ in range(k)]
-    optims = [optim_spec.build(m) for m in copies] if _stackable(optim_spec) else []  # as sequential runs step
+    optims = [optim_spec.build(m) for m in copies] if _joinable(optim_spec) else []  # as sequential runs step
     fused_optims = [optim_spec.build(m) for m in copies] if optims else []  # as fused runs step (their kernel)
     together = bool(fused_optims) and all(engine.optimizers.register(r, m, o)
                                          for r, (m, o) in enumerate(zip(copies, fused_optims)))

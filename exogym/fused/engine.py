@@ -33,7 +33,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from exogym.data.sharding import batch_size_of, split_batch
 from exogym.fused.attention import fold_attention
 from exogym.fused.layers import batching_friendly
-from exogym.fused.optim import StackedOptimizers, StepWork
+from exogym.fused.optim import JointSteps, StepWork
 from exogym.fused.stacked import NodeStacks
 from exogym.model_call import parse_model_output, takes_keyword_batch
 
@@ -77,7 +77,7 @@ class FusedEngine:
         self._batched = batching_friendly(self.template)  # the same, with forwards that vmap batches well
         self.device, self.minibatch_size, self.autocast, self.seed = device, minibatch_size, autocast, seed
         self.stacks = NodeStacks(self.template, num_nodes, device)
-        self.optimizers = StackedOptimizers(self.stacks)  # the nodes' SGD / Adam / AdamW steps, taken together
+        self.optimizers = JointSteps(self.stacks)  # the nodes' SGD / Adam / AdamW steps, taken together
         self.scheduler = None  # set by the backend: park() is how a node waits for the batched step
         self._parked: dict[int, NodeWork] = {}
         self._parked_steps: dict[int, StepWork] = {}

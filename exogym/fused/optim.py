@@ -25,9 +25,9 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 
 from exogym.fused.stacked import NodeStacks
 
-__all__ = ["StackedOptimizers", "STACKABLE", "prefer_fused_kernel"]
+__all__ = ["JointSteps", "JOINABLE", "prefer_fused_kernel"]
 
-STACKABLE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)  # elementwise, with a fused kernel
+JOINABLE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)  # elementwise, with a fused kernel
 
 
 @dataclass
@@ -40,7 +40,7 @@ class StepWork:
     step: Callable[[], Any]  # the optimizer's own step (a fallback steps with it)
 
 
-class StackedOptimizers:
+class JointSteps:
     """The nodes' adopted optimizers and their steps taken together."""
 
     def __init__(self, stacks: NodeStacks):
@@ -49,9 +49,9 @@ class StackedOptimizers:
         self.steps_together = 0  # groups stepped in one call (for tests and reports)
 
     def register(self, rank: int, model: torch.nn.Module, optim: Any) -> bool:
-        """Whether node `rank`'s optimizer can step with the others (one of STACKABLE, over the node's own model
+        """Whether node `rank`'s optimizer can step with the others (one of JOINABLE, over the node's own model
         parameters); if so, note where its parameters are in the stacks."""
-        if type(optim) not in STACKABLE:
+        if type(optim) not in JOINABLE:
             return False
         names = {id(p): n for n, p in model.named_parameters() if n in self.stacks.param_shapes}
         if any(id(p) not in names for g in optim.param_groups for p in g["params"]):
