@@ -11,8 +11,8 @@ Where the optimizer leaves its implementation to torch, fused execution switches
 (`prefer_fused_kernel`): one pass over parameter, gradient and state instead of one per elementwise op, and one
 kernel call for the group. Not over [K, ...] stacks: the kernel's vectorised body and its scalar tail round
 differently, so an entry's bits would depend on where its node's slice starts in a stacked tensor (seen with
-15-entry tensors of 4 nodes), and a stacked for-loop step walks K nodes' state through memory once per op where
-one node's fits in the cache (2x slower than a step per node at 32 MLP nodes: benchmarks/bench_fused_parts.py).
+15-entry tensors of 4 nodes); and stacking the for-loop implementation saves little (32 MLP nodes: 20.7 ms
+stacked, 20.5 ms a step per node, 6.3 ms with the fused kernel; benchmarks/bench_fused_parts.py).
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ class JointSteps:
 def prefer_fused_kernel(optim: torch.optim.Optimizer) -> None:
     """Step with torch's fused kernel (one pass over parameter, gradient and state) where the optimizer left the
     implementation to torch (foreach and fused both None). torch's for-loop default makes about ten passes, one
-    per elementwise op: 32 MLP nodes' AdamW steps took 20 ms that way and 5.6 ms fused (one thread,
+    per elementwise op: 32 MLP nodes' AdamW steps took 20.5 ms that way and 6.3 ms fused (one thread,
     benchmarks/bench_fused_parts.py). The node's own optimizer is switched, so a node stepping
     alone takes the same kernel; the fused kernel rounds differently from the for-loop (an ulp), which is why an
     optimizer that names its implementation keeps it."""
