@@ -3,9 +3,9 @@
 1. matmul: K nodes' layers as one bmm against K separate matmuls, and against one weight times a K-times larger
    batch (what the one-model limit computes), for the GPT's and the MLP's layer shapes;
 2. linear forward/backward under vmap: F.linear (its weight gradient comes back transposed and is copied into
-   the parameter's layout) against exogym.fused.layers' (W x^T)^T, for the 784-256-256-10 MLP at 32 rows/node;
+   the parameter's layout) against exogym.backends.sim.fused.layers' (W x^T)^T, for the 784-256-256-10 MLP at 32 rows/node;
 3. the optimizer: K nodes' AdamW steps one per node, stacked with torch's for-loop implementation, and with its
-   fused kernel over the nodes' tensors (exogym.fused.optim).
+   fused kernel over the nodes' tensors (exogym.backends.sim.fused.joint_steps).
 CPU time per call in ms, fastest of --repeat runs of --calls calls.
 Usage: python benchmarks/bench_fused_parts.py [--threads 1] [--nodes 8 32]
 """
@@ -46,7 +46,7 @@ def matmuls(k: int, calls: int, repeat: int) -> None:
 
 
 def linear_layouts(k: int, calls: int, repeat: int) -> None:
-    from exogym.fused.layers import batching_friendly
+    from exogym.backends.sim.fused.layers import batching_friendly
 
     plain = MLP()
     fast = batching_friendly(plain)

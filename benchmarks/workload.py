@@ -59,12 +59,11 @@ def make_tokens(n: int, block: int = 64, vocab: int = 65) -> TensorDataset:
 
 
 def ddp_keeping_k_copies(optim_spec):
-    """DDP through a subclass whose step is overridden (unchanged): it keeps every node's own copy and optimizer,
-    the arithmetic of a plain loop over K copies (SimpleReduceStrategy itself keeps one replica in the sim)."""
+    """DDP keeping every node's own copy and optimizer (one_replica = False), the arithmetic of a plain loop over
+    K copies (SimpleReduceStrategy itself keeps one replica in the sim)."""
     from exogym.strategy import SimpleReduceStrategy
 
     class KCopies(SimpleReduceStrategy):
-        def step(self):
-            super().step()
+        one_replica = False
 
     return KCopies(optim_spec)

@@ -1,5 +1,5 @@
 """The diloco-sim interface on top of ExoGym's engine: `from diloco_sim import DilocoSimulator`."""
 
-from diloco_sim.simulator import DilocoSimulator, EvalStats, TrainStats
+from exogym.compat.diloco_sim import DilocoSimulator, EvalStats, TrainStats
 
 __all__ = ["DilocoSimulator", "TrainStats", "EvalStats"]

@@ -7,13 +7,16 @@ Words used throughout:
 - round: one outer synchronisation of a strategy that communicates every H steps.
 """
 
-from exogym.backends.torch_spawn import NodeProcessError
-from exogym.backends.watchdog import NodeTimeoutError
-from exogym.comm import CollectiveError
-from exogym.membership import RandomFailures
-from exogym.record import RunRecord
-from exogym.run_folder import RunFolderError
+from exogym.backends.errors import NodeProcessError, NodeTimeoutError
+from exogym.cluster.membership import RandomFailures
+from exogym.comm.transport import CollectiveError
+from exogym.runs.folder import RunFolderError
+from exogym.runs.record import RunRecord
 from exogym.trainer import LocalTrainer, Trainer
+
+from exogym import compat  # noqa: E402 - on top of everything above, and installed last
+
+compat.install()
 
 __all__ = ["Trainer", "LocalTrainer", "RunRecord", "CollectiveError", "NodeProcessError", "NodeTimeoutError",
            "RunFolderError", "RandomFailures"]

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Callable, NoReturn, Sequence
 
-from exogym.plot import X_AXES
+from exogym.runs.plot import X_AXES
 from exogym.strategy import Strategy
 from exogym.strategy.optim import OptimSpec
 from exogym.tasks import TASKS, get_task
@@ -128,7 +128,7 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
 
 def _fit(args: argparse.Namespace, strategy_name: str, run_name: str | None):
     from exogym import RandomFailures, Trainer
-    from exogym.logger import CSVLogger
+    from exogym.runs.loggers import CSVLogger
 
     strategy = STRATEGY_BUILDERS[strategy_name](args)  # before the data: a bad setting fails at once
     try:
@@ -180,7 +180,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from exogym.plot import plot_runs
+    from exogym.runs.plot import plot_runs
 
     names = list(dict.fromkeys(args.strategies))
     if len(names) != len(args.strategies):
@@ -203,7 +203,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from exogym.plot import plot_runs
+    from exogym.runs.plot import plot_runs
 
     out = plot_runs(args.runs, x=args.x, y=args.y, out=args.out)
     print(out)

@@ -14,10 +14,10 @@ import torch
 from exogym._validation import check_number
 from exogym.data.partition import Partition, dirichlet_partition, shards_partition
 from exogym.data.sharding import DatasetOrFactory, NodeBatches, fixed_batches, is_factory, node_dataset
-from exogym.logger import CSVLogger, Logger, MultiLogger, WandbLogger, _FolderLogger
-from exogym.network import Network
-from exogym.run_folder import RunClaim, check_run_name, claim_run
-from exogym.simtime import TimeModel
+from exogym.runs.loggers import CSVLogger, Logger, MultiLogger, WandbLogger, _FolderLogger
+from exogym.cluster.network import Network
+from exogym.runs.folder import RunClaim, check_run_name, claim_run
+from exogym.cluster.simtime import TimeModel
 
 __all__ = ["DEFAULT_DEVICE_FLOPS", "partition_data", "build_node_batches", "build_val_batches", "build_time_model",
            "resolve_logger", "run_name_of", "claim_run_folders", "announce", "peak_memory_mb", "versions"]
@@ -104,7 +104,7 @@ def build_time_model(num_nodes: int, network: Any, node_speeds: Any, device_flop
     elif isinstance(network, str):
         network = Network.preset(network)
     elif not isinstance(network, Network):
-        raise TypeError(f"network must be an exogym.network.Network or a preset name, got {network!r}")
+        raise TypeError(f"network must be an exogym.cluster.network.Network or a preset name, got {network!r}")
     network.check_nodes(num_nodes)
     speeds = _per_node("node_speeds", node_speeds, 1.0, num_nodes)
     flops = _per_node("device_flops", device_flops, DEFAULT_DEVICE_FLOPS, num_nodes)
@@ -130,7 +130,7 @@ def resolve_logger(logger: Any, run_name: str | None) -> Logger | None:
         return logger
     if isinstance(logger, (list, tuple)) and all(isinstance(lg, Logger) for lg in logger):
         return MultiLogger(logger)
-    raise TypeError(f"logger must be an exogym.logger.Logger (CSVLogger, WandbLogger, TensorBoardLogger), a list "
+    raise TypeError(f"logger must be an exogym.runs.loggers.Logger (CSVLogger, WandbLogger, TensorBoardLogger), a list "
                     f"of them, or False for none; got {logger!r}")
 
 

@@ -13,27 +13,28 @@ from typing import Any, Callable, Sequence
 import torch
 
 from exogym._validation import check_int, check_number
+from exogym.adapters import adaptable
 from exogym.backends.sim import run_sim
-from exogym.backends.watchdog import DEFAULT_NODE_TIMEOUT
-from exogym.backends.torch_dist import launch_for_fit, run_torch
-from exogym.checkpoint import CheckpointPlan, check_resume, find_checkpoint, load_checkpoint, read_manifest
+from exogym.backends.errors import DEFAULT_NODE_TIMEOUT
+from exogym.backends.torch.launch import launch_for_fit, run_torch
+from exogym.runs.checkpoint import CheckpointPlan, check_resume, find_checkpoint, load_checkpoint, read_manifest
 from exogym.data.loader_options import loader_options
 from exogym.data.sharding import DatasetOrFactory, is_factory
-from exogym.devices import DeviceLike, memory_fraction, resolve_node_devices
-from exogym.fused.choose import EXECUTIONS, choose_execution
+from exogym.engine.devices import DeviceLike, memory_fraction, resolve_node_devices
+from exogym.backends.sim.fused.choose import EXECUTIONS, choose_execution
 from exogym.fit_setup import (announce, build_node_batches, build_time_model, build_val_batches, claim_run_folders,
                               partition_data, peak_memory_mb, resolve_logger, run_name_of, versions)
-from exogym.logger import Logger, default_run_name
-from exogym.fingerprint import run_fingerprint
-from exogym.membership import RandomFailures, build_membership
-from exogym.network import Network
-from exogym.plan import RunConfig, RunPlan
-from exogym.progress import RunProgress
-from exogym.record import LiveLog, RunRecord
-from exogym.rng import GlobalRNGState
-from exogym.run_folder import check_writable
-from exogym.spellings import fit_arguments
-from exogym.strategy.strategy import Strategy
+from exogym.runs.loggers import Logger, default_run_name
+from exogym.runs.fingerprint import run_fingerprint
+from exogym.cluster.membership import RandomFailures, build_membership
+from exogym.cluster.network import Network
+from exogym.engine.config import RunConfig
+from exogym.engine.plan import RunPlan
+from exogym.runs.progress import RunProgress
+from exogym.runs.record import LiveLog, RunRecord
+from exogym.engine.rng import GlobalRNGState
+from exogym.runs.folder import check_writable
+from exogym.strategy.base import Strategy
 
 __all__ = ["Trainer", "LocalTrainer", "BACKENDS"]
 
@@ -70,15 +71,8 @@ class Trainer:
         self.device, self.devices = device, devices
         self.record: RunRecord | None = None
 
-    def fit(self, *args: Any, **kwargs: Any) -> torch.nn.Module:
-        """fit(strategy, num_nodes=1, **options), or the original EXO Gym's fit(num_epochs, strategy, num_nodes, ...).
-
-        Both orders and the original's keywords (correlation_interval, save_dir, wandb_project, log_x_axis,
-        gradient_accumulation, kwargs) are mapped to the canonical options of `_fit` by exogym.spellings.
-        """
-        return self._fit(**fit_arguments(self._fit, args, kwargs))
-
-    def _fit(self, strategy: Strategy, num_nodes: int = 1, *, num_epochs: int = 1, max_steps: int | None = None,
+    @adaptable
+    def fit(self, strategy: Strategy, num_nodes: int = 1, *, num_epochs: int = 1, max_steps: int | None = None,
             batch_size: int = 16, minibatch_size: int | None = None, shuffle: bool = True, val_size: int = 64,
             val_interval: int = 100, autocast: bool = False, seed: int = 42, backend: str = "sim",
             device: DeviceLike | None = None, devices: Sequence[DeviceLike] | None = None,
@@ -133,11 +127,11 @@ class Trainer:
         seed): a node that is down computes and sends nothing; the others' collectives run without it, and
         a node coming up first takes the global state from one that was up. active_nodes: an elastic pool
         ("doubling", "halving", "ramp_up", "ramp_down", [(from_step, count), ...], or step -> count; ranks
-        0..count-1 are in it). Both are simulated: backend="sim" only (see exogym.membership).
+        0..count-1 are in it). Both are simulated: backend="sim" only (see exogym.cluster.membership).
 
         execution: "sequential" runs the nodes' forward/backward one after another; "fused" runs those of
         the nodes computing in a step as one batched (vmapped) computation (backend="sim", one device;
-        exogym.fused); "auto" probes both on throwaway copies and fuses only where that is faster.
+        exogym.backends.sim.fused); "auto" probes both on throwaway copies and fuses only where that is faster.
 
         partition="dirichlet" with dirichlet_alpha splits a labelled train_dataset by label (non-IID);
         partition="shards" sorts it by label and deals each node shards_per_node (default 2) of

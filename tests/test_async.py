@@ -7,8 +7,8 @@ import torch
 
 import toy
 from exogym import Trainer
-from exogym.comm import CollectiveError
-from exogym.network import Network
+from exogym.comm.transport import CollectiveError
+from exogym.cluster.network import Network
 from exogym.strategy import Strategy
 from exogym.strategy import communicate as comm
 

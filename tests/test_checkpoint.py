@@ -7,8 +7,8 @@ import torch
 
 import toy
 from exogym import Trainer
-from exogym.checkpoint import CheckpointError
-from exogym.logger import Logger
+from exogym.runs.checkpoint import CheckpointError
+from exogym.runs.loggers import Logger
 from exogym.strategy import OptimSpec, SimpleReduceStrategy
 
 FIT = dict(progress=False, device="cpu", logger=False)

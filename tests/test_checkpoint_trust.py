@@ -11,9 +11,9 @@ import torch
 
 import toy
 from exogym import Trainer
-from exogym.checkpoint import CheckpointError
-from exogym.compression import ErrorFeedback, IntQuantizer, TopK
-from exogym.logger import Logger
+from exogym.runs.checkpoint import CheckpointError
+from exogym.comm.compression import ErrorFeedback, IntQuantizer, TopK
+from exogym.runs.loggers import Logger
 from exogym.strategy import (AveragingCommunicator, CommunicateOptimizeStrategy, DeMoStrategy, DGCStrategy,
                              DiLoCoStrategy, FedAvgStrategy, OptimSpec, SimpleReduceStrategy, SPARTADiLoCoStrategy,
                              SPARTAStrategy, StreamingDiLoCoStrategy)

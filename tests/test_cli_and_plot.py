@@ -8,7 +8,7 @@ import pytest
 import toy
 from exogym import Trainer
 from exogym.cli import main
-from exogym.plot import load_run, plot_runs
+from exogym.runs.plot import load_run, plot_runs
 from exogym.strategy import SimpleReduceStrategy
 
 pytest.importorskip("matplotlib", reason="plots need the plot extra")
@@ -125,7 +125,7 @@ def test_help_shows_every_default():
 
 
 def test_the_plot_starts_at_step_0_and_legends_are_folder_names():
-    from exogym.plot import _series
+    from exogym.runs.plot import _series
     t = Trainer(toy.TinyMLP(), toy.make_classification(128), toy.make_classification(32, seed=1))
     t.fit(SimpleReduceStrategy(), 2, batch_size=8, max_steps=6, val_interval=3, run_name="given-name",
           progress=False, device="cpu")

@@ -6,7 +6,7 @@ import torch
 
 import toy
 from exogym import Trainer
-from exogym.comm import CollectiveError
+from exogym.comm.transport import CollectiveError
 from exogym.strategy import SimpleReduceStrategy, SPARTAStrategy, StreamingDiLoCoStrategy
 from exogym.strategy import communicate as comm
 

@@ -5,8 +5,8 @@ import torch
 
 import toy
 from exogym import Trainer
-from exogym.backends.scheduler import CollectiveError
-from exogym.comm import all_gather_bytes, all_reduce_bytes, broadcast_bytes, reduce_scatter_bytes, Group
+from exogym.backends.sim.baton import CollectiveError
+from exogym.comm.transport import all_gather_bytes, all_reduce_bytes, broadcast_bytes, reduce_scatter_bytes, Group
 from exogym.strategy import OptimSpec, Strategy
 from exogym.strategy import communicate as comm
 

@@ -1,4 +1,4 @@
-"""Fused execution (exogym.fused): one batched forward/backward gives what K sequential ones give."""
+"""Fused execution (exogym.backends.sim.fused): one batched forward/backward gives what K sequential ones give."""
 
 import warnings
 
@@ -9,12 +9,12 @@ from torch.testing import assert_close
 
 import toy
 from exogym import Trainer
-from exogym.fused import choose as choose_mod
-from exogym.fused.choose import FusedFallbackWarning
-from exogym.fused.engine import FusedEngine
+from exogym.backends.sim.fused import choose as choose_mod
+from exogym.backends.sim.fused.choose import FusedFallbackWarning
+from exogym.backends.sim.fused.engine import FusedEngine
 from exogym.strategy import (CommunicateOptimizeStrategy, DeMoStrategy, DiLoCoStrategy, FedAvgStrategy, OptimSpec,
                              SimpleReduceStrategy, SPARTADiLoCoStrategy, SPARTAStrategy, Strategy)
-from exogym.strategy.communicate import all_reduce, alive_ranks
+from exogym.comm.collectives import all_reduce, alive_ranks
 from exogym.strategy import DiLoCoCommunicator, SparseCommunicator
 from exogym.strategy.streaming_diloco import StreamingDiLoCoStrategy
 
@@ -253,7 +253,7 @@ def test_optimizer_steps_taken_together_move_no_bit(name, monkeypatch):
     """The nodes' SGD / Adam / AdamW steps taken in one call give the bits of one step per node with the same
     implementation (the same fused forward/backward either way), through a failure and a node coming back, and
     with FedAvg's sampled clients, whose step counts differ."""
-    from exogym.fused.optim import JointSteps
+    from exogym.backends.sim.fused.joint_steps import JointSteps
 
     make = STRATEGIES.get(name) or {
         "sgd-momentum": lambda: SimpleReduceStrategy(OptimSpec(torch.optim.SGD, lr=0.1, momentum=0.9, nesterov=True,
@@ -283,7 +283,7 @@ def test_optimizer_steps_taken_together_move_no_bit(name, monkeypatch):
 def test_steps_taken_together_use_the_fused_kernel_unless_the_optimizer_names_its_own(spec, kernel, monkeypatch):
     """An SGD / Adam / AdamW that leaves the implementation to torch steps with its fused kernel under fused
     execution (one pass instead of one per op); one that names foreach or fused keeps what it named."""
-    from exogym.fused.optim import JointSteps
+    from exogym.backends.sim.fused.joint_steps import JointSteps
 
     seen = []
     original = JointSteps._step_together
@@ -300,7 +300,7 @@ def test_batched_linear_gives_the_weight_gradient_in_the_parameters_layout(rows,
     elsewhere it keeps F.linear. Either way, the values are F.linear's."""
     from torch.func import functional_call, vmap
 
-    from exogym.fused.layers import batching_friendly
+    from exogym.backends.sim.fused.layers import batching_friendly
 
     torch.manual_seed(0)
     plain = torch.nn.Sequential(torch.nn.Linear(24, 16))

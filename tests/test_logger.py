@@ -9,7 +9,7 @@ import torch
 
 import toy
 from exogym import Trainer
-from exogym.logger import CSVLogger, Logger, TensorBoardLogger, WandbLogger
+from exogym.runs.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
 from exogym.strategy import OptimSpec, SimpleReduceStrategy
 
 FIT = dict(progress=False, device="cpu")
@@ -46,7 +46,7 @@ def test_default_csv_run_folder_matches_the_record():
 def test_logger_false_writes_nothing_and_bad_loggers_are_rejected():
     _trainer().fit(SimpleReduceStrategy(), 2, batch_size=8, max_steps=2, logger=False, **FIT)
     assert not Path("logs").exists()
-    with pytest.raises(TypeError, match="logger must be an exogym.logger.Logger"):
+    with pytest.raises(TypeError, match="logger must be an exogym.runs.loggers.Logger"):
         _trainer().fit(SimpleReduceStrategy(), 2, batch_size=8, max_steps=2, logger="csv", **FIT)
 
 

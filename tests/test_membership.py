@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from exogym import RandomFailures, Trainer
-from exogym.membership import build_membership
+from exogym.cluster.membership import build_membership
 from exogym.strategy import (AveragingCommunicator, CommunicateOptimizeStrategy, DeMoStrategy, DiLoCoStrategy,
                              FedAvgStrategy, SimpleReduceStrategy, SPARTADiLoCoStrategy, SPARTAStrategy,
                              StreamingDiLoCoStrategy)
-from exogym.strategy.communicate import alive_ranks, get_rank
+from exogym.comm.collectives import alive_ranks, get_rank
 from toy import REGISTRY, LocalOnly, TinyMLP, make_classification, params
 
 FIT = dict(batch_size=8, progress=False, logger=False, val_interval=100)

@@ -13,7 +13,7 @@ from torch.utils.data import Dataset, TensorDataset
 import toy
 from exogym import Trainer
 from exogym.data.sharding import NodeBatches
-from exogym.model_call import parse_model_output, takes_keyword_batch
+from exogym.engine.model_call import parse_model_output, takes_keyword_batch
 from exogym.strategy import OptimSpec, SimpleReduceStrategy
 
 FIT = dict(progress=False, device="cpu", logger=False)

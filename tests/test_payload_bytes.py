@@ -5,7 +5,7 @@ import torch
 
 import toy
 from exogym import Trainer
-from exogym.comm import Group, payload_bytes
+from exogym.comm.transport import Group, payload_bytes
 from exogym.strategy import DeMoStrategy, FedAvgStrategy, SimpleReduceStrategy
 
 FIT = dict(progress=False, device="cpu", logger=False, val_interval=10_000)

@@ -4,7 +4,7 @@ import re
 
 import toy
 from exogym import Trainer
-from exogym.progress import RunProgress
+from exogym.runs.progress import RunProgress
 from exogym.strategy import DiLoCoStrategy
 
 

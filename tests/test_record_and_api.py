@@ -9,9 +9,9 @@ from torch.utils.data import Dataset
 
 import toy
 from exogym import LocalTrainer, Trainer
-from exogym.comm import all_reduce_bytes
+from exogym.comm.transport import all_reduce_bytes
 from exogym.strategy import OptimSpec, SimpleReduceStrategy, Strategy
-from exogym.strategy.communicate import all_reduce
+from exogym.comm.collectives import all_reduce
 from exogym.strategy.lr_schedule import lambda_cosine
 
 FIT = dict(progress=False, device="cpu", logger=False)

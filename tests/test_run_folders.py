@@ -15,8 +15,8 @@ import torch
 import toy
 from exogym import Trainer
 from exogym.cli import main
-from exogym.logger import CSVLogger, TensorBoardLogger, truncate_rows_after
-from exogym.run_folder import MARKER, RunFolderError, check_writable, claim_run
+from exogym.runs.loggers import CSVLogger, TensorBoardLogger, truncate_rows_after
+from exogym.runs.folder import MARKER, RunFolderError, check_writable, claim_run
 from exogym.strategy import OptimSpec, SimpleReduceStrategy
 
 FIT = dict(batch_size=8, val_interval=3, progress=False, device="cpu")
@@ -45,7 +45,7 @@ class Untouchable(toy.TinyMLP):
 
 
 def test_default_names_in_the_same_second_each_get_their_own_folder(monkeypatch):
-    monkeypatch.setattr("exogym.logger.time.strftime", lambda fmt, *a: "20260101-000000")  # one second for all
+    monkeypatch.setattr("exogym.runs.loggers.time.strftime", lambda fmt, *a: "20260101-000000")  # one second for all
     for lr in (0.1, 0.01, 0.001, 0.0001):
         _trainer().fit(SimpleReduceStrategy("sgd", lr=lr), 2, max_steps=3, **FIT)
     runs = sorted(p.name for p in Path("logs").iterdir())
@@ -153,7 +153,7 @@ def test_unwritable_checkpoint_and_log_folders_fail_before_any_node_starts():
 _RACER = textwrap.dedent("""
     import importlib.util, sys, time
     from pathlib import Path
-    # exogym/run_folder.py alone (it imports nothing of exogym or torch): the racers start in milliseconds
+    # exogym/runs/folder.py alone (it imports nothing of exogym or torch): the racers start in milliseconds
     spec = importlib.util.spec_from_file_location("run_folder", sys.argv[3])
     run_folder = sys.modules["run_folder"] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(run_folder)
@@ -176,7 +176,7 @@ _RACER = textwrap.dedent("""
 
 def test_processes_racing_for_the_same_names_never_share_a_folder(tmp_path):
     root, racers = tmp_path / "logs", 3
-    module = str(REPO / "exogym" / "run_folder.py")
+    module = str(REPO / "exogym" / "runs" / "folder.py")
     procs = [subprocess.Popen([sys.executable, "-c", _RACER, str(i), str(root), module], stdout=subprocess.PIPE,
                               text=True) for i in range(racers)]
     deadline = time.monotonic() + 120

@@ -7,7 +7,7 @@ import torch
 
 import toy
 from exogym import Trainer
-from exogym.network import Network, parse_bandwidth, parse_seconds
+from exogym.cluster.network import Network, parse_bandwidth, parse_seconds
 from exogym.strategy import OptimSpec, SimpleReduceStrategy
 
 FIT = dict(progress=False, device="cpu", logger=False)
@@ -109,7 +109,7 @@ def test_measured_compute_time_and_time_model_validation():
         _ddp_run(node_speeds=[1, 0, 1, 1])
     with pytest.raises(ValueError, match="compute_time must be 'flops' or 'measured'"):
         _ddp_run(compute_time="wall")
-    with pytest.raises(TypeError, match="network must be an exogym.network.Network"):
+    with pytest.raises(TypeError, match="network must be an exogym.cluster.network.Network"):
         _ddp_run(network=1e9)
     with pytest.raises(ValueError, match="datacenters cover 2 ranks but the run has num_nodes=4"):
         _ddp_run(network=Network(datacenters=[[0], [1]], inter_bandwidth=1e9, inter_latency=0.1))

@@ -7,7 +7,7 @@ import pytest
 
 import toy
 from exogym import Trainer
-from exogym.backends.watchdog import DEFAULT_NODE_TIMEOUT, NodeTimeoutError
+from exogym.backends.errors import DEFAULT_NODE_TIMEOUT, NodeTimeoutError
 from exogym.strategy import SimpleReduceStrategy
 
 

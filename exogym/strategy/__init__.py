@@ -1,12 +1,12 @@
 """Strategies: what each node does at every step, and what it communicates."""
 
 from exogym.strategy.optim import OptimSpec
-from exogym.strategy.strategy import SimpleReduceStrategy, Strategy
-from exogym.strategy.communicate_optimize_strategy import (AveragingCommunicator, CommunicateOptimizeStrategy,
-                                                           CommunicationModule)
+from exogym.strategy.base import Strategy
+from exogym.strategy.ddp import SimpleReduceStrategy
+from exogym.strategy.communicate_optimize_strategy import CommunicateOptimizeStrategy, CommunicationModule
 from exogym.strategy.diloco import DiLoCoCommunicator, DiLoCoStrategy
 from exogym.strategy.sparta import SparseCommunicator, SPARTAStrategy, TopKSparseCommunicator
-from exogym.strategy.federated_averaging import FedAvgStrategy
+from exogym.strategy.federated_averaging import AveragingCommunicator, FedAvgStrategy
 from exogym.strategy.sparta_diloco import SPARTADiLoCoStrategy
 from exogym.strategy.demo import DeMo, DeMoStrategy
 from exogym.strategy.dgc import DGCStrategy

@@ -19,23 +19,23 @@ import numpy as np
 import torch
 
 from exogym._validation import check_number
-from exogym.compression import Compressor
-from exogym.spellings import Respelled
-from exogym.strategy.communicate import Group, new_group
+from exogym.comm.compression import Compressor
+from exogym.adapters import Adaptable
+from exogym.comm.collectives import Group, new_group
 from exogym.strategy.context import NodeContext
 from exogym.strategy.optim import OptimSpec, ensure_optim_spec, pop_optimizer_options
-from exogym.strategy.strategy import Strategy, strategy_keywords
+from exogym.strategy.base import Strategy, strategy_keywords
 
-__all__ = ["CommunicationModule", "CommunicateOptimizeStrategy", "ModularStrategy", "AveragingCommunicator",
+__all__ = ["CommunicationModule", "CommunicateOptimizeStrategy", "ModularStrategy",
            "round_generator"]
 
 
-class CommunicationModule(metaclass=Respelled):
+class CommunicationModule(metaclass=Adaptable):
     """One kind of communication, run after every inner step of a CommunicateOptimizeStrategy.
 
     `communicate(model, rank, num_nodes, local_step)` is called on every node after its
     `local_step`-th inner step (counted from 1), so "every H steps" is `local_step % H == 0` and the
-    first synchronisation follows exactly H inner steps. It may only use exogym.strategy.communicate,
+    first synchronisation follows exactly H inner steps. It may only use exogym.comm.collectives,
     and every node must make the same collective calls in the same order.
 
     The state protocol is the strategy's (see Strategy): state_dict() / load_state_dict() with "global"
@@ -43,6 +43,9 @@ class CommunicationModule(metaclass=Respelled):
     """
 
     supports_membership_changes = True  # False: cannot run with failures or an elastic pool
+    # True: some nodes sit whole rounds out (skip their compute, join no collective of other modules); such a
+    # module must be a strategy's only one.
+    sits_nodes_out = False
 
     def setup(self, model: torch.nn.Module, context: NodeContext) -> None:
         """Bind to one node's model (each node has its own deep copy of the module), once, before the first step."""
@@ -143,9 +146,10 @@ class ModularStrategy(Strategy):
         if modules is None or not all(isinstance(m, CommunicationModule) for m in modules):
             raise TypeError(f"communication_modules must be a list of CommunicationModule instances, "
                             f"got {communication_modules!r}")
-        if any(getattr(m, "client_sampling", 1.0) < 1.0 for m in modules) and len(modules) > 1:
-            raise ValueError("an AveragingCommunicator with client_sampling < 1 must be the only communication "
-                             "module: the other modules would need the unsampled nodes, which sit the round out")
+        lone = [type(m).__name__ for m in modules if m.sits_nodes_out]
+        if lone and len(modules) > 1:
+            raise ValueError(f"{lone[0]} makes nodes sit whole rounds out (e.g. client_sampling < 1), so it must be "
+                             "the only communication module: the others would need the nodes that sit out")
         self.modules = modules
 
     def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
@@ -214,8 +218,6 @@ class CommunicateOptimizeStrategy(ModularStrategy):
     module in list order communicates when its schedule says so; bytes are the sum of the modules'.
     """
 
-    _original_ignored_keywords = False  # H= or p= here was meant for a module: a TypeError, not a warning
-
     def __init__(self, communication_modules: Sequence[CommunicationModule],
                  optim_spec: OptimSpec | str | type | None = None, max_norm: float | None = None, *,
                  inner_optim: OptimSpec | str | type | None = None, lr: float | None = None,
@@ -234,12 +236,3 @@ def inner_spec(optim_spec: OptimSpec | str | type | None, inner_optim: OptimSpec
     check_number("weight_decay", weight_decay, minimum=0.0, allow_none=True)
     return ensure_optim_spec(optim_spec if optim_spec is not None else inner_optim, default,
                              lr=lr, weight_decay=weight_decay, **options)
-
-
-def __getattr__(name: str) -> Any:
-    # FedAvg's module moved to federated_averaging.py; the old import path keeps working (lazily: that
-    # module imports this one).
-    if name == "AveragingCommunicator":
-        from exogym.strategy.federated_averaging import AveragingCommunicator
-        return AveragingCommunicator
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable
 
-__all__ = ["NodeContext"]
+__all__ = ["NodeContext", "KeepOnce", "own_copy", "kept_once"]
+
+# keep_once(key, make) -> the object every node of this process whose strategy asks with `key` shares.
+KeepOnce = Callable[[Hashable, Callable[[], Any]], Any]
+
+
+def own_copy(key: Hashable, make: Callable[[], Any]) -> Any:
+    """Every node makes its own (one node per process, as on torch.distributed; or no run at all)."""
+    return make()
 
 
 @dataclass(frozen=True)
@@ -16,8 +25,12 @@ class NodeContext:
     shard_size: examples in this node's training data per epoch (differs across nodes with unequal shards).
     shard_sizes / shard_steps: every node's shard_size, and its steps in one pass over its own shard, by rank
     (FedAvg weights by the first and runs E passes of the second; () where a run does not say).
-    execution: "sequential" (each node computes with its own module) or "fused" (exogym.fused: the nodes'
-    parameters are views of stacked tensors).
+    share_parameters: whether the nodes' parameters may be views of one storage (DDP's one replica); False
+    where the backend keeps each node's parameters itself (fused execution stacks them).
+    keep_once(key, make): state that every node holds identically by construction (DDP's replica, DiLoCo's outer
+    model, SPARTA's permutations), made once per process: the sim backend gives every node of the run the same
+    object for a key; one node per process (torch.distributed) makes its own. `key` must be the same on every
+    node (a value drawn in the strategy's __init__, which every node's copy shares).
     """
 
     rank: int
@@ -27,4 +40,12 @@ class NodeContext:
     shard_size: int = 0
     shard_sizes: tuple[int, ...] = ()
     shard_steps: tuple[int, ...] = ()
-    execution: str = "sequential"
+    share_parameters: bool = True
+    keep_once: KeepOnce = field(default=own_copy, compare=False, repr=False)
+
+
+def kept_once(owner: Any, key: Hashable, make: Callable[[], Any]) -> Any:
+    """`make()` kept once through the node context of `owner` (a strategy or module bound to a node); made anew
+    when `owner` is not bound to a running node."""
+    context = getattr(owner, "context", None)
+    return (own_copy if context is None else context.keep_once)(key, make)

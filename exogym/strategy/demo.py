@@ -8,11 +8,10 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from exogym._validation import check_int, check_number
-from exogym.flatten import flatten_by_dtype
-from exogym.strategy.communicate import alive_ranks, all_gather
-from exogym.spellings import demo_from_torch_spec
+from exogym.comm.flatten import flatten_by_dtype
+from exogym.comm.collectives import alive_ranks, all_gather
 from exogym.strategy.optim import OptimSpec
-from exogym.strategy.strategy import Strategy, parameter_state
+from exogym.strategy.base import Strategy, parameter_state
 
 __all__ = ["DeMo", "DeMoStrategy", "ChunkDCT", "dct_matrix"]
 
@@ -183,11 +182,10 @@ class DeMoStrategy(Strategy):
     optim_spec: OptimSpec(DeMo, lr=..., ...) or nothing, with lr, compression_decay, compression_topk,
     compression_chunk, weight_decay and lr_scaled_momentum as keywords (which override the spec's). A spec of a
     torch optimizer (OptimSpec(torch.optim.AdamW, lr=..., weight_decay=...), as the original's scripts pass)
-    gives DeMo its lr and weight_decay (exogym.spellings.demo_from_torch_spec). lr_scaled_momentum=True
+    gives DeMo its lr and weight_decay (exogym.compat.spellings.demo_from_torch_spec). lr_scaled_momentum=True
     (default): the momentum accumulates lr x gradient, as bloc97/DeMo does; False: the raw gradient.
     """
 
-    _respell = staticmethod(demo_from_torch_spec)
 
     def __init__(self, optim_spec: OptimSpec | None = None, max_norm: float | None = None, *,
                  lr: float | None = None, compression_decay: float | None = None, compression_topk: int | None = None,

@@ -8,10 +8,10 @@ from typing import Any, Mapping
 import torch
 
 from exogym._validation import check_int, check_number
-from exogym.strategy.communicate import alive_ranks
+from exogym.comm.collectives import alive_ranks
 from exogym.strategy.demo import _gather_flat
 from exogym.strategy.optim import OptimSpec, ensure_optim_spec
-from exogym.strategy.strategy import Strategy, parameter_state
+from exogym.strategy.base import Strategy, parameter_state
 
 __all__ = ["DGCStrategy"]
 

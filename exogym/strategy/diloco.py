@@ -9,11 +9,11 @@ from typing import Any, Mapping
 import torch
 
 from exogym._validation import check_int, check_number
-from exogym.compression import Compressor, compressor_from
-from exogym.strategy.communicate import alive_ranks, all_reduce
+from exogym.comm.compression import Compressor, compressor_from
+from exogym.comm.collectives import alive_ranks, all_reduce
 from exogym.strategy.communicate_optimize_strategy import (CommunicationModule, ModularStrategy, compressor_state,
                                                            round_generator)
-from exogym.strategy.mean import mean_
+from exogym.comm.mean import mean_
 from exogym.strategy.optim import OptimSpec, ensure_optim_spec
 from exogym.strategy.outer_model import kept_nodes, outer_model_for
 
@@ -33,9 +33,9 @@ class DiLoCoCommunicator(CommunicationModule):
     shared seed); the others' are averaged, every node still takes the outer step, and a dropped node
     continues from its own parameters instead of resetting.
     weight_by_shard_size=True: the pseudo-gradients are averaged weighted by each node's shard size.
-    quantization_bits=8 or 4 / compression=<exogym.compression Compressor> (e.g. FP4Quantizer(), or
+    quantization_bits=8 or 4 / compression=<exogym.comm.compression Compressor> (e.g. FP4Quantizer(), or
     ErrorFeedback(TopK(0.01, values=IntQuantizer(4)))): the pseudo-gradients are sent compressed, by one
-    all-gather, and every node averages the decoded ones in rank order (exogym.strategy.mean).
+    all-gather, and every node averages the decoded ones in rank order (exogym.comm.mean).
     Bytes per node per round: (K-1) x sum over parameters of compressor.nbytes(shape), instead of
     2 (K-1)/K x the model's bytes.
     final_sync=True: a run whose last step is not a round's last ends with one more (shorter) round, so the
@@ -63,7 +63,7 @@ class DiLoCoCommunicator(CommunicationModule):
 
     def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
         self.model, self.rank, self.num_nodes = model, rank, num_nodes
-        self.outer = outer_model_for(self._outer_key, model, self.outer_optim_spec, normalize=self.normalize)
+        self.outer = outer_model_for(self, self._outer_key, model, self.outer_optim_spec, normalize=self.normalize)
 
     @property
     def master(self) -> list[torch.nn.Parameter]:
@@ -172,7 +172,7 @@ class DiLoCoStrategy(ModularStrategy):
     final_sync=True (default): when the run's last step is not the end of a round, the nodes synchronise once
     more, so the returned model and the final validation include every step (a run shorter than H is one
     short round); False returns the global model of the last full round.
-    quantization_bits=8 or 4, or compression=<exogym.compression Compressor>: send the pseudo-gradients
+    quantization_bits=8 or 4, or compression=<exogym.comm.compression Compressor>: send the pseudo-gradients
     compressed (see DiLoCoCommunicator); bytes per node per round (K-1) x the compressed model's bytes.
     """
 

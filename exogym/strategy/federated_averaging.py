@@ -9,12 +9,12 @@ from typing import Any, Mapping
 import torch
 
 from exogym._validation import check_int, check_number
-from exogym.compression import Compressor, compressor_from
-from exogym.flatten import flatten_by_dtype, unflatten_into
-from exogym.strategy.communicate import alive_ranks, broadcast, in_running_node
+from exogym.comm.compression import Compressor, compressor_from
+from exogym.comm.flatten import flatten_by_dtype, unflatten_into
+from exogym.comm.collectives import alive_ranks, broadcast, in_running_node
 from exogym.strategy.communicate_optimize_strategy import (CommunicationModule, ModularStrategy, compressor_state,
                                                            round_generator)
-from exogym.strategy.mean import compressed_mean, mean_
+from exogym.comm.mean import compressed_mean, mean_
 from exogym.strategy.optim import OptimSpec
 
 __all__ = ["AveragingCommunicator", "FedAvgStrategy"]
@@ -39,7 +39,7 @@ class AveragingCommunicator(CommunicationModule):
     the others do no compute, and the nodes sampled for the next round that sat this one out receive
     the new average from a sampled node at the round's end (one broadcast each).
 
-    quantization_bits=8 or 4 / compression=<exogym.compression Compressor>: each node sends its change since
+    quantization_bits=8 or 4 / compression=<exogym.comm.compression Compressor>: each node sends its change since
     the last average (theta_i - theta_last), compressed; every node decodes all of them and moves the
     shared theta_last by their mean (exogym.strategy.compressed_reduce), so the models stay identical.
     Bytes per node per round: (K-1) x sum over parameters of compressor.nbytes(shape) (one all-gather).
@@ -155,6 +155,10 @@ class AveragingCommunicator(CommunicationModule):
         shuffled = [members[i] for i in order]
         return [sorted(shuffled[i:i + self.island_size]) for i in range(0, len(shuffled), self.island_size)]
 
+    @property
+    def sits_nodes_out(self) -> bool:
+        return self.client_sampling < 1
+
     def skip_compute(self, local_step: int) -> bool:
         round_index, position = self.locate(local_step)
         return self.rank not in self.participants(round_index) or position > self.local_steps(self.rank)
@@ -216,7 +220,7 @@ class AveragingCommunicator(CommunicationModule):
     def _hand_over(self, done: list[int], upcoming: list[int]) -> None:
         """Each node sampled for the next round that sat this one out gets the new model from a node of this
         round (spread round-robin): a two-node broadcast, in which only the sender sends. Only nodes that are
-        up take part (a node coming back up later gets the global model then, from exogym.rejoin)."""
+        up take part (a node coming back up later gets the global model then, from exogym.engine.rejoin)."""
         newcomers = [r for r in upcoming if r not in done] if done else []
         for i, newcomer in enumerate(newcomers):
             src = done[i % len(done)]

@@ -9,7 +9,7 @@ from typing import Any, Iterable
 import torch
 
 from exogym._validation import reject_unknown_kwargs
-from exogym.spellings import Respelled
+from exogym.adapters import Adaptable
 
 __all__ = ["OptimSpec", "ensure_optim_spec", "OPTIMIZERS"]
 
@@ -34,7 +34,7 @@ def _optimizer_keywords(cls: type) -> set[str] | None:
     return {p.name for p in params if p.name not in ("self", "params")}
 
 
-class OptimSpec(metaclass=Respelled):
+class OptimSpec(metaclass=Adaptable):
     """`OptimSpec(torch.optim.AdamW, lr=3e-4, weight_decay=0.1)`; `OptimSpec.from_string("adamw", lr=3e-4)`.
 
     Keywords are checked against the optimizer's constructor here, so a typo fails before any node starts.

@@ -7,7 +7,7 @@ the averaged Delta), merge (theta_i <- lerp(theta_g, theta_i, alpha); alpha=0 is
 method takes parameter indices, so Streaming DiLoCo works on one fragment at a time.
 
 Kept once: a module makes its outer model with `outer_model_for(...)`, which in the sim backend gives every
-node of the run the same object (exogym.strategy.communicate.shared_state). The outer step of a sync is then
+node of the run the same object (NodeContext.keep_once). The outer step of a sync is then
 applied once, by the first node to get there (the rest find it done: every node would compute the same
 bits, from the same mean); each node's own parameters still merge from it. On torch.distributed each process
 holds its own, as a real node would.
@@ -19,8 +19,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from exogym.flatten import flat_views
-from exogym.strategy.communicate import shared_state
+from exogym.comm.flatten import flat_views
+from exogym.strategy.context import kept_once
 from exogym.strategy.optim import OptimSpec
 
 __all__ = ["OuterModel", "outer_model_for", "kept_nodes"]
@@ -98,10 +98,11 @@ class OuterModel:
         self.applied_through = state["applied_through"]
 
 
-def outer_model_for(key: str, model: torch.nn.Module, spec: OptimSpec, *, normalize: bool = False) -> OuterModel:
+def outer_model_for(owner: Any, key: str, model: torch.nn.Module, spec: OptimSpec, *,
+                    normalize: bool = False) -> OuterModel:
     """The outer model of the module whose nodes share `key`: one for the run in the sim (every node holds the
-    same theta_g by construction), one per process on torch.distributed."""
-    return shared_state(("outer_model", key), lambda: OuterModel(model, spec, normalize=normalize))
+    same theta_g by construction), one per process on torch.distributed. `owner`: the module bound to the node."""
+    return kept_once(owner, ("outer_model", key), lambda: OuterModel(model, spec, normalize=normalize))
 
 
 def kept_nodes(num_nodes: int, drop_prob: float, generator: torch.Generator | None) -> list[int]:

@@ -2,7 +2,7 @@
 
 Under DDP every node applies the same optimizer step to the same averaged gradient, so every node's
 parameters and optimizer state are the same bits after every step. `replica_for(...)` gives every node of a
-sim run the same `Replica` (exogym.strategy.communicate.shared_state): each node's module parameters become
+sim run the same `Replica` (NodeContext.keep_once): each node's module parameters become
 views of the replica's storage (still each node's own Parameter objects, so each node's backward writes its
 own .grad), and a step's update (clip, optimizer step, schedule step) is applied once, by the first node to
 get there with the averaged gradient; the others find it done. K nodes then hold one model's parameters and
@@ -16,8 +16,8 @@ from typing import Callable, Hashable
 
 import torch
 
-from exogym.strategy.communicate import shared_state
 from exogym.strategy.lr_schedule import LRSchedule
+from exogym.strategy.context import KeepOnce
 from exogym.strategy.optim import OptimSpec
 
 __all__ = ["Replica", "replica_for"]
@@ -65,9 +65,9 @@ class Replica:
         return True
 
 
-def replica_for(key: Hashable, model: torch.nn.Module, make: Callable[[], Replica]) -> Replica:
+def replica_for(keep_once: KeepOnce, key: Hashable, model: torch.nn.Module, make: Callable[[], Replica]) -> Replica:
     """The replica every node whose strategy shares `key` (and device) holds: one for the run in the sim, one
     per process on torch.distributed."""
     device = next(model.parameters()).device
-    return shared_state(("ddp_replica", key, str(device)), make)
+    return keep_once(("ddp_replica", key, str(device)), make)
 

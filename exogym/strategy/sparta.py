@@ -13,11 +13,12 @@ import numpy as np
 import torch
 
 from exogym._validation import check_int, check_number
-from exogym.compression import Quantizer, TopK, compressor_from
-from exogym.strategy.communicate import alive_ranks, in_running_node, shared_state
+from exogym.comm.compression import Quantizer, TopK, compressor_from
+from exogym.comm.collectives import alive_ranks
+from exogym.strategy.context import kept_once
 from exogym.strategy.communicate_optimize_strategy import (CommunicationModule, ModularStrategy, compressor_state,
                                                            round_generator)
-from exogym.strategy.mean import mean_, start_mean
+from exogym.comm.mean import mean_, start_mean
 from exogym.strategy.optim import OptimSpec
 
 __all__ = ["SparseCommunicator", "TopKSparseCommunicator", "SPARTAStrategy", "SPARSIFICATION_MODES",
@@ -58,7 +59,7 @@ class SparseCommunicator(CommunicationModule):
     sparta_interval).
     async_delay=d: the averaged values arrive d steps late; each selected entry is then corrected by
     (average - its value when sent), keeping the local progress made meanwhile.
-    quantization_bits=8 or 4 / compression=<a Quantizer of exogym.compression>: the selected values are
+    quantization_bits=8 or 4 / compression=<a Quantizer of exogym.comm.compression>: the selected values are
     sent quantized (one scale per parameter, or per block), by one all-gather, and averaged decoded
     (exogym.strategy.compressed_reduce); bytes per node per step (K-1) x sum of quantizer.nbytes([k_i]).
     The averages then lie on the quantizer's grid (max |values| / 127 per parameter for int8): with p near
@@ -145,7 +146,7 @@ class SparseCommunicator(CommunicationModule):
             return torch.randperm(n, generator=_parameter_generator(self.seed, _SHUFFLED, 0, index))
 
         # Drawn once per parameter and the same on every node: kept once for the run (outside one, drawn anew)
-        perm = shared_state(("sparta_permutation", self.seed, index, n), draw) if in_running_node() else draw()
+        perm = kept_once(self, ("sparta_permutation", self.seed, index, n), draw)
         parts = num_parts(self.p_sparta, n)
         w = t % parts
         size, extra = divmod(n, parts)

@@ -12,11 +12,11 @@ from typing import Any, Mapping
 import torch
 
 from exogym._validation import check_int, check_number
-from exogym.compression import Compressor, compressor_from
+from exogym.comm.compression import Compressor, compressor_from
 from exogym.strategy.communicate_optimize_strategy import (CommunicationModule, ModularStrategy, compressor_state,
                                                            round_generator)
 from exogym.strategy.diloco import _one_of, outer_choice, outer_spec
-from exogym.strategy.mean import PendingMean, start_mean
+from exogym.comm.mean import PendingMean, start_mean
 from exogym.strategy.optim import OptimSpec
 from exogym.strategy.outer_model import OuterModel, kept_nodes, outer_model_for
 
@@ -94,7 +94,7 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
         # It steps only the fragment whose grads are set. Kept once for the run when every sync blocks (tau=0);
         # with overlap a node may still read theta_g of a fragment another node has already moved, so each
         # node keeps its own.
-        self.outer = (outer_model_for(self._outer_key, model, self.outer_optim_spec) if self.tau == 0
+        self.outer = (outer_model_for(self, self._outer_key, model, self.outer_optim_spec) if self.tau == 0
                       else OuterModel(model, self.outer_optim_spec))
         self.fragments = self.split(self.outer.names)
         # (due step, fragment, kept nodes, mean, sync index)

@@ -16,8 +16,8 @@ from torch.testing import assert_close
 
 import toy
 from exogym import Trainer
-from exogym.backends.torch_spawn import NodeProcessError
-from exogym.logger import Logger
+from exogym.backends.errors import NodeProcessError
+from exogym.runs.loggers import Logger
 from exogym.strategy import OptimSpec, SimpleReduceStrategy, Strategy
 from exogym.strategy import communicate
 
@@ -146,7 +146,7 @@ def test_averaging_every_h_steps_matches_the_sim_backend(num_nodes):
 def test_the_spawn_start_method_gives_the_same_run(monkeypatch):
     """macOS and Windows start node processes with 'spawn' (Linux uses a forkserver): the same numbers."""
     import torch.multiprocessing as torch_mp
-    from exogym.backends import torch_spawn
+    from exogym.backends.torch import spawn as torch_spawn
 
     monkeypatch.setattr(torch_spawn, "_context", lambda: torch_mp.get_context("spawn"))
     strategy = AverageEveryH(H=2)
@@ -232,7 +232,7 @@ def test_nodes_sharing_a_gpu_go_through_gloo_and_match_the_sim():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_nodes_on_gpus_of_their_own_use_nccl_and_match_the_sim():
-    from exogym.backends.torch_dist import pick_backend
+    from exogym.backends.torch.node_process import pick_backend
 
     assert pick_backend([torch.device("cuda", 0), torch.device("cuda", 1)]) == "nccl"
     sim, run = _fit(CollectivesTour(), 2, "sim", devices=[0, 1]), _fit(CollectivesTour(), 2, "torch", devices=[0, 1])

@@ -8,9 +8,9 @@ import torch
 
 import toy
 from exogym import Trainer
-from exogym.backends.torch_dist import PROCESS_GROUP_TIMEOUT, process_group_timeout
-from exogym.backends.torch_heartbeat import CollectiveLedger, missing_members_report
-from exogym.backends.watchdog import NodeTimeoutError
+from exogym.backends.torch.node_process import PROCESS_GROUP_TIMEOUT, process_group_timeout
+from exogym.backends.torch.heartbeat import CollectiveLedger, missing_members_report
+from exogym.backends.errors import NodeTimeoutError
 from exogym.strategy import OptimSpec, SimpleReduceStrategy
 from exogym.strategy import communicate
 

@@ -16,6 +16,8 @@ NODES: dict[int, tuple[torch.nn.Module, object]] = {}
 def watched(strategy_cls: type) -> type:
     """A subclass of strategy_cls that records (model, strategy) of every node in NODES."""
     class Watched(strategy_cls):
+        one_replica = getattr(strategy_cls, "one_replica", False)  # a pure observer: DDP keeps its own choice
+
         def _init_node(self, model, rank, num_nodes):
             super()._init_node(model, rank, num_nodes)
             NODES[rank] = (model, self)

@@ -9,8 +9,8 @@ from torch.testing import assert_close
 
 import toy
 from exogym import Trainer
-from exogym.comm import all_gather_bytes
-from exogym.compression import (ErrorFeedback, FP4Quantizer, FP8Quantizer, IntQuantizer, TopK, minifloat_grid,
+from exogym.comm.transport import all_gather_bytes
+from exogym.comm.compression import (ErrorFeedback, FP4Quantizer, FP8Quantizer, IntQuantizer, TopK, minifloat_grid,
                                 round_to_minifloat)
 from exogym.strategy import (AveragingCommunicator, CommunicateOptimizeStrategy, DiLoCoCommunicator, DiLoCoStrategy,
                              OptimSpec, SPARTAStrategy)
@@ -206,7 +206,7 @@ def test_codecs_and_compressed_diloco_on_the_gpu():
      lambda: DiLoCoStrategy(quantization_bits=4)),
     (lambda: DiLoCoStrategy(quantization_bits=8, compression=IntQuantizer(8)), TypeError, "pass one",
      lambda: DiLoCoStrategy(compression=IntQuantizer(8))),
-    (lambda: DiLoCoStrategy(compression="int8"), TypeError, "compression must be an exogym.compression Compressor",
+    (lambda: DiLoCoStrategy(compression="int8"), TypeError, "compression must be an exogym.comm.compression Compressor",
      lambda: DiLoCoStrategy(compression=FP8Quantizer())),
     (lambda: AveragingCommunicator(island_size=2, quantization_bits=8), ValueError, "drop island_size=2",
      lambda: AveragingCommunicator(island_size=None, quantization_bits=8)),

@@ -3,7 +3,7 @@
 import torch
 from torch.testing import assert_close
 
-from exogym.comm import all_reduce_bytes
+from exogym.comm.transport import all_reduce_bytes
 from exogym.strategy import DiLoCoStrategy, OptimSpec
 from strategy_toys import NODES, flat, node_params, run_linear, watched
 

@@ -8,7 +8,7 @@ from torch.testing import assert_close
 
 import toy
 from exogym import Trainer
-from exogym.comm import all_reduce_bytes
+from exogym.comm.transport import all_reduce_bytes
 from exogym.strategy import FedAvgStrategy, OptimSpec
 from strategy_toys import FIT, NODES, flat, node_params, run_linear, watched
 

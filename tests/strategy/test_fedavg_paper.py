@@ -10,9 +10,9 @@ from torch.testing import assert_close
 from torch.utils.data import TensorDataset
 
 from exogym import Trainer
-from exogym.comm import all_reduce_bytes
+from exogym.comm.transport import all_reduce_bytes
 from exogym.strategy import FedAvgStrategy
-from exogym.strategy.communicate_optimize_strategy import AveragingCommunicator
+from exogym.strategy.federated_averaging import AveragingCommunicator
 from strategy_toys import FIT, NODES, Linear, node_params, watched
 
 LR, B = 0.1, 4

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from exogym.comm import all_reduce_bytes
+from exogym.comm.transport import all_reduce_bytes
 from exogym.strategy import (DiLoCoStrategy, FedAvgStrategy, OptimSpec, SPARTADiLoCoStrategy,
                              StreamingDiLoCoStrategy)
 from strategy_toys import flat, node_params, run_linear, watched

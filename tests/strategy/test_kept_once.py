@@ -28,7 +28,7 @@ def test_overlapping_streaming_keeps_one_per_node():
 
 
 class _OwnCopies(SimpleReduceStrategy):
-    """DDP with its step overridden (unchanged): a subclass that changes how a node steps keeps K copies."""
+    """DDP with its step overridden (unchanged): a subclass keeps K copies unless it says one_replica = True."""
 
     def step(self):
         super().step()
@@ -44,8 +44,22 @@ def test_ddp_keeps_one_replica_for_all_nodes():
     assert len({NODES[r][0].w.data_ptr() for r in range(3)}) == 3 and NODES[0][1].replica is None
 
 
+class _SaysOneReplica(_OwnCopies):
+    one_replica = True  # its author's explicit choice: the step is DDP's own
+
+
+def test_one_replica_is_a_subclass_authors_explicit_choice():
+    assert SimpleReduceStrategy.one_replica and not _OwnCopies.one_replica and _SaysOneReplica.one_replica
+    model, _ = run_linear(watched(_SaysOneReplica)(SGD), GRADS, INIT, 3)
+    assert len({NODES[r][0].w.data_ptr() for r in range(3)}) == 1 and NODES[0][1].replica is not None
+    expected, _ = run_linear(_OwnCopies(SGD), GRADS, INIT, 3)
+    assert torch.equal(model.w, expected.w) and not torch.equal(model.w, torch.tensor(INIT))
+
+
 class _OwnOptimizer(SimpleReduceStrategy):
-    """DDP whose _init_node builds its own optimizer (as a README-style subclass may)."""
+    """DDP whose _init_node builds its own optimizer (as a README-style subclass may), even saying one_replica."""
+
+    one_replica = True
 
     def _init_node(self, model, rank, num_nodes):
         super()._init_node(model, rank, num_nodes)

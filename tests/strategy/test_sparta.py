@@ -6,7 +6,7 @@ from torch.testing import assert_close
 
 import toy
 from exogym import Trainer
-from exogym.comm import all_reduce_bytes
+from exogym.comm.transport import all_reduce_bytes
 from exogym.strategy import CommunicateOptimizeStrategy, OptimSpec, SPARTAStrategy
 from exogym.strategy.sparta import SparseCommunicator
 from strategy_toys import FIT, NODES, node_params, run_linear, watched

@@ -5,7 +5,7 @@ import torch
 
 import toy
 from exogym import Trainer
-from exogym.comm import all_reduce_bytes
+from exogym.comm.transport import all_reduce_bytes
 from exogym.strategy import OptimSpec, SPARTADiLoCoStrategy, SPARTAStrategy
 from exogym.strategy.sparta import SparseCommunicator, TopKSparseCommunicator
 from strategy_toys import FIT, node_params, run_linear, watched

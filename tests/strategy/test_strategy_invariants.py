@@ -8,7 +8,7 @@ import toy
 from exogym import Trainer
 from exogym.strategy import (CommunicateOptimizeStrategy, DiLoCoStrategy, FedAvgStrategy, OptimSpec,
                              SimpleReduceStrategy, SPARTADiLoCoStrategy, SPARTAStrategy)
-from exogym.strategy.communicate_optimize_strategy import AveragingCommunicator
+from exogym.strategy.federated_averaging import AveragingCommunicator
 from exogym.strategy.diloco import DiLoCoCommunicator
 from exogym.strategy.sparta import SparseCommunicator
 from strategy_toys import FIT

@@ -8,11 +8,11 @@ from torch.utils.data import Subset
 
 import toy
 from exogym import Trainer
-from exogym.comm import all_reduce_bytes
+from exogym.comm.transport import all_reduce_bytes
 from exogym.strategy import (CommunicateOptimizeStrategy, CommunicationModule, DeMoStrategy, DGCStrategy,
                              DiLoCoStrategy, FedAvgStrategy, OptimSpec, SimpleReduceStrategy, SPARTADiLoCoStrategy,
                              SPARTAStrategy)
-from exogym.strategy.communicate import all_reduce
+from exogym.comm.collectives import all_reduce
 from strategy_toys import FIT, run_linear
 
 K, STEPS, H, P = 4, 40, 5, 0.05

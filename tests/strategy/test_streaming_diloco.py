@@ -9,9 +9,9 @@ from torch.testing import assert_close
 
 import toy
 from exogym import Trainer
-from exogym.comm import all_reduce_bytes
-from exogym.compression import ErrorFeedback, FP4Quantizer, TopK
-from exogym.network import Network
+from exogym.comm.transport import all_reduce_bytes
+from exogym.comm.compression import ErrorFeedback, FP4Quantizer, TopK
+from exogym.cluster.network import Network
 from exogym.strategy import CommunicateOptimizeStrategy, DiLoCoStrategy, OptimSpec, StreamingDiLoCoStrategy
 from exogym.strategy.streaming_diloco import StreamingDiLoCoCommunicator
 from strategy_toys import FIT, NODES, run_linear, watched_module

@@ -1,1 +1,0 @@
-"""The original EXO Gym's `exogym.aux` import path, kept so its scripts import unchanged."""

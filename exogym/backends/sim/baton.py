@@ -1,0 +1,234 @@
+"""The baton: K nodes as cooperative threads (greenlets) of the caller's thread, one running at a time.
+
+A node runs until it enters a collective, then hands the baton back to the hub (the caller's
+greenlet), which starts the next runnable node. When the last member of a group arrives, the
+collective is computed once (by that node, in rank order) and every member becomes runnable
+again, queued in rank order.
+
+Why greenlets rather than OS threads: torch's OpenMP pool belongs to the OS thread that opens
+a parallel region, so K OS threads taking turns keep waking K cold pools; measured on 2 cores
+(benchmarks/bench_sim.py), 8 thread-nodes of a small CNN ran 3.4x slower than one loop doing
+the same arithmetic, while greenlets share one warm pool. Everything runs on one OS thread,
+so no state here needs a lock, and nothing can hang: a collective that cannot complete
+(mismatched calls, a member that finished or waits elsewhere) is an error the moment it is
+certain, naming the nodes, their steps and their calls; a node that keeps the baton without
+finishing a step or reaching a collective for node_timeout seconds is stopped by the watchdog
+(exogym.backends.sim.watchdog), which names it, its step and its Python stack.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import greenlet
+
+from exogym.backends.sim.watchdog import Watchdog, WatchdogInterrupt
+from exogym.comm.transport import CollectiveError
+
+__all__ = ["Baton", "CollectiveCall", "Pending"]
+
+
+@dataclass
+class CollectiveCall:
+    """One node's side of a collective: what it asked for and the tensors the result goes into."""
+
+    op: str
+    signature: tuple  # must be equal across members: op, shapes, dtypes, reduce op, src...
+    args: dict[str, Any]
+    step: int | None = None
+    blocking: bool = True  # False: async_op=True, the node runs on and waits on a handle later
+    match_step: bool = True  # False: the strategy meets at different steps on purpose (collectives_match_steps)
+
+    def describe(self) -> str:
+        return f"{self.op}{self.signature[1:]}"
+
+
+@dataclass
+class Pending:
+    """One collective on its way: the calls so far, who is blocked on it, whether it has completed."""
+
+    group: tuple[int, ...]
+    seq: int
+    calls: dict[int, CollectiveCall] = field(default_factory=dict)
+    waiters: set[int] = field(default_factory=set)
+    done: bool = False
+
+    @property
+    def key(self) -> tuple:
+        return (self.group, self.seq)
+
+
+class Baton:
+    """Runs one function per node under the baton; `rendezvous` is the only place a node waits."""
+
+    def __init__(self, num_nodes: int, *, on_resume: Callable[[int], None], on_pause: Callable[[int], None],
+                 node_timeout: float | None = None, step_of: Callable[[int], int | None] = lambda rank: None):
+        self.num_nodes = num_nodes
+        self.node_timeout, self._step_of = node_timeout, step_of  # the watchdog's limit; a node's current step
+        self.running: int | None = None  # the node holding the baton (None: the hub)
+        self.arrivals = 0  # collectives entered so far, by any node: progress, for the watchdog
+        self._on_resume, self._on_pause = on_resume, on_pause  # swap per-node state (RNG, grad mode)
+        self._on_compute: Callable[[list[int]], None] | None = None  # what computes the parked nodes' work at once
+        self._parked: list[int] = []  # nodes waiting at the compute rendezvous
+        self._ready: deque[int] = deque(range(num_nodes))
+        self._blocked: dict[int, tuple] = {}  # rank -> key of the collective it waits in
+        self._pending: dict[tuple, Pending] = {}
+        self._seq: list[dict[tuple[int, ...], int]] = [{} for _ in range(num_nodes)]
+        self._finished: set[int] = set()
+        self._hub: greenlet.greenlet | None = None
+
+    def run(self, node_fns: list[Callable[[], Any]]) -> list[Any]:
+        """Run node_fns[r] as node r; return their results, or raise the first exception a node raises
+        (a NodeTimeoutError when the watchdog stopped a node)."""
+        dog = Watchdog(self.node_timeout, self._progress)
+        try:
+            with dog:
+                try:
+                    return self._run(node_fns)
+                except WatchdogInterrupt:
+                    dog.delivered = True
+                    raise
+        except WatchdogInterrupt:
+            error = dog.error
+            waiting = self._describe_waiting()
+            if waiting:
+                error.args = (f"{error.args[0]}\nThe others:\n{waiting}",)
+            raise error from None
+
+    def _progress(self) -> tuple:
+        """What the watchdog samples (from its thread): who runs, how many collectives so far, its step."""
+        rank = self.running
+        return rank, self.arrivals, None if rank is None else self._step_of(rank)
+
+    def _run(self, node_fns: list[Callable[[], Any]]) -> list[Any]:
+        results: list[Any] = [None] * self.num_nodes
+        self._hub = greenlet.getcurrent()
+
+        def body(rank: int) -> None:
+            results[rank] = node_fns[rank]()
+            self._finish(rank)
+
+        nodes = [greenlet.greenlet(lambda r=r: body(r)) for r in range(self.num_nodes)]
+        try:
+            while self._ready or self._parked:
+                if not self._ready:  # nobody can run: the parked nodes' batched step, then they run on
+                    parked, self._parked = self._parked, []
+                    self._on_compute(parked)
+                    self._ready.extend(sorted(parked))
+                    continue
+                rank = self._ready.popleft()
+                self._on_resume(rank)
+                self.running = rank
+                try:
+                    nodes[rank].switch()  # returns when the node waits in a collective or finishes
+                finally:
+                    self.running = None
+                    self._on_pause(rank)
+            if self._blocked:
+                raise CollectiveError("deadlock: every unfinished node waits in a collective that cannot "
+                                      "complete:\n" + self._describe_waiting())
+        except BaseException:
+            for g in nodes:  # unwind the others so their `finally` blocks run now, not at garbage collection
+                if g and not g.dead:
+                    g.throw(greenlet.GreenletExit)
+            raise
+        return results
+
+    def _finish(self, rank: int) -> None:
+        self._finished.add(rank)
+        for p in self._pending.values():
+            if rank in p.group and rank not in p.calls:
+                raise CollectiveError(
+                    f"node {rank} finished while node(s) {sorted(p.calls)} wait for it in a collective on group "
+                    f"{list(p.group)}:\n" + self._describe(p))
+
+    def _yield(self, rank: int) -> None:
+        """Let the hub run the next ready node; returns when this node is resumed."""
+        if self._ready and self._ready[0] == rank:
+            self._ready.popleft()  # next in line anyway: keep running, no switch
+            return
+        self._hub.switch()
+
+    def rendezvous(self, rank: int, group: tuple[int, ...], call: CollectiveCall,
+                   complete: Callable[[list[CollectiveCall]], None],
+                   arrive: Callable[[Pending], None] | None = None) -> Pending:
+        """Arrive at the next collective on `group`. A blocking call returns once every member has arrived
+        and the collective is computed; a non-blocking one returns at once (wait on it with `wait`).
+
+        Calls on one group are matched by order, as torch.distributed does: each node's n-th call on a
+        group meets the other members' n-th call on it. They must also have been issued at the same step
+        (an async call counts at the step it was issued, not the one that waits on it): a node that skipped
+        or repeated a collective would otherwise be paired with another step's call, silently.
+        """
+        self.arrivals += 1
+        seq = self._seq[rank].get(group, 0)
+        self._seq[rank][group] = seq + 1
+        gone = self._finished.intersection(group)
+        if gone:
+            raise CollectiveError(f"node {rank} (step {call.step}) called {call.describe()} on group {list(group)}, "
+                                  f"but node(s) {sorted(gone)} already finished training")
+        pending = self._pending.setdefault((group, seq), Pending(group, seq))
+        if pending.calls:
+            first_rank, first = next(iter(pending.calls.items()))
+            if first.signature != call.signature:
+                raise CollectiveError(
+                    f"mismatched collective #{seq} on group {list(group)}: node {first_rank} (step {first.step}) "
+                    f"called {first.describe()}, node {rank} (step {call.step}) called {call.describe()}")
+            if first.step != call.step and first.match_step and call.match_step:
+                raise CollectiveError(
+                    f"collective #{seq} on group {list(group)} paired calls from different steps: node {first_rank} "
+                    f"called {first.describe()} at step {first.step}, node {rank} called {call.describe()} at step "
+                    f"{call.step}; every member must make the same collectives at the same step (one of them "
+                    "skipped or repeated a call). A strategy whose nodes meet at different steps on purpose sets "
+                    "the class attribute collectives_match_steps = False")
+        pending.calls[rank] = call
+        if arrive is not None:  # e.g. fold this member's tensor into the reduction now (exogym.backends.sim.transport)
+            arrive(pending)
+        if len(pending.calls) < len(group):
+            if call.blocking:
+                self.wait(rank, pending)
+            return pending
+        del self._pending[pending.key]
+        complete([pending.calls[r] for r in group])
+        pending.done = True
+        for r in pending.waiters:
+            del self._blocked[r]
+        # Those blocked on it and the arriving node resume in rank order, after nodes already queued.
+        # Any fixed order gives the same numbers: a node's work depends only on its data, its RNG stream
+        # (swapped with the baton) and collective results (computed in rank order).
+        self._ready.extend(sorted(pending.waiters | {rank}))
+        self._yield(rank)
+        return pending
+
+    def park(self, rank: int, compute: Callable[[list[int]], None]) -> None:
+        """The compute rendezvous (fused execution): wait until no node can run any more, when
+        compute(parked ranks) does every parked node's work in one batched step (every node of a run parks with the
+        same one). No bytes, no simulated time; it cannot deadlock, since it completes whenever the others are
+        blocked or parked too."""
+        self._on_compute = compute
+        self._parked.append(rank)
+        self._hub.switch()
+
+    def wait(self, rank: int, pending: Pending) -> None:
+        """Block node `rank` until `pending` has completed (returns at once if it has)."""
+        if pending.done:
+            return
+        pending.waiters.add(rank)
+        self._blocked[rank] = pending.key
+        self._hub.switch()  # resumed by the hub once the last member has completed the collective
+
+    def _describe(self, p: Pending) -> str:
+        return "\n".join(f"  node {r} (step {c.step}): {c.describe()} #{p.seq} on group {list(p.group)}"
+                         + ("" if c.blocking or r in p.waiters else " (async, not waiting yet)")
+                         for r, c in sorted(p.calls.items()))
+
+    def _describe_waiting(self) -> str:
+        lines = [self._describe(p) for p in self._pending.values()]
+        idle = sorted(set(range(self.num_nodes)) - set(self._blocked) - self._finished)
+        if self._finished:
+            lines.append(f"  finished: nodes {sorted(self._finished)}")
+        if idle:
+            lines.append(f"  not waiting: nodes {idle}")
+        return "\n".join(lines)

@@ -1,0 +1,229 @@
+"""TorchTransport: one node's collectives over torch.distributed (the torch backend's `exogym.comm.transport.Transport`).
+
+The semantics are the sim backend's (exogym.backends.sim); where torch.distributed differs, this file makes up
+the difference:
+- AVG is a SUM followed by a division by the group size on every process group (gloo has no AVG in older builds,
+  and the sim divides the same way); floats only.
+- reduce_scatter: nccl's own. On gloo, one all-reduce of the stacked inputs, from which member i keeps row i: the
+  same result (member i gets the reduction over members of their input_list[i]), and the same traffic as gloo's
+  own reduce_scatter (one all-reduce per chunk), which older builds lack.
+- A tensor the process group cannot use as it is (gloo: not on the CPU; nccl: not on this node's GPU; either: not
+  contiguous) goes through a staging copy, and the result is copied back.
+- A group of one node never touches the network.
+- Simulated time: when the run has a time model, each counted collective is followed, on the same group, by an
+  all-gather of the members' arrival times (float64), and every member settles its own clock as the sim does.
+Bytes are counted by exogym.comm.collectives before a call gets here, exactly as on the sim backend.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from exogym.backends.torch.heartbeat import CollectiveLedger, Heartbeat, is_timeout, missing_members_report
+from exogym.backends.errors import NodeTimeoutError
+from exogym.comm.transport import CollectiveError, TransportBase, Group, ReduceOp, make_group, payload_nbytes, tensor_nbytes
+from exogym.cluster.simtime import NodeClock, TimeModel
+
+__all__ = ["TorchTransport", "TorchWork"]
+
+
+def _torch_op(op: ReduceOp) -> Any:
+    """torch.distributed's op for ours; AVG is a SUM here, divided afterwards."""
+    return getattr(dist.ReduceOp, "SUM" if op is ReduceOp.AVG else op.name)
+
+
+class TorchWork:
+    """The handle of a collective (torch.distributed's Work): results are in the caller's tensors after wait()."""
+
+    def __init__(self, works: list[Any], finish: Callable[[], None], what: str,
+                 explain: Callable[[BaseException], BaseException | None] = lambda e: None):
+        self._works, self._finish, self._done, self._what = works, finish, False, what
+        self._explain = explain  # a better error for a failed wait (a timeout: who never came), or None
+
+    def is_completed(self) -> bool:
+        return self._done or all(w.is_completed() for w in self._works)
+
+    def wait(self, timeout: Any = None) -> bool:
+        if not self._done:
+            try:
+                for w in self._works:
+                    w.wait()
+            except Exception as e:  # a timeout or a peer gone: say which collective was waiting
+                better = self._explain(e)
+                if better is not None:
+                    raise better from e
+                e.add_note(f"(waiting in {self._what})")
+                raise
+            self._done = True
+            with torch.no_grad():
+                self._finish()  # post-processing: AVG's division, copies out of staging, the clock
+        return True
+
+
+class TorchTransport(TransportBase):
+    """Node `rank`'s side of the torch backend, in a process where torch.distributed is initialised with
+    world size `num_nodes` (rank r of the default group is node r)."""
+
+    def __init__(self, rank: int, num_nodes: int, *, device: torch.device, backend: str,
+                 timeout: timedelta, time_model: TimeModel | None = None):
+        super().__init__(rank, num_nodes)  # no failure schedule: real processes do not fail on one
+        self.time_model = time_model
+        self.device = device if backend == "nccl" else torch.device("cpu")  # where the process group works
+        self.backend, self.timeout = backend, timeout
+        self._process_groups: dict[tuple[int, ...], Any] = {}  # ranks -> torch ProcessGroup (or NON_GROUP_MEMBER)
+        self.ledger = CollectiveLedger()  # the collectives entered, for naming who never came when one times out
+        self.heartbeat: Heartbeat | None = None  # publishes the ledger (set by the backend when it has a store)
+
+    # ---- groups ------------------------------------------------------------------------------
+    def new_group(self, ranks: Sequence[int]) -> Group:
+        """The group of `ranks`, with its torch process group made the first time these ranks are asked for.
+
+        torch.distributed requires every process (members or not) to call dist.new_group for every group, in the
+        same order. So the first time each distinct group is made, every node must make it, in the same order:
+        strategies call exogym.comm.collectives.new_group on every node, in the same order (as
+        CommunicateOptimizeStrategy does), and keep the Group. The world and one-node groups need no process group.
+        """
+        g = make_group(ranks, self.num_nodes)
+        if g.size > 1 and g != self.world and g.ranks not in self._process_groups:
+            self._process_groups[g.ranks] = dist.new_group(list(g.ranks), timeout=self.timeout)
+        return g
+
+    def _process_group(self, group: Group, op: str) -> Any:
+        if group == self.world:
+            return None  # torch's default group
+        if group.ranks not in self._process_groups:
+            raise CollectiveError(
+                f"node {self.rank} (step {self.step}) called {op} on group {list(group.ranks)}, which was never made "
+                f"with new_group: on the torch backend every node (members or not) must first call "
+                f"exogym.comm.collectives.new_group({list(group.ranks)}), in the same order on every node, "
+                "and pass the Group it returns")
+        return self._process_groups[group.ranks]
+
+    # ---- collectives -------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, group: Group, *, account: bool = False,
+                   async_op: bool = False) -> TorchWork | None:
+        if op is ReduceOp.AVG and not (tensor.is_floating_point() or tensor.is_complex()):
+            raise TypeError(f"all_reduce with op=AVG needs a floating-point tensor, got {tensor.dtype}; "
+                            "use SUM and divide")
+        buf = self._staged(tensor)
+
+        def finish() -> None:
+            if op is ReduceOp.AVG:
+                buf.div_(group.size)
+            _copy_back(tensor, buf)
+        return self._collective("all_reduce", group, tensor_nbytes(tensor), account, async_op, finish,
+                                lambda pg: dist.all_reduce(buf, op=_torch_op(op), group=pg, async_op=True))
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Group, *, account: bool = False,
+                  async_op: bool = False) -> TorchWork | None:
+        buf = self._staged(tensor)
+        return self._collective("broadcast", group, tensor_nbytes(tensor), account, async_op,
+                                lambda: _copy_back(tensor, buf),
+                                lambda pg: dist.broadcast(buf, src=src, group=pg, async_op=True))
+
+    def all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Group, *,
+                   account: bool = False, async_op: bool = False) -> TorchWork | None:
+        buf, outs = self._staged(tensor), [self._staged(t) for t in tensor_list]
+
+        def finish() -> None:
+            if group.size == 1:
+                outs[0].copy_(buf)
+            for t, out in zip(tensor_list, outs):
+                _copy_back(t, out)
+        return self._collective("all_gather", group, payload_nbytes("all_gather", tensor, group.size), account,
+                                async_op, finish, lambda pg: dist.all_gather(outs, buf, group=pg, async_op=True))
+
+    def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp,
+                       group: Group, *, account: bool = False, async_op: bool = False) -> TorchWork | None:
+        if op is ReduceOp.AVG and not (output.is_floating_point() or output.is_complex()):
+            raise TypeError(f"reduce_scatter with op=AVG needs floating-point tensors, got {output.dtype}; "
+                            "use SUM and divide")
+        out, me = self._staged(output), group.ranks.index(self.rank)
+        native = self.backend == "nccl"
+        if native:
+            ins = [self._staged(t) for t in input_list]
+        else:
+            stacked = torch.stack([t.to(self.device) for t in input_list])  # [R, *shape]: row i goes to member i
+
+        def finish() -> None:
+            if group.size == 1 or not native:
+                out.copy_(input_list[0] if group.size == 1 else stacked[me])
+            if op is ReduceOp.AVG:
+                out.div_(group.size)
+            _copy_back(output, out)
+
+        def launch(pg: Any) -> Any:
+            if native:
+                return dist.reduce_scatter(out, ins, op=_torch_op(op), group=pg, async_op=True)
+            return dist.all_reduce(stacked, op=_torch_op(op), group=pg, async_op=True)
+        return self._collective("reduce_scatter", group, payload_nbytes("reduce_scatter", None, group.size, input_list),
+                                account, async_op, finish, launch)
+
+    def barrier(self, group: Group, *, account: bool = False, async_op: bool = False) -> TorchWork | None:
+        # A one-element all-reduce rather than dist.barrier: the same on gloo and nccl, and it can be async.
+        token = torch.zeros(1, device=self.device)
+        return self._collective("barrier", group, 0, account, async_op, lambda: None,
+                                lambda pg: dist.all_reduce(token, group=pg, async_op=True))
+
+    # ---- the shared path ---------------------------------------------------------------------
+    def _collective(self, op: str, group: Group, payload: int, account: bool, async_op: bool,
+                    finish: Callable[[], None], launch: Callable[[Any], Any]) -> TorchWork | None:
+        """Start the collective (and, when timed, the arrival-time exchange right after it on the same group, so
+        every member issues them in the same order); wait now unless async_op."""
+        works, timed = [], account and self.time_model is not None
+        arrivals: list[Any] = [self.clock.now]  # the members' arrival times on their virtual clocks, in rank order
+        number, step = 0, self.step
+        if group.size > 1:
+            pg = self._process_group(group, op)
+            number = self.ledger.enter(op, group.ranks, step)
+            works.append(launch(pg))
+            if timed:
+                mine = torch.tensor(arrivals, dtype=torch.float64, device=self.device)
+                arrivals = [torch.empty_like(mine) for _ in group.ranks]
+                works.append(dist.all_gather(arrivals, mine, group=pg, async_op=True))
+
+        def done() -> None:
+            finish()
+            if timed:
+                self._settle(op, group, payload, [float(a) for a in arrivals], blocking=not async_op)
+        work = TorchWork(works, done, f"{op} on group {list(group.ranks)}, called at step {self.step}",
+                         lambda e: self._explain_timeout(e, op, group, number, step))
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def _explain_timeout(self, e: BaseException, op: str, group: Group, number: int,
+                         step: int | None) -> NodeTimeoutError | None:
+        """On a timeout: the members that never entered this collective, from their heartbeats."""
+        if self.heartbeat is None or not is_timeout(e):
+            return None
+        ledgers = self.heartbeat.read(group.ranks)
+        message, missing = missing_members_report(self.rank, op, group.ranks, number, step, self.timeout, ledgers)
+        culprit = missing[0] if missing else self.rank
+        culprit_step = (ledgers.get(culprit) or {}).get("step", step)
+        return NodeTimeoutError(message, culprit, culprit_step)
+
+    def _settle(self, op: str, group: Group, payload: int, arrivals: list[float], *, blocking: bool) -> None:
+        """This node's clock after the collective, by the sim's rule (TimeModel.settle): the transfer starts at the
+        last arrival and lasts the network's duration. The other members settle their own clocks alike."""
+        members = [(self.clock if r == self.rank else NodeClock(), a, blocking if r == self.rank else True)
+                   for r, a in zip(group.ranks, arrivals)]
+        done_at = self.time_model.settle(members, op, payload, group.ranks)
+        if not blocking:
+            self.clock.catch_up(done_at)
+
+    def _staged(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` itself when the process group can work on it, else a contiguous copy on the group's device."""
+        if t.device == self.device and t.is_contiguous():
+            return t
+        return t.detach().to(self.device).contiguous()
+
+
+def _copy_back(original: torch.Tensor, buf: torch.Tensor) -> None:
+    if buf is not original:
+        original.copy_(buf)

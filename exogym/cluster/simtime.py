@@ -1,0 +1,71 @@
+"""Simulated time: each node's virtual clock, advanced by its compute and by the collectives it joins.
+
+A node's clock moves forward by the compute time of each step (its FLOPs over its device's
+throughput times its speed factor, or the measured wall time over its speed factor), and, at
+a collective, every member leaves at max(arrival times) + the network's duration for the op:
+the time between its own arrival and the last member's is waiting, the duration is
+communication. With async_op=True the node keeps computing while the transfer runs, and only
+the part still left when it calls wait() is added (as waiting). The simulated wall-clock of
+the run is the latest clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+from exogym.cluster.network import Network
+
+__all__ = ["NodeClock", "TimeModel"]
+
+
+@dataclass
+class NodeClock:
+    """One node's simulated seconds, and where they went."""
+
+    now: float = 0.0
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    wait_s: float = 0.0
+
+    def add_compute(self, seconds: float) -> None:
+        self.now += seconds
+        self.compute_s += seconds
+
+    def catch_up(self, done_at: float) -> None:
+        """Waiting on an async collective: the time until its transfer ends, if any is left, is waiting."""
+        if done_at > self.now:
+            self.wait_s += done_at - self.now
+            self.now = done_at
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    """The cluster a run is costed on: the network, each node's speed factor and device throughput."""
+
+    network: Network
+    node_speeds: tuple[float, ...]
+    device_flops: tuple[float, ...]
+    measured: bool  # compute time from wall-clock measurement instead of FLOPs
+
+    def compute_seconds(self, rank: int, *, flops: float, measured_s: float) -> float:
+        if self.measured:
+            return measured_s / self.node_speeds[rank]
+        return flops / (self.device_flops[rank] * self.node_speeds[rank])
+
+    def settle(self, members: Sequence[tuple[NodeClock, float, bool]], op: str, nbytes: int,
+               ranks: Sequence[int]) -> float:
+        """Members (clock, arrival time, blocking) of a collective, in `ranks` order: the transfer starts at
+        the last arrival and takes the network's duration. Blocking members leave at its end; async ones
+        ran on and catch up in `catch_up` when they wait. Returns the time it ends."""
+        start = max(arrival for _, arrival, _ in members)
+        duration = self.network.duration(op, nbytes, ranks)
+        for clock, arrival, blocking in members:
+            clock.comm_s += duration  # transfer time, whether or not compute overlapped it
+            if blocking:
+                clock.wait_s += start - arrival
+                clock.now = start + duration
+        return start + duration

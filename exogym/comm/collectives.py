@@ -1,0 +1,148 @@
+"""Collectives for strategies: `all_reduce(t)`, `broadcast(t, src)`, ... as in torch.distributed.
+
+Each call goes to the calling node's backend (the in-process sim, or torch.distributed) and
+adds the bytes that node sends to its count (formulas in `exogym.comm.transport`). `group` is None for
+all nodes, a `Group` from `new_group`, or a list of ranks. With async_op=True a call returns a
+handle at once and the node keeps computing; `handle.wait()` makes the results visible (as in
+torch.distributed, the tensors must not be read or written before then).
+
+When the run has a failure or elastic schedule (exogym.cluster.membership), a group means its members that are up
+at the current step: collectives run without the nodes that are down, and `alive_ranks(group)` says who
+takes part (one tensor per such member in all_gather and reduce_scatter lists; divide means by its length).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from exogym.comm import transport as _comm
+from exogym.comm.transport import Group, ReduceOp, Work
+
+__all__ = [
+    "ReduceOp", "Group", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier",
+    "new_group", "get_rank", "get_world_size", "alive_ranks", "in_running_node",
+]
+
+
+def _group(c: _comm.Transport, group: Group | Sequence[int] | None) -> Group:
+    """The members of `group` that take part now: all of them, or those up at this step."""
+    g = c.world if group is None else group if isinstance(group, Group) else _comm.make_group(group, c.num_nodes)
+    if c.rank not in g:
+        raise ValueError(f"node {c.rank} called a collective on group {list(g.ranks)}, which it is not in")
+    up = c.up()
+    if up is c.world.ranks:  # no failure or elastic schedule: everyone is up
+        return g
+    if c.rank not in up:
+        raise _comm.CollectiveError(f"node {c.rank} is down at step {c.step} but called a collective")
+    return g if all(r in up for r in g.ranks) else Group(tuple(r for r in g.ranks if r in up))
+
+
+def _check_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _check_per_member(op: str, name: str, tensors: list[torch.Tensor], like: torch.Tensor, g: Group) -> None:
+    """One tensor per group member, each shaped like `like`."""
+    if len(tensors) != g.size:
+        raise ValueError(f"{op} needs one tensor in {name} per group member ({g.size}), got {len(tensors)}")
+    for i, t in enumerate(tensors):
+        if _check_tensor(f"{name}[{i}]", t).shape != like.shape:
+            raise ValueError(f"{op} {name}[{i}] has shape {tuple(t.shape)}, but it must match "
+                             f"{tuple(like.shape)}")
+
+
+def all_reduce(tensor: torch.Tensor, op: object = ReduceOp.SUM, group: Group | Sequence[int] | None = None,
+               async_op: bool = False) -> torch.Tensor | Work:
+    """Reduce `tensor` across the group in place (summed in rank order, so results are deterministic)."""
+    c = _comm.current_transport()
+    g, op = _group(c, group), ReduceOp.of(op)
+    _check_tensor("tensor", tensor)
+    n = _comm.tensor_nbytes(tensor)
+    c.stats.add("all_reduce", _comm.all_reduce_bytes(n, g.size), _comm.payload_bytes("all_reduce", n, g))
+    work = c.all_reduce(tensor, op, g, account=True, async_op=async_op)
+    return work if async_op else tensor
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group: Group | Sequence[int] | None = None,
+              async_op: bool = False) -> torch.Tensor | Work:
+    """Copy node `src`'s tensor into every member's `tensor` in place. `src` is a global rank."""
+    c = _comm.current_transport()
+    g = _group(c, group)
+    _check_tensor("tensor", tensor)
+    if src not in g:
+        down = " (it is down at this step)" if src in _group_ranks(c, group) else ""
+        raise ValueError(f"broadcast src={src!r} is not in the group {list(g.ranks)}{down}")
+    n = _comm.tensor_nbytes(tensor)
+    c.stats.add("broadcast", _comm.broadcast_bytes(n, g, src, c.rank),
+                _comm.payload_bytes("broadcast", n, g, src=src, rank=c.rank))
+    work = c.broadcast(tensor, src, g, account=True, async_op=async_op)
+    return work if async_op else tensor
+
+
+def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
+               group: Group | Sequence[int] | None = None, async_op: bool = False) -> list[torch.Tensor] | Work:
+    """Fill `tensor_list[i]` with the tensor of the group's i-th member (members sorted by rank)."""
+    c = _comm.current_transport()
+    g = _group(c, group)
+    _check_per_member("all_gather", "tensor_list", tensor_list, _check_tensor("tensor", tensor), g)
+    n = _comm.tensor_nbytes(tensor)
+    c.stats.add("all_gather", _comm.all_gather_bytes(n, g.size), _comm.payload_bytes("all_gather", n, g))
+    work = c.all_gather(tensor_list, tensor, g, account=True, async_op=async_op)
+    return work if async_op else tensor_list
+
+
+def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: object = ReduceOp.SUM,
+                   group: Group | Sequence[int] | None = None, async_op: bool = False) -> torch.Tensor | Work:
+    """`output` on the group's i-th member becomes the reduction over members of their `input_list[i]`."""
+    c = _comm.current_transport()
+    g, op = _group(c, group), ReduceOp.of(op)
+    _check_per_member("reduce_scatter", "input_list", input_list, _check_tensor("output", output), g)
+    n = sum(map(_comm.tensor_nbytes, input_list))
+    c.stats.add("reduce_scatter", _comm.reduce_scatter_bytes(n, g.size), _comm.payload_bytes("reduce_scatter", n, g))
+    work = c.reduce_scatter(output, input_list, op, g, account=True, async_op=async_op)
+    return work if async_op else output
+
+
+def barrier(group: Group | Sequence[int] | None = None, async_op: bool = False) -> Work | None:
+    """Wait until every member of the group has reached this call."""
+    c = _comm.current_transport()
+    g = _group(c, group)
+    c.stats.add("barrier", 0)
+    return c.barrier(g, account=True, async_op=async_op)
+
+
+def new_group(ranks: Sequence[int]) -> Group:
+    """A group of the given ranks. As in torch.distributed, every node should create the same groups in the same order."""
+    return _comm.current_transport().new_group(ranks)
+
+
+def get_rank() -> int:
+    return _comm.current_transport().rank
+
+
+def get_world_size() -> int:
+    """Every node of the run, up or down (ranks are 0..get_world_size()-1); see alive_ranks()."""
+    return _comm.current_transport().num_nodes
+
+
+def alive_ranks(group: Group | Sequence[int] | None = None, *, step: int | None = None) -> list[int]:
+    """The members of `group` (default: all nodes) that take part in a collective at this step (or at `step`,
+    counted from 1): every member, unless the run's failure or elastic schedule has some of them down."""
+    c = _comm.current_transport()
+    if step is None:
+        return list(_group(c, group).ranks)
+    up = c.up(step)
+    return [r for r in _group_ranks(c, group) if r in up]
+
+
+def in_running_node() -> bool:
+    """Whether the caller runs inside a node of a running fit (where collectives work)."""
+    return _comm.bound_transport() is not None
+
+
+def _group_ranks(c: _comm.Transport, group: Group | Sequence[int] | None) -> tuple[int, ...]:
+    return c.world.ranks if group is None else group.ranks if isinstance(group, Group) else tuple(group)

@@ -1,0 +1,62 @@
+"""RunPlan: everything a backend needs to start the nodes of one validated run."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from exogym.runs.checkpoint import CheckpointPlan, NodeState
+from exogym.data.sharding import NodeBatches
+from exogym.engine.config import RunConfig
+from exogym.engine.execution import Execution
+from exogym.engine.node import TrainNode
+from exogym.runs.record import LiveLog
+from exogym.engine.rng import NodeRNG, NumpyBaton, node_seed
+from exogym.strategy.context import KeepOnce, own_copy
+
+__all__ = ["RunPlan"]
+
+
+@dataclass
+class RunPlan:
+    """Built once by `Trainer.fit` after validation; a backend turns it into running nodes.
+
+    Backends call `make_node(rank, start_time)` on whichever thread or process runs that node,
+    and `node_rng(rank)` to give the node its own random streams.
+    """
+
+    model: torch.nn.Module
+    strategy: Any
+    node_batches: list[NodeBatches]
+    val_batches: list[Any] | None
+    devices: list[torch.device]
+    cfg: RunConfig
+    seed: int
+    live: LiveLog  # the sim shares one across nodes; a torch.distributed process keeps its own
+    checkpoints: CheckpointPlan | None = None
+    resume: list[NodeState] | None = None  # per node, from load_checkpoint
+    node_timeout: float | None = None  # seconds a node may run without progress (fit's node_timeout); None: no limit
+    port: int | None = None  # backend='torch' spawned by fit: the rendezvous port (None: a free one)
+    execution: str = "sequential"  # or "fused" (sim backend: one batched forward/backward, exogym.backends.sim.fused)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.cfg.num_nodes
+
+    def make_node(self, rank: int, start_time: float, *, execution: Execution | None = None,
+                  keep_once: KeepOnce = own_copy) -> TrainNode:
+        # Each node trains its own copy of the model and the strategy (a resumed node then loads its saved
+        # state into them); the user's objects stay untouched.
+        state = self.resume[rank] if self.resume is not None else None
+        model, strategy = copy.deepcopy(self.model), copy.deepcopy(self.strategy)
+        return TrainNode(rank, model, strategy, self.node_batches[rank], self.val_batches if rank == 0 else None,
+                         self.devices[rank], self.cfg, start_time, self.live, resume=state,
+                         checkpoints=self.checkpoints, execution=execution, keep_once=keep_once)
+
+    def node_rng(self, rank: int, baton: NumpyBaton | None = None) -> NodeRNG:
+        """Node `rank`'s streams; `baton`: shared by the nodes that hand over to one another (the sim)."""
+        state = self.resume[rank].rng if self.resume is not None else None
+        return NodeRNG(node_seed(self.seed, rank), self.devices[rank], state, baton)

@@ -1,0 +1,295 @@
+"""Loggers: where a run's configuration and measurements go while it trains.
+
+`fit(logger=...)` takes one of these (or a list of them). By default a CSVLogger writes into
+`logs/<run_name>/`: config.json (the run's full configuration), train.csv and val.csv (one row
+per step / per evaluation, written every `log_interval` steps), summary.json at the end.
+
+A run folder belongs to one run (exogym.runs.folder): `fit` claims `<log_dir>/<run_name>/` for the
+CSV and TensorBoard loggers atomically before any node starts; a taken default name gets a -2, -3
+suffix, a taken explicit name is an error unless fit(overwrite=True), or the run resumes itself.
+"""
+
+from __future__ import annotations
+
+import csv
+import inspect
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from exogym.runs.folder import RunClaim, claim_run
+from exogym.adapters import Adaptable
+
+__all__ = ["Logger", "CSVLogger", "WandbLogger", "TensorBoardLogger", "MultiLogger", "default_run_name",
+           "truncate_rows_after"]
+
+
+def default_run_name(config: dict[str, Any]) -> str:
+    """strategy-nodes-time; exogym.runs.folder adds -2, -3, ... when that folder is taken."""
+    return f"{config.get('strategy', 'run')}-{config.get('num_nodes', 1)}n-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if hasattr(value, "to_dict"):
+        return _json_safe(value.to_dict())
+    if isinstance(value, type) or inspect.isfunction(value):  # by name: a repr would hold a memory address
+        return f"{value.__module__}.{value.__qualname__}"
+    return repr(value)
+
+
+class Logger(metaclass=Adaptable):
+    """Receives the run's configuration, rows as they are measured, and the final record."""
+
+    def start(self, config: dict[str, Any]) -> None:
+        """Called once before the first step, with the run's full configuration."""
+
+    def log(self, table: str, row: dict[str, float]) -> None:
+        """A row of the "train" table (one per step) or the "val" table (one per evaluation)."""
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        """Called once after the last step (also when the run failed: summary["status"] says)."""
+
+
+class _FolderLogger(Logger):
+    """A logger writing into <log_dir>/<run_name>/, a folder it holds for one run (see exogym.runs.folder)."""
+
+    def __init__(self, log_dir: str | os.PathLike, run_name: str | None):
+        self.log_dir, self.run_name = Path(log_dir), run_name
+        self.requested_name = run_name  # what the user asked for; run_name becomes the claimed name of each run
+        self.run_dir: Path | None = None
+        self.claim: RunClaim | None = None  # set by fit, which claims the folders of all its loggers at once
+        self._own_claim = False
+        self._running = False  # between start() and finish()
+        self.after_step: int | None = None
+
+    def continue_after(self, step: int) -> None:
+        """Continue a run resumed from its checkpoint at `step`, in the run folder it already has.
+
+        Call before start(). start() then reopens <log_dir>/<run_name>/ (which must hold that run, not a
+        running one) instead of claiming a new folder, and the rows the run logged after `step` (logged
+        before it stopped, and about to be trained again) are dropped: the folder then holds the whole run
+        once. fit(resume_from=...) calls this when it resumes a run into its own folder.
+        """
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"continue_after needs the checkpoint's step, an int >= 0, got {step!r}")
+        if self._running:
+            raise RuntimeError("continue_after must be called before start()")
+        self.after_step = step
+
+    def _open_run_dir(self, config: dict[str, Any]) -> Path:
+        if self.claim is None:  # used on its own, outside fit: claim the folder now
+            self.claim = claim_run([self.log_dir], self.requested_name, default_run_name(config),
+                                   resume=self.after_step is not None)
+            self._own_claim = True
+        self.run_name = self.claim.name
+        self.run_dir = self.log_dir / self.run_name
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._running = True
+        return self.run_dir
+
+    def _release(self, summary: dict[str, Any]) -> None:
+        if self._own_claim and self.claim is not None:
+            self.claim.release(str(summary.get("status", "completed")))
+        # Ready for another run (a logger passed to several fits): each claims its own folder.
+        self.claim, self._own_claim, self.after_step, self._running = None, False, None, False
+
+
+class CSVLogger(_FolderLogger):
+    """Writes logs/<run_name>/{config.json, train.csv, val.csv, summary.json} (see continue_after to resume)."""
+
+    def __init__(self, log_dir: str | os.PathLike = "logs", run_name: str | None = None):
+        super().__init__(log_dir, run_name)
+        self._files: dict[str, Any] = {}
+        self._writers: dict[str, csv.DictWriter] = {}
+
+    def start(self, config: dict[str, Any]) -> None:
+        run_dir = self._open_run_dir(config)
+        if self.after_step is not None:
+            for table in run_dir.glob("*.csv"):
+                truncate_rows_after(table, self.after_step)
+            (run_dir / "summary.json").unlink(missing_ok=True)  # written again when the run ends
+        (run_dir / "config.json").write_text(json.dumps(_json_safe(config), indent=2) + "\n")
+
+    def log(self, table: str, row: dict[str, float]) -> None:
+        if table not in self._writers:
+            path = self.run_dir / f"{table}.csv"
+            header = _csv_header(path) if self.after_step is not None else None
+            f = open(path, "a" if header else "w", newline="")  # a resumed run appends under the header it has
+            self._files[table] = f
+            self._writers[table] = csv.DictWriter(f, fieldnames=header or list(row), extrasaction="ignore")
+            if not header:
+                self._writers[table].writeheader()
+        self._writers[table].writerow(row)
+        self._files[table].flush()
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+        self._writers.clear()
+        if self.run_dir is not None:
+            (self.run_dir / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2) + "\n")
+        self._release(summary)
+
+
+def _csv_header(path: Path) -> list[str] | None:
+    try:
+        with open(path, newline="") as f:
+            return next(csv.reader(f), None) or None
+    except FileNotFoundError:
+        return None
+
+
+def truncate_rows_after(path: str | os.PathLike, step: int) -> int:
+    """Keep the header and the rows of a CSV table whose "step" is <= `step` (atomically: a crash leaves the old
+    file or the new one); return how many rows were kept. A row cut off by a crash mid-write is dropped too."""
+    path = Path(path)
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    if not rows:
+        return 0
+    header, kept = rows[0], []
+    at = header.index("step") if "step" in header else None
+    for row in rows[1:]:
+        if len(row) != len(header) or at is None:
+            continue
+        try:
+            if float(row[at]) <= step:
+                kept.append(row)
+        except ValueError:
+            continue
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        csv.writer(f).writerows([header, *kept])
+    os.replace(tmp, path)
+    return len(kept)
+
+
+class WandbLogger(Logger):
+    """Weights & Biases (`pip install exogym[wandb]`); mode="offline" writes locally without an account.
+
+    mode=None (the default) logs online when W&B has an API key and its server answers, and otherwise offline
+    (saying so once; `wandb sync <dir>` uploads the run later). x_axis="step" or "examples" (the global
+    examples trained): the x-axis of every chart. experiment_name= is the original documents' run_name=.
+    """
+
+    def __init__(self, project: str = "exogym", run_name: str | None = None, *, mode: str | None = None,
+                 dir: str | os.PathLike | None = None, x_axis: str = "step", **init_kwargs: Any):
+        try:
+            import wandb
+        except ImportError as e:
+            raise ImportError("WandbLogger needs wandb: pip install 'exogym[wandb]'") from e
+        if x_axis not in ("step", "examples"):
+            raise ValueError(f"x_axis must be 'step' or 'examples', got {x_axis!r}")
+        if mode not in (None, "online", "offline", "disabled"):
+            raise ValueError(f"mode must be None (online when possible), 'online', 'offline' or 'disabled', "
+                             f"got {mode!r}")
+        self._wandb, self.project, self.run_name = wandb, project, run_name
+        self.mode, self.dir, self.x_axis, self.init_kwargs = mode, dir, x_axis, init_kwargs
+        self.run = None
+        self._global_batch = 0
+
+    def start(self, config: dict[str, Any]) -> None:
+        self._global_batch = int(config.get("global_batch", 0))
+        mode = self.mode if self.mode is not None else _wandb_mode(self._wandb)
+        self.run = self._wandb.init(project=self.project, name=self.run_name or default_run_name(config),
+                                    config=_json_safe(config), mode=mode,
+                                    dir=str(self.dir) if self.dir else None, **self.init_kwargs)
+        # Charts against a logged column rather than wandb's own step, which must only grow: validation rows can
+        # arrive before the training rows of the same steps.
+        self.run.define_metric(self.x_axis)
+        self.run.define_metric("*", step_metric=self.x_axis)
+
+    def log(self, table: str, row: dict[str, float]) -> None:
+        data = {f"{table}/{k}": v for k, v in row.items() if k not in ("step", "examples")}
+        data["step"] = int(row["step"])
+        data["examples"] = row.get("examples", int(row["step"]) * self._global_batch)
+        self.run.log(data)
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        if self.run is not None:
+            self.run.summary.update(_json_safe({k: v for k, v in summary.items() if not isinstance(v, (list, dict))}))
+            self.run.finish()
+
+
+def _wandb_mode(wandb: Any) -> str:
+    """"online" when W&B has an API key and its server answers within 3 s; else "offline", said once."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]  # the user's own W&B setting (wandb reads it too)
+    reason = None
+    try:
+        has_key = bool(os.environ.get("WANDB_API_KEY") or wandb.Api().api_key)
+    except Exception:  # noqa: BLE001 - wandb raises several kinds when no key is configured
+        has_key = False
+    if not has_key:
+        reason = "no W&B API key is configured (wandb login)"
+    else:
+        host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+        try:
+            socket.create_connection((host, 443), timeout=3).close()
+        except OSError:
+            reason = f"{host} cannot be reached"
+    if reason is None:
+        return "online"
+    print(f"exogym: W&B logs offline: {reason}; upload later with `wandb sync` on the run folder", flush=True)
+    return "offline"
+
+
+class TensorBoardLogger(_FolderLogger):
+    """TensorBoard event files under log_dir/run_name (`pip install exogym[tensorboard]`). A resumed run
+    (continue_after) purges the events after the checkpoint's step, as CSVLogger drops those rows."""
+
+    def __init__(self, log_dir: str | os.PathLike = "logs", run_name: str | None = None):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise ImportError("TensorBoardLogger needs tensorboard: pip install 'exogym[tensorboard]'") from e
+        super().__init__(log_dir, run_name)
+        self._writer_cls = SummaryWriter
+        self.writer = None
+
+    def start(self, config: dict[str, Any]) -> None:
+        run_dir = self._open_run_dir(config)
+        purge = None if self.after_step is None else self.after_step + 1
+        self.writer = self._writer_cls(log_dir=str(run_dir), purge_step=purge)
+        self.writer.add_text("config", "```\n" + json.dumps(_json_safe(config), indent=2) + "\n```")
+
+    def log(self, table: str, row: dict[str, float]) -> None:
+        for k, v in row.items():
+            if k != "step":
+                self.writer.add_scalar(f"{table}/{k}", v, int(row["step"]))
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self._release(summary)
+
+
+class MultiLogger(Logger):
+    """Fans every call out to several loggers (`fit(logger=[CSVLogger(), WandbLogger()])`)."""
+
+    def __init__(self, loggers: Sequence[Logger]):
+        self.loggers = list(loggers)
+
+    def start(self, config: dict[str, Any]) -> None:
+        for lg in self.loggers:
+            lg.start(config)
+
+    def log(self, table: str, row: dict[str, float]) -> None:
+        for lg in self.loggers:
+            lg.log(table, row)
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        for lg in self.loggers:
+            lg.finish(summary)

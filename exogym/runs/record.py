@@ -1,0 +1,168 @@
+"""What a run measured: each node's rows, merged into one row per step for the logger and the record."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    from exogym.runs.loggers import Logger
+    from exogym.runs.progress import RunProgress
+
+__all__ = ["RunRecord", "NodeLog", "LiveLog", "merge_step_rows"]
+
+
+def merge_step_rows(rows: Sequence[dict[str, float]], *, global_batch: int) -> dict[str, float]:
+    """One step's rows from several nodes -> one row: loss and metrics averaged over the nodes that computed
+    the step (the nodes up), bytes per node (the mean over the nodes), tokens and nodes up summed, simulated
+    time the latest, lr and wall time from the lowest rank."""
+    first = rows[0]
+    merged: dict[str, float] = {"step": first["step"]}
+    for key in dict.fromkeys(k for r in rows for k in r):
+        if key not in ("step", "lr", "bytes", "tokens", "wall_time_s", "sim_time_s", "up"):
+            values = [r[key] for r in rows if key in r]  # a node that sat out the step has no loss or metrics
+            merged[key] = sum(values) / len(values)
+    merged.update(lr=first["lr"], examples=first["step"] * global_batch)
+    if "tokens" in first:
+        merged["tokens"] = sum(r["tokens"] for r in rows)
+    if "up" in first:  # failures / elastic pools: how many nodes were up
+        merged["nodes_up"] = sum(r["up"] for r in rows)
+    merged.update(bytes=sum(r["bytes"] for r in rows) / len(rows), wall_time_s=first["wall_time_s"])
+    if "sim_time_s" in first:
+        merged["sim_time_s"] = max(r["sim_time_s"] for r in rows)  # the cluster is as far as its slowest node
+    return merged
+
+
+@dataclass
+class NodeLog:
+    """What one node measured (plain Python, so it can cross processes).
+
+    rows: one per step: step (optimizer steps done, from 1), loss, extra metrics, lr (used in that
+    step), tokens (cumulative, for batches of token ids), bytes (this node's, cumulative), wall_time_s
+    (since the run started).
+    val: node 0 only: step, local_/global_ loss and metrics. diagnostics: node 0 only: step,
+    param_correlation, param_variance.
+    """
+
+    rank: int
+    rows: list[dict[str, float]] = field(default_factory=list)
+    val: list[dict[str, float]] = field(default_factory=list)
+    diagnostics: list[dict[str, float]] = field(default_factory=list)
+    comm: dict[str, Any] = field(default_factory=dict)
+
+
+class LiveLog:
+    """Feeds a logger and the progress bar while the run trains: a step's merged row (the same row the
+    record keeps) goes out once every node it hears from has reported that step (in the sim backend and
+    the spawned torch backend all nodes; in a torchrun process only its own)."""
+
+    def __init__(self, logger: "Logger | None", ranks: Sequence[int], *, global_batch: int, log_interval: int = 1,
+                 last_step: int | None = None, progress: "RunProgress | None" = None):
+        self.logger, self.global_batch, self.progress = logger, global_batch, progress
+        self.log_interval, self.last_step = log_interval, last_step  # every log_interval-th step's row, and the last
+        self._queues: dict[int, deque] = {r: deque() for r in ranks}
+
+    def add_rows(self, rank: int, rows: list[dict[str, float]]) -> None:
+        if (self.logger is None and self.progress is None) or rank not in self._queues:
+            return
+        self._queues[rank].extend(rows)
+        while all(self._queues.values()):
+            row = merge_step_rows([q.popleft() for q in self._queues.values()], global_batch=self.global_batch)
+            step = int(row["step"])
+            if self.logger is not None and (step % self.log_interval == 0 or step == self.last_step):
+                self.logger.log("train", row)
+            if self.progress is not None:
+                self.progress.train_row(row)
+
+    def add_row(self, table: str, row: dict[str, float]) -> None:
+        """A row only node 0 measures ("val", "diagnostics")."""
+        if self.logger is not None:
+            self.logger.log(table, row)
+        if self.progress is not None and table == "val":
+            self.progress.val_row(row)
+
+
+@dataclass
+class RunRecord:
+    """The measurements of a finished run, on `trainer.record`.
+
+    train: one row per step: step, loss (mean over the nodes up), extra metrics (likewise), lr, examples
+        (global), tokens (global, when batches hold token ids), bytes (sent per node, cumulative: the mean
+        over the nodes; total_bytes is the sum), wall_time_s, and
+        sim_time_s (the latest node's virtual clock) when the run has a time model; nodes_up with failures
+        or an elastic pool.
+    val: one row per evaluation (at step 0, every val_interval steps and at the end): step, local_loss (node 0's model), global_loss (the global model),
+        and local_/global_ versions of every extra metric.
+    diagnostics: rows of step, param_correlation, param_variance (fit's diagnostics_interval).
+    node_loss[r][s]: node r's training loss at step s+1 (nan where it sat out the step).
+    bytes_per_node[r]: the wire bytes node r sent in total (ring algorithms: an all-reduce of N bytes costs
+        2 N (R-1)/R, an all-gathered chunk n costs n (R-1)); also as wire_bytes_per_node.
+    payload_bytes_per_node[r]: node r's own data put on the wire, each byte counted once (the papers'
+        convention: an all-reduce or all-gather of N bytes is N, whatever the group size).
+    peak_memory_mb: the process's peak resident memory (and per CUDA device, its peak allocation).
+    """
+
+    config: dict[str, Any]
+    train: list[dict[str, float]]
+    val: list[dict[str, float]]
+    diagnostics: list[dict[str, float]]
+    node_loss: list[list[float]]
+    bytes_per_node: list[int]
+    comm_per_node: list[dict[str, Any]]
+    wall_time_s: float
+    peak_memory_mb: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_nodes(cls, logs: list[NodeLog], *, config: dict[str, Any], global_batch: int,
+                   wall_time_s: float, peak_memory_mb: dict[str, float] | None = None) -> "RunRecord":
+        train = [merge_step_rows(step_rows, global_batch=global_batch) for step_rows in zip(*(l.rows for l in logs))]
+        return cls(config=config, train=train, val=logs[0].val, diagnostics=logs[0].diagnostics,
+                   node_loss=[[row.get("loss", math.nan) for row in log.rows] for log in logs],
+                   bytes_per_node=[int(log.rows[-1]["bytes"]) if log.rows else 0 for log in logs],
+                   comm_per_node=[log.comm for log in logs], wall_time_s=wall_time_s,
+                   peak_memory_mb=peak_memory_mb or {})
+
+    def column(self, name: str, table: str = "train") -> list[float]:
+        """One column of the "train", "val" or "diagnostics" rows."""
+        rows = {"train": self.train, "val": self.val, "diagnostics": self.diagnostics}[table]
+        if rows and name not in rows[0]:
+            raise KeyError(f"no column {name!r} in the {table} rows; columns are {list(rows[0])}")
+        return [row[name] for row in rows]
+
+    @property
+    def wire_bytes_per_node(self) -> list[int]:
+        return self.bytes_per_node
+
+    @property
+    def payload_bytes_per_node(self) -> list[int]:
+        return [int(c.get("payload_bytes", 0)) for c in self.comm_per_node]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_per_node)
+
+    @property
+    def sim_time_per_node(self) -> list[dict[str, float]]:
+        """Per node: simulated seconds in total (now) and spent computing, communicating and waiting."""
+        return [c["sim_time"] for c in self.comm_per_node if "sim_time" in c]
+
+    @property
+    def sim_time_s(self) -> float | None:
+        """The run's simulated wall-clock: when its last node finished (None without a time model)."""
+        clocks = self.sim_time_per_node
+        return max(c["now"] for c in clocks) if clocks else None
+
+    def summary(self) -> dict[str, Any]:
+        """The headline numbers (what summary.json holds)."""
+        last_val = self.val[-1] if self.val else {}
+        return {"steps": len(self.train), "final_train_loss": self.train[-1]["loss"] if self.train else None,
+                **{f"final_{k}": v for k, v in last_val.items() if k != "step"},
+                "bytes_per_node": self.bytes_per_node, "total_bytes": self.total_bytes,
+                "wire_bytes_per_node": self.bytes_per_node, "payload_bytes_per_node": self.payload_bytes_per_node,
+                "bytes_convention": "wire: what the ring algorithms send per node (all-reduce 2N(R-1)/R, all-gather "
+                                    "n(R-1)); payload: each node's own data put on the wire once (the papers' count)",
+                "wall_time_s": self.wall_time_s, "sim_time_s": self.sim_time_s,
+                "sim_time_per_node": self.sim_time_per_node, "peak_memory_mb": self.peak_memory_mb,
+                "comm_per_node": self.comm_per_node}

@@ -1,0 +1,239 @@
+"""The Strategy base class.
+
+A strategy owns a node's optimizer(s) and decides when and what the nodes communicate.
+Each node gets its own deep copy of the strategy the user passed; `setup(model, context)` binds the
+copy to that node's model and tells it the run's facts (exogym.strategy.context.NodeContext).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Mapping
+
+import torch
+
+from exogym._validation import check_number, init_keywords, reject_unknown_kwargs
+from exogym.strategy.context import NodeContext
+from exogym.strategy.lr_schedule import LRSchedule
+from exogym.comm.mean import mean_
+from exogym.adapters import Adaptable
+from exogym.strategy.optim import OptimSpec, ensure_optim_spec
+
+__all__ = ["Strategy", "NodeContext", "parameter_state", "strategy_keywords"]
+
+
+def strategy_keywords(cls: type) -> list[str]:
+    """The keywords a strategy class handles itself (its constructors'): the rest of a constructor's keywords are
+    options of its optimizer (the name form, "sgd", momentum=0.9)."""
+    return init_keywords(cls)
+
+
+class Strategy(metaclass=Adaptable):
+    """Base class: LR schedule, gradient clipping, step counting, the state protocol, and the hooks a node calls.
+
+    Subclasses pass `optim_spec=` to this constructor or set `self.optim_spec` in `__init__` (then
+    `self.optim`, alias `self.optimizer`, is built for them in `_init_node`) or build their own optimizer
+    in `_init_node`, and implement `step()`, ending with `super().step()`. Helpers for `step()`:
+    `communicate_gradients()` (average the gradients), `communicate_models()` (average the parameters),
+    `update_parameters()` (clip, then the optimizer step).
+
+    lr_scheduler: None, "lambda_cosine" (linear warmup, then constant or cosine decay to
+        min_lr_factor x lr; setting warmup_steps or cosine_anneal selects it), "cosine" and "constant"
+        (lambda_cosine with cosine_anneal True / False), a torch LRScheduler class built with
+        lr_scheduler_kwargs, or a callable f(optimizer).
+    max_norm: clip the global gradient norm of the node's parameters before each step.
+
+    What a node calls, in order: `setup(model, context)` once; per step `skip_compute()`, `zero_grad()`,
+    the forward/backward, `current_lr()`, `step()`; `finish()` after the last step. Around them, the state
+    protocol: `state_dict()` / `load_state_dict()` (checkpoints, nodes coming up), `global_state()` and
+    `model_sources()` (the global model), `joined()` (a node that came up).
+    """
+
+    supports_membership_changes = True  # False: the strategy cannot run with failures or an elastic pool
+    # Entries of state_dict() that are the same on every node by construction (DDP's optimizer state):
+    # they go into its "global" part, the rest into "local".
+    global_keys: frozenset[str] = frozenset()
+    # The sim backend checks that the members of a collective issued it at the same step (an async call counts at
+    # the step it was issued). False: this strategy's nodes meet at different steps on purpose.
+    collectives_match_steps = True
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        # Keep the constructor arguments, so a run's config.json can say exactly how the strategy was built.
+        self = super().__new__(cls)
+        self._init_args = (args, kwargs)
+        return self
+
+    def config(self) -> dict[str, Any]:
+        """The constructor arguments (given and default) this strategy was built with."""
+        args, kwargs = getattr(self, "_init_args", ((), {}))
+        bound = inspect.signature(type(self).__init__).bind_partial(self, *args, **kwargs)
+        bound.apply_defaults()
+        out: dict[str, Any] = {"name": type(self).__name__}
+        for name, value in list(bound.arguments.items())[1:]:
+            if isinstance(value, dict) and bound.signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                out.update(value)
+            else:
+                out[name] = value
+        return out
+
+    def __init__(self, lr_scheduler: str | type | Callable[..., Any] | None = None,
+                 lr_scheduler_kwargs: Mapping[str, Any] | None = None, *, warmup_steps: int | None = None,
+                 cosine_anneal: bool | None = None, min_lr_factor: float | None = None,
+                 max_norm: float | None = None, optim_spec: OptimSpec | str | type | None = None, **unknown: Any):
+        reject_unknown_kwargs(type(self).__name__, unknown, init_keywords(type(self)))
+        if optim_spec is not None:
+            self.optim_spec = ensure_optim_spec(optim_spec)
+        self.lr_schedule = LRSchedule.parse(lr_scheduler, lr_scheduler_kwargs, warmup_steps=warmup_steps,
+                                            cosine_anneal=cosine_anneal, min_lr_factor=min_lr_factor)
+        check_number("max_norm", max_norm, positive=True, allow_none=True)
+        self.max_norm = max_norm
+        self.scheduler = None
+
+    # ---- the node contract -------------------------------------------------------------------
+    def setup(self, model: torch.nn.Module, context: NodeContext) -> None:
+        """Bind this node's copy of the strategy to its model, once, before the first step (a resumed or
+        joining node then loads its state with load_state_dict)."""
+        name = type(self).__name__
+        self.check_constructed()
+        self.context = context
+        self._init_node(model, context.rank, context.num_nodes)
+        if getattr(self, "optim", None) is None:
+            fix = (f"set self.optim_spec in {name}.__init__ (e.g. OptimSpec(torch.optim.AdamW, lr=1e-3)) or build "
+                   "self.optim in _init_node")
+            if self.lr_schedule is not None:
+                raise TypeError(f"{name} has an lr_scheduler but no self.optim after _init_node; {fix}")
+            if type(self).zero_grad is Strategy.zero_grad:  # the default zero_grad and step need one
+                raise TypeError(f"{name} has no optimizer (self.optim) after _init_node; {fix}")
+        if self.lr_schedule is not None and self.scheduler is None:
+            self.scheduler = self.lr_schedule.build(self.optim, max_steps=context.max_steps)
+
+    def check_constructed(self) -> None:
+        """Trainer.fit asks before any node starts: a subclass that skipped Strategy.__init__ cannot run."""
+        if not hasattr(self, "lr_schedule"):
+            name = type(self).__name__
+            raise TypeError(f"{name} was built without running Strategy.__init__: call super().__init__(...) "
+                            f"in {name}.__init__ (it sets up the LR schedule, max_norm and the step count)")
+
+    def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
+        """Bind to one node (the original ExoGym hook; subclasses extend it and call super())."""
+        self.model, self.rank, self.num_nodes = model, rank, num_nodes
+        self.local_step = 0
+        if getattr(self, "optim_spec", None) is not None:
+            self.optim_spec = ensure_optim_spec(self.optim_spec)
+            self.optim = self.optim_spec.build(model)
+
+    @property
+    def max_steps(self) -> int:
+        return self._context().max_steps
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self._context().steps_per_epoch
+
+    @property
+    def shard_size(self) -> int:
+        return self._context().shard_size
+
+    def _context(self) -> NodeContext:
+        context = getattr(self, "context", None)
+        if context is None:
+            raise AttributeError(f"{type(self).__name__} is not bound to a node yet: the run's facts (max_steps, "
+                                 "steps_per_epoch, shard_size) are known from setup() on, not in __init__")
+        return context
+
+    def zero_grad(self) -> None:
+        self.optim.zero_grad()
+
+    def skip_compute(self) -> bool:
+        """True: this node sits out the coming step (no data to the device, no forward, no backward;
+        FedAvg's unsampled clients). The node still calls step(), which must still join whatever
+        collectives the step's schedule has. Asked once per step, before zero_grad(); no collectives here."""
+        return False
+
+    def step(self) -> None:
+        """Subclasses communicate and update, then call this: it advances the LR schedule and the step count."""
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.local_step += 1
+
+    def finish(self) -> None:
+        """Called on every node up after its last step, before the final validation: a strategy whose global
+        model lags its nodes (DiLoCo between rounds) synchronises once more here."""
+
+    def current_lr(self) -> float:
+        """The learning rate of the node's (inner) optimizer for its next step."""
+        optim = getattr(self, "optim", None)
+        return float(optim.param_groups[0]["lr"]) if optim is not None else float("nan")
+
+    # ---- the state protocol ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        """This node's strategy state, tensors and plain data only: {"global": entries the same on every node
+        by construction, "local": this node's own}. The default: the step count, the optimizer and the LR
+        schedule (a strategy with more state extends both methods, calling super())."""
+        optim = getattr(self, "optim", None)
+        entries = {"step": self.local_step, "optim": optim.state_dict() if optim is not None else None,
+                   "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
+        return {"global": {k: v for k, v in entries.items() if k in self.global_keys},
+                "local": {k: v for k, v in entries.items() if k not in self.global_keys}}
+
+    def load_state_dict(self, state: Mapping[str, Mapping[str, Any]]) -> None:
+        """Restore what state_dict() returned (after setup(); exact, for checkpoints and nodes coming up)."""
+        entries = {**state["global"], **state["local"]}
+        self.local_step = entries["step"]
+        if entries["optim"] is not None:
+            self.optim.load_state_dict(entries["optim"])
+        if entries["scheduler"] is not None:
+            self.scheduler.load_state_dict(entries["scheduler"])
+
+    def joined(self) -> None:
+        """On a node coming up, after it loaded a survivor's state: drop what was that survivor's own
+        (unsent residuals, corrections in flight). Nothing by default."""
+
+    def global_state(self) -> Mapping[str, torch.Tensor] | None:
+        """State-dict entries of the global model that are equal on every node by construction (DDP's
+        replicated parameters, DiLoCo's outer parameters); the rest of the global model is the average over
+        model_sources(). None (the default): the global model is the average of the nodes' models."""
+        return None
+
+    def model_sources(self, candidates: list[int], steps_done: int) -> list[int]:
+        """Among `candidates` (the nodes up, or those that were up before nodes came up), the ones whose
+        average is the rest of the global model after `steps_done` steps: all of them by default."""
+        return list(candidates)
+
+    # ---- helpers for subclasses --------------------------------------------------------------
+    def _clip_grads(self) -> None:
+        if self.max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The node's optimizer: the original documents' name for self.optim."""
+        return self.optim
+
+    @optimizer.setter
+    def optimizer(self, value: torch.optim.Optimizer) -> None:
+        self.optim = value
+
+    @torch.no_grad()
+    def communicate_gradients(self) -> None:
+        """Average every gradient over the nodes that are up: one all-reduce per dtype (DDP's exchange).
+        Bytes per node: 2 (K-1)/K x the gradients' bytes. Call it on every node in the same step."""
+        if self.num_nodes > 1:
+            mean_([p.grad for p in self.model.parameters() if p.grad is not None])
+
+    @torch.no_grad()
+    def communicate_models(self) -> None:
+        """Average the floating-point parameters over the nodes that are up (model averaging, FedAvg's exchange):
+        one all-reduce per dtype, 2 (K-1)/K x the parameters' bytes per node. Call it on every node together."""
+        if self.num_nodes > 1:
+            mean_([p.data for p in self.model.parameters() if p.is_floating_point()])
+
+    def update_parameters(self) -> None:
+        """Clip the gradients (max_norm) and take the optimizer step: the local update after communicating."""
+        self._clip_grads()
+        self.optim.step()
+
+
+def parameter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state-dict entries that are parameters (tied weights under each of their names)."""
+    return {k: v.detach() for k, v in model.state_dict(keep_vars=True).items() if isinstance(v, torch.nn.Parameter)}
