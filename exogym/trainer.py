@@ -3,37 +3,37 @@
 from __future__ import annotations
 
 import copy
-import math
 import os
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
-from exogym._validation import check_int, check_number
+from exogym._validation import check_int
 from exogym.adapters import adaptable
-from exogym.backends.sim import run_sim
 from exogym.backends.errors import DEFAULT_NODE_TIMEOUT
+from exogym.backends.sim import run_sim
+from exogym.backends.sim.fused.choose import choose_execution
 from exogym.backends.torch.launch import launch_for_fit, run_torch
-from exogym.runs.checkpoint import CheckpointPlan, check_resume, find_checkpoint, load_checkpoint, read_manifest
-from exogym.data.loader_options import loader_options
-from exogym.data.sharding import DatasetOrFactory, is_factory
-from exogym.engine.devices import DeviceLike, memory_fraction, resolve_node_devices
-from exogym.backends.sim.fused.choose import EXECUTIONS, choose_execution
-from exogym.fit_setup import (announce, build_node_batches, build_time_model, build_val_batches, claim_run_folders,
-                              partition_data, peak_memory_mb, resolve_logger, run_name_of, versions)
-from exogym.runs.loggers import Logger, default_run_name
-from exogym.runs.fingerprint import run_fingerprint
 from exogym.cluster.membership import RandomFailures, build_membership
 from exogym.cluster.network import Network
+from exogym.data.loader_options import loader_options
+from exogym.data.sharding import DatasetOrFactory, is_factory
 from exogym.engine.config import RunConfig
+from exogym.engine.devices import DeviceLike, memory_fraction, resolve_node_devices
 from exogym.engine.plan import RunPlan
+from exogym.engine.rng import GlobalRNGState
+from exogym.fit_plan import (FitArguments, FitRun as _Run, RunData, check_arguments, keeps_one_replica, resume_point,
+                             run_config)
+from exogym.fit_setup import (announce, build_node_batches, build_time_model, build_val_batches, claim_run_folders,
+                              partition_data, peak_memory_mb, resolve_logger, run_name_of)
+from exogym.runs.checkpoint import CheckpointPlan
+from exogym.runs.fingerprint import run_fingerprint
+from exogym.runs.folder import check_writable
+from exogym.runs.loggers import Logger, default_run_name
 from exogym.runs.progress import RunProgress
 from exogym.runs.record import LiveLog, RunRecord
-from exogym.engine.rng import GlobalRNGState
-from exogym.runs.folder import check_writable
 from exogym.strategy.base import Strategy
 
 __all__ = ["Trainer", "LocalTrainer", "BACKENDS"]
@@ -149,206 +149,151 @@ class Trainer:
         spawns the node processes (default: a free one the OS picks); unused by the sim and under torchrun.
         extra_config: a dict recorded in config.json under "extra" (the original's fit(kwargs=...)).
         """
-        if not isinstance(strategy, Strategy):
-            raise TypeError(f"strategy must be an exogym Strategy instance, got {strategy!r}")
-        strategy.check_constructed()
-        check_int("num_nodes", num_nodes, minimum=1)
-        check_int("num_epochs", num_epochs, minimum=1)
-        check_int("max_steps", max_steps, minimum=1, allow_none=True)
-        check_int("batch_size", batch_size, minimum=1)
-        check_int("minibatch_size", minibatch_size, minimum=1, allow_none=True)
-        check_int("val_size", val_size, minimum=1)
-        check_int("val_interval", val_interval, minimum=1)
-        check_int("log_interval", log_interval, minimum=1)
-        check_int("seed", seed, minimum=0)
-        check_int("checkpoint_interval", checkpoint_interval, minimum=1, allow_none=True)
-        check_int("keep_checkpoints", keep_checkpoints, minimum=1)
-        check_int("diagnostics_interval", diagnostics_interval, minimum=1, allow_none=True)
-        if port is None and self._next_port is not None:
-            port, self._next_port = self._next_port, self._next_port + 1
-        check_int("port", port, minimum=1, allow_none=True)
-        if port is not None and port > 65535:
-            raise ValueError(f"port must be a TCP port in 1..65535, got {port}")
-        if extra_config is not None and not isinstance(extra_config, dict):
-            raise TypeError(f"extra_config (the original's fit(kwargs=...)) must be a dict, got {extra_config!r}")
-        if not isinstance(extend_run, bool):
-            raise TypeError(f"extend_run must be True or False, got {extend_run!r}")
-        if extend_run and resume_from is None:
-            raise TypeError("extend_run=True continues a checkpointed run past its planned length; it needs "
-                            "resume_from=")
-        check_number("node_timeout", node_timeout, positive=True, allow_none=True)
-        if node_timeout is not None and not math.isfinite(node_timeout):
-            raise ValueError(f"node_timeout must be a finite number of seconds or None (no limit), got {node_timeout}")
-        if not isinstance(overwrite, bool):
-            raise TypeError(f"overwrite must be True or False, got {overwrite!r}")
-        if overwrite and resume_from is not None:
-            raise ValueError("overwrite=True would delete the run that resume_from continues; drop one of them")
-        if execution not in EXECUTIONS:
-            raise ValueError(f"execution must be one of {list(EXECUTIONS)}, got {execution!r}")
-        time_model = build_time_model(num_nodes, network, node_speeds, device_flops, compute_time)
-        minibatch_size = batch_size if minibatch_size is None else minibatch_size
-        if minibatch_size > batch_size or batch_size % minibatch_size:
-            raise ValueError(f"minibatch_size must divide batch_size={batch_size}, got {minibatch_size}")
-        logger = resolve_logger(logger, run_name)
-        run_name = run_name_of(logger, run_name)  # None: a default name is claimed below
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; use one of {list(BACKENDS)}")
+        o = FitArguments(**{k: v for k, v in locals().items() if k != "self"})
+        if o.port is None and self._next_port is not None:  # the original's start_port: one port per fit call
+            o.port, self._next_port = self._next_port, self._next_port + 1
+        check_arguments(o)
+        run = self._plan(o)  # everything that can be checked is, before any node starts
+        results = self._run(run)
+        return self._finish(run, results)
+
+    def _plan(self, o: FitArguments) -> _Run:
+        """Validate the run against the model and data, build every node's data, the record's config, the run
+        folder and the plan a backend starts."""
+        time_model = build_time_model(o.num_nodes, o.network, o.node_speeds, o.device_flops, o.compute_time)
+        minibatch_size = o.batch_size if o.minibatch_size is None else o.minibatch_size
+        if minibatch_size > o.batch_size or o.batch_size % minibatch_size:
+            raise ValueError(f"minibatch_size must divide batch_size={o.batch_size}, got {minibatch_size}")
+        logger = resolve_logger(o.logger, o.run_name)
+        run_name = run_name_of(logger, o.run_name)  # None: a default name is claimed below
+        if o.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {o.backend!r}; use one of {list(BACKENDS)}")
         # Under torchrun (RANK, WORLD_SIZE set) backend="torch" runs only this process's node, and rank 0 logs.
-        launch = launch_for_fit(backend, num_nodes, checkpoint_dir_shared=checkpoint_interval is None or
-                                checkpoint_dir is not None or run_name is not None)
+        launch = launch_for_fit(o.backend, o.num_nodes, checkpoint_dir_shared=o.checkpoint_interval is None or
+                                o.checkpoint_dir is not None or run_name is not None)
         is_main = launch is None or launch.rank == 0
         logger = logger if is_main else None
-        node_devices = resolve_node_devices(
-            num_nodes, device if device is not None or devices is not None else self.device,
-            devices if devices is not None or device is not None else self.devices)
-        if launch is not None:
-            node_devices = launch.node_devices(node_devices)
-        if checkpoint_dir is not None:
-            check_writable(checkpoint_dir, "checkpoint_dir")
-        memory_cap = memory_fraction(max_memory_usage, node_devices)
-        loader = loader_options(dataloader_kwargs, node_devices)
-        if autocast and any(d.type == "cuda" and not torch.cuda.is_bf16_supported() for d in node_devices):
+        devices = self._node_devices(o, launch)
+        memory_cap = memory_fraction(o.max_memory_usage, devices)
+        loader = loader_options(o.dataloader_kwargs, devices)
+        if o.autocast and any(d.type == "cuda" and not torch.cuda.is_bf16_supported() for d in devices):
             raise ValueError("autocast=True trains in bfloat16, which this GPU does not support; use autocast=False")
-
-        # Data: every node's batches and the fixed validation batches, checked before any node starts.
-        split = partition_data(self.train_dataset, partition, dirichlet_alpha, num_nodes, batch_size, seed,
-                               shards_per_node=shards_per_node)
-        node_batches = build_node_batches(self.train_dataset, split, num_nodes=num_nodes, batch_size=batch_size,
-                                          shuffle=shuffle, seed=seed, loader=loader)
-        steps_per_epoch = min(nb.steps_per_epoch for nb in node_batches)
-        total_steps = max_steps if max_steps is not None else num_epochs * steps_per_epoch
-        val_batches, val_size = build_val_batches(self.val_dataset, num_nodes=num_nodes, val_size=val_size,
-                                                  batch_size=batch_size, seed=seed,
-                                                  collate_fn=loader.get("collate_fn"))
-
-        membership = build_membership(num_nodes, total_steps, failures, active_nodes)
-        if membership is not None:
-            if backend != "sim":
-                raise ValueError(f"failures and active_nodes are simulated by backend='sim'; on backend={backend!r} "
-                                 "the nodes are real processes that do not fail on a schedule")
-            if not strategy.supports_membership_changes:
-                raise ValueError(f"{type(strategy).__name__} cannot run with failures or active_nodes (see its "
-                                 "docstring); drop them or use another strategy")
-
-        cfg = RunConfig(num_nodes=num_nodes, max_steps=total_steps, batch_size=batch_size,
-                        minibatch_size=minibatch_size, val_interval=val_interval,
-                        log_interval=max(log_interval, 10),  # the nodes' host syncs of the loss; loggers: below
-                        autocast=autocast, validate=val_batches is not None,
-                        diagnostics_interval=diagnostics_interval, time_model=time_model,
-                        steps_per_epoch=steps_per_epoch, membership=membership,
-                        shard_sizes=tuple(nb.shard_size for nb in node_batches),
-                        shard_steps=tuple(nb.steps_per_epoch for nb in node_batches))
+        data = self._data(o, loader)
+        cfg = RunConfig(num_nodes=o.num_nodes, max_steps=data.total_steps, batch_size=o.batch_size,
+                        minibatch_size=minibatch_size, val_interval=o.val_interval,
+                        log_interval=max(o.log_interval, 10),  # the nodes' host syncs of the loss; loggers: below
+                        autocast=o.autocast, validate=data.val_batches is not None,
+                        diagnostics_interval=o.diagnostics_interval, time_model=time_model,
+                        steps_per_epoch=data.steps_per_epoch, membership=data.membership,
+                        shard_sizes=tuple(nb.shard_size for nb in data.node_batches),
+                        shard_steps=tuple(nb.steps_per_epoch for nb in data.node_batches))
         execution, execution_why = choose_execution(
-            execution, model=self.model, first_batch=lambda: next(node_batches[0].iterate(from_step=0)),
-            num_nodes=num_nodes, devices=node_devices, backend=backend, minibatch_size=minibatch_size,
-            autocast=autocast, seed=seed, resume_from=resume_from, optim_spec=getattr(strategy, "optim_spec", None))
-        n_params = sum(p.numel() for p in self.model.parameters())
-        config = {"strategy": type(strategy).__name__, "strategy_config": strategy.config(), "num_nodes": num_nodes,
-                  "max_steps": total_steps, "steps_per_epoch": steps_per_epoch, "num_epochs": num_epochs,
-                  "batch_size": batch_size, "minibatch_size": minibatch_size, "global_batch": num_nodes * batch_size,
-                  "shuffle": shuffle, "val_size": val_size if val_batches else 0, "val_interval": val_interval,
-                  "log_interval": log_interval, "seed": seed, "backend": backend, "autocast": autocast,
-                  "execution": execution, "execution_reason": execution_why,
-                  "devices": [str(d) for d in node_devices], "model": type(self.model).__name__,
-                  "parameters": n_params, "versions": versions()}
-        if dataloader_kwargs is not None:
-            config["dataloader_kwargs"] = {"given": dict(dataloader_kwargs), "applied": loader}
-        if max_memory_usage is not None:
-            config["max_memory_usage"] = max_memory_usage
-        if port is not None:
-            config["port"] = port
-        if extra_config is not None:
-            config["extra"] = dict(extra_config)
-        if split is not None:
-            config["partition"] = {"kind": partition, **split.settings, "sizes": split.sizes,
-                                   "label_histograms": split.label_histograms()}
-        if membership is not None:
-            config["membership"] = {"failures": repr(failures), "active_nodes": repr(active_nodes),
-                                    "schedule": membership.as_record()}
-        if time_model is not None:
-            config["time_model"] = {"network": repr(time_model.network), "node_speeds": list(time_model.node_speeds),
-                                    "device_flops": list(time_model.device_flops), "compute_time": compute_time}
-        if progress and is_main:
+            o.execution, model=self.model, first_batch=lambda: next(data.node_batches[0].iterate(from_step=0)),
+            num_nodes=o.num_nodes, devices=devices, backend=o.backend, minibatch_size=minibatch_size,
+            autocast=o.autocast, seed=o.seed, resume_from=o.resume_from,
+            optim_spec=getattr(o.strategy, "optim_spec", None), one_replica=keeps_one_replica(o.strategy))
+        config = run_config(o, model=self.model, data=data, time_model=time_model, devices=devices, loader=loader,
+                            execution=(execution, execution_why))
+        if o.progress and is_main:
             announce(config, time_model)
-
-        fingerprint = run_fingerprint(config, self.model, [nb.shard_size for nb in node_batches])
-        run_id, resume, resume_after = uuid.uuid4().hex, None, None
-        if resume_from is not None:  # the same run, or a refusal listing what differs, before any node starts
-            folder = find_checkpoint(resume_from)
-            manifest = read_manifest(folder)
-            check_resume(manifest, folder, fingerprint, extend=extend_run)
-            resume = load_checkpoint(folder, manifest, devices=node_devices)
-            run_id = manifest["run_id"]
-            saved_name = manifest.get("run_name")
-            if isinstance(saved_name, str) and run_name in (None, saved_name):  # that very run: its own folder
-                run_name, resume_after = saved_name, manifest["step"]
-            config["resumed"] = {"checkpoint": str(folder), "step": manifest["step"]}
-            if manifest["fingerprint"].get("max_steps") != total_steps:
-                config["resumed"]["extended"] = {
-                    "from_max_steps": manifest["fingerprint"]["max_steps"], "to_max_steps": total_steps,
-                    "lr_schedule": "kept its original length: after it ends, its last learning rate continues"}
-            if progress and is_main:
-                print(f"exogym: resuming run {manifest.get('run_name')!r} from step {manifest['step']} ({folder})",
-                      flush=True)
+        fingerprint = run_fingerprint(config, self.model, [nb.shard_size for nb in data.node_batches])
+        resumed = resume_point(o.resume_from, fingerprint, devices, run_name=run_name, extend=o.extend_run,
+                               max_steps=data.total_steps, announce=o.progress and is_main)
+        if resumed.record is not None:
+            config["resumed"] = resumed.record
         # The run folder(s), claimed last: everything that can be checked before any node starts has been.
-        default_ckpt = checkpoint_dir is None and checkpoint_interval is not None
-        claim = claim_run_folders(logger, run_name,
-                                  default_run_name({"strategy": type(strategy).__name__, "num_nodes": num_nodes}),
-                                  extra_roots=["logs"] if default_ckpt and is_main else [], overwrite=overwrite,
-                                  resume_after=resume_after) if is_main else None
-        run_name = claim.name if claim is not None else run_name or default_run_name(config)
+        default_ckpt = o.checkpoint_dir is None and o.checkpoint_interval is not None
+        claim = claim_run_folders(logger, resumed.run_name if resumed.run_name is not None else run_name,
+                                  default_run_name({"strategy": type(o.strategy).__name__, "num_nodes": o.num_nodes}),
+                                  extra_roots=["logs"] if default_ckpt and is_main else [], overwrite=o.overwrite,
+                                  resume_after=resumed.after) if is_main else None
+        run_name = claim.name if claim is not None else resumed.run_name or run_name or default_run_name(config)
         config["run_name"] = run_name
-        bar = None
+        run = _Run(config=config, logger=logger, claim=claim, memory_cap=memory_cap, devices=devices)
         try:
             checkpoints = None
-            if checkpoint_interval is not None or checkpoint_dir is not None:  # a folder alone: one, at the end
-                root = Path(checkpoint_dir) if checkpoint_dir is not None else Path("logs") / run_name / "checkpoints"
-                checkpoints = CheckpointPlan(check_writable(root, "checkpoint_dir"), checkpoint_interval or total_steps,
-                                             keep_checkpoints, config, run_id, fingerprint)
-                checkpoints.check_owner(overwrite=overwrite)
-            bar = RunProgress(total_steps, initial=manifest["step"] if resume else 0) if progress and is_main else None
-            live = LiveLog(logger, range(num_nodes) if launch is None else [launch.rank],  # torchrun: its own
-                           global_batch=num_nodes * batch_size, log_interval=log_interval, last_step=total_steps,
-                           progress=bar)
-            plan = RunPlan(model=self.model, strategy=strategy, node_batches=node_batches, val_batches=val_batches,
-                           devices=node_devices, cfg=cfg, seed=seed, live=live, checkpoints=checkpoints,
-                           resume=resume, node_timeout=node_timeout, port=port,
-                           execution=execution)
+            if o.checkpoint_interval is not None or o.checkpoint_dir is not None:  # a folder alone: one, at the end
+                root = Path(o.checkpoint_dir) if o.checkpoint_dir is not None else Path("logs") / run_name / "checkpoints"
+                checkpoints = CheckpointPlan(check_writable(root, "checkpoint_dir"),
+                                             o.checkpoint_interval or data.total_steps, o.keep_checkpoints, config,
+                                             resumed.run_id, fingerprint)
+                checkpoints.check_owner(overwrite=o.overwrite)
+            run.bar = RunProgress(data.total_steps, initial=resumed.step) if o.progress and is_main else None
+            live = LiveLog(logger, range(o.num_nodes) if launch is None else [launch.rank],  # torchrun: its own
+                           global_batch=o.num_nodes * o.batch_size, log_interval=o.log_interval,
+                           last_step=data.total_steps, progress=run.bar)
+            run.plan = RunPlan(model=self.model, strategy=o.strategy, node_batches=data.node_batches,
+                               val_batches=data.val_batches, devices=devices, cfg=cfg, seed=o.seed, live=live,
+                               checkpoints=checkpoints, resume=resumed.states, node_timeout=o.node_timeout,
+                               port=o.port, execution=execution)
+            run.runner = _RUNNERS[o.backend]
             if logger is not None:
                 logger.start(config)
         except BaseException:
-            if bar is not None:
-                bar.close()
-            if claim is not None:
-                claim.abandon()
+            run.abandon()
             raise
-        start = time.perf_counter()
+        return run
+
+    def _node_devices(self, o: FitArguments, launch: Any) -> list[torch.device]:
+        """Each node's device (fit's device/devices, else the Trainer's); checkpoint_dir checked writable."""
+        devices = resolve_node_devices(
+            o.num_nodes, o.device if o.device is not None or o.devices is not None else self.device,
+            o.devices if o.devices is not None or o.device is not None else self.devices)
+        if launch is not None:
+            devices = launch.node_devices(devices)
+        if o.checkpoint_dir is not None:
+            check_writable(o.checkpoint_dir, "checkpoint_dir")
+        return devices
+
+    def _data(self, o: FitArguments, loader: dict[str, Any]) -> RunData:
+        """Every node's batches, the fixed validation batches and who is up when, checked before any node starts."""
+        split = partition_data(self.train_dataset, o.partition, o.dirichlet_alpha, o.num_nodes, o.batch_size, o.seed,
+                               shards_per_node=o.shards_per_node)
+        node_batches = build_node_batches(self.train_dataset, split, num_nodes=o.num_nodes, batch_size=o.batch_size,
+                                          shuffle=o.shuffle, seed=o.seed, loader=loader)
+        steps_per_epoch = min(nb.steps_per_epoch for nb in node_batches)
+        total_steps = o.max_steps if o.max_steps is not None else o.num_epochs * steps_per_epoch
+        val_batches, val_size = build_val_batches(self.val_dataset, num_nodes=o.num_nodes, val_size=o.val_size,
+                                                  batch_size=o.batch_size, seed=o.seed,
+                                                  collate_fn=loader.get("collate_fn"))
+        membership = build_membership(o.num_nodes, total_steps, o.failures, o.active_nodes)
+        if membership is not None:
+            if o.backend != "sim":
+                raise ValueError(f"failures and active_nodes are simulated by backend='sim'; on backend={o.backend!r} "
+                                 "the nodes are real processes that do not fail on a schedule")
+            if not o.strategy.supports_membership_changes:
+                raise ValueError(f"{type(o.strategy).__name__} cannot run with failures or active_nodes (see its "
+                                 "docstring); drop them or use another strategy")
+        return RunData(split, node_batches, steps_per_epoch, total_steps, val_batches, val_size, membership)
+
+    def _run(self, run: _Run) -> list[Any]:
+        """Start the nodes on the backend; the caller's random streams and memory caps are put back after."""
+        run.started = time.perf_counter()
         caller_rng = GlobalRNGState.capture()  # the caller's random streams are theirs: put them back after
         try:
-            memory_cap.apply()
-            results = _RUNNERS[backend](plan)
+            run.memory_cap.apply()
+            return run.runner(run.plan)
         except BaseException as e:
-            if bar is not None:
-                bar.close()
-            if logger is not None:
-                logger.finish({"status": "failed", "error": f"{type(e).__name__}: {e}"})
-            if claim is not None:
-                claim.release("failed")
+            run.fail(e)
             raise
         finally:
             caller_rng.restore()
-            memory_cap.reset()
+            run.memory_cap.reset()
+
+    def _finish(self, run: _Run, results: list[Any]) -> torch.nn.Module:
+        """The record of the run (also to the loggers and the run folder), and the global model as a new module."""
         logs, final_state = [log for log, _ in results], results[0][1]
-        self.record = RunRecord.from_nodes(logs, config=config, global_batch=num_nodes * batch_size,
-                                           wall_time_s=time.perf_counter() - start,
-                                           peak_memory_mb=peak_memory_mb(node_devices))
-        if bar is not None:
-            bar.close(self.record.summary())
-        if logger is not None:
-            logger.finish({"status": "completed", **self.record.summary()})
-        if claim is not None:
-            claim.release("completed")
-        final_model = copy.deepcopy(self.model).to(node_devices[0])
+        config = run.config
+        self.record = RunRecord.from_nodes(logs, config=config, global_batch=config["global_batch"],
+                                           wall_time_s=time.perf_counter() - run.started,
+                                           peak_memory_mb=peak_memory_mb(run.devices))
+        if run.bar is not None:
+            run.bar.close(self.record.summary())
+        if run.logger is not None:
+            run.logger.finish({"status": "completed", **self.record.summary()})
+        if run.claim is not None:
+            run.claim.release("completed")
+        final_model = copy.deepcopy(self.model).to(run.devices[0])
         final_model.load_state_dict(final_state, strict=True)
         return final_model
 

@@ -96,10 +96,10 @@ class RunRecord:
     val: one row per evaluation (at step 0, every val_interval steps and at the end): step, local_loss (node 0's model), global_loss (the global model),
         and local_/global_ versions of every extra metric.
     diagnostics: rows of step, param_correlation, param_variance (fit's diagnostics_interval).
-    node_loss[r][s]: node r's training loss at step s+1 (nan where it sat out the step).
-    bytes_per_node[r]: the wire bytes node r sent in total (ring algorithms: an all-reduce of N bytes costs
+    node_loss: `node_loss[r][s]` is node r's training loss at step s+1 (nan where it sat out the step).
+    bytes_per_node: `bytes_per_node[r]` is the wire bytes node r sent in total (ring algorithms: an all-reduce of N bytes costs
         2 N (R-1)/R, an all-gathered chunk n costs n (R-1)); also as wire_bytes_per_node.
-    payload_bytes_per_node[r]: node r's own data put on the wire, each byte counted once (the papers'
+    payload_bytes_per_node: `payload_bytes_per_node[r]` is node r's own data put on the wire, each byte counted once (the papers'
         convention: an all-reduce or all-gather of N bytes is N, whatever the group size).
     peak_memory_mb: the process's peak resident memory (and per CUDA device, its peak allocation).
     """

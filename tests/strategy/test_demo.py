@@ -66,14 +66,15 @@ def test_combine_averages_a_coefficient_over_the_nodes_that_sent_it():
 
 def test_two_nodes_hand_checked_update_direction_and_momentum_residuals():
     # Chunk 2, top-1; the momentum gains lr g. DCT of [3, 1] is [4, 2]/sqrt2: node 0 sends coefficient 0
-    # (lr 2 sqrt2) and keeps lr [1, -1]. DCT of [1, -3] is [-2, 4]/sqrt2: node 1 sends coefficient 1
-    # (lr 2 sqrt2) and keeps lr [-1, -1]. Average decodes to lr [4, 0]; the update is -lr sign([4, 0]) = [-lr, 0].
+    # (lr 2 sqrt2) and keeps lr [1, -1]. DCT of [1, -5] is [-4, 6]/sqrt2: node 1 sends coefficient 1
+    # (lr 3 sqrt2) and keeps lr [-2, -2]. The average decodes to lr [5, -1]; the update is -lr sign = [-lr, lr].
+    # (No decoded entry is zero in exact arithmetic: the sign of a float-rounded zero is any CPU's guess.)
     lr = 0.1
     strategy = watched(DeMoStrategy)(lr=lr, compression_topk=1, compression_chunk=2, compression_decay=0.9)
-    model, t = run_linear(strategy, [[3.0, 1.0], [1.0, -3.0]], [0.0, 0.0], 1)
-    assert_close(model.w.detach(), torch.tensor([-lr, 0.0]))
-    for r, residual in ((0, [lr, -lr]), (1, [-lr, -lr])):
-        assert_close(node_params(r), torch.tensor([-lr, 0.0]))
+    model, t = run_linear(strategy, [[3.0, 1.0], [1.0, -5.0]], [0.0, 0.0], 1)
+    assert_close(model.w.detach(), torch.tensor([-lr, lr]))
+    for r, residual in ((0, [lr, -lr]), (1, [-2 * lr, -2 * lr])):
+        assert_close(node_params(r), torch.tensor([-lr, lr]))
         opt = NODES[r][1].optim
         assert_close(opt.state[opt.param_groups[0]["params"][0]]["momentum"], torch.tensor(residual))
     assert t.record.bytes_per_node == [1 * 1 * (8 + 4)] * 2  # one chunk, top-1, int64 index + fp32 value

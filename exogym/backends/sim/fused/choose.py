@@ -15,6 +15,7 @@ sequential and says why, once per run (a FusedFallbackWarning, or the announceme
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -24,7 +25,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from exogym.data.sharding import batch_size_of, move_to_device, split_batch
+from exogym.data.sharding import batch_size_of, move_to_device
+from exogym.engine.forward_backward import accumulate, minibatches
 from exogym.backends.sim.fused.engine import FusedEngine, NodeWork, _forked_rng
 from exogym.backends.sim.fused.joint_steps import StepWork, prefer_fused_kernel
 
@@ -46,12 +48,13 @@ class FusedFallbackWarning(UserWarning):
 def choose_execution(execution: str, *, model: torch.nn.Module, first_batch: Callable[[], Any],
                      num_nodes: int, devices: Sequence[torch.device], backend: str, minibatch_size: int, autocast: bool,
                      seed: int, resume_from: str | os.PathLike | None = None,
-                     optim_spec: Any = None) -> tuple[str, str]:
+                     optim_spec: Any = None, one_replica: bool = False) -> tuple[str, str]:
     """("sequential" | "fused", why). Raises ValueError for a bad value or, under "fused", a model or run
     that cannot be fused. first_batch() gives node 0's first batch (drawn only for a probe). A resumed
     run under "auto" keeps the execution of the run it continues (fused and sequential runs draw dropout
     masks differently, so only that resumes bit-identically; an explicit other one is refused by the
-    resume check, since execution is part of the run's fingerprint)."""
+    resume check, since execution is part of the run's fingerprint). one_replica: the strategy's sequential nodes
+    share one replica (DDP) and take one optimizer step between them, where fused nodes take one each."""
     if execution not in EXECUTIONS:
         raise ValueError(f"execution must be one of {list(EXECUTIONS)}, got {execution!r}")
     saved = _checkpointed_execution(resume_from) if resume_from is not None else None
@@ -63,7 +66,7 @@ def choose_execution(execution: str, *, model: torch.nn.Module, first_batch: Cal
     if reason is None:
         try:
             timing = _probe(model, first_batch(), num_nodes, devices[0], minibatch_size, autocast, seed,
-                            timed=execution == "auto", optim_spec=optim_spec)
+                            timed=execution == "auto", optim_spec=optim_spec, one_replica=one_replica)
         except _NotBatchable as e:
             reason = _explain(e.__cause__)
     if reason is not None:
@@ -76,9 +79,10 @@ def choose_execution(execution: str, *, model: torch.nn.Module, first_batch: Cal
     if execution == "fused":
         return "fused", "requested"
     fused_s, seq_s = timing
-    what = "forward/backward and optimizer step" if _joinable(optim_spec) else "forward/backward"
+    what = "forward/backward and optimizer step" if _stepped(optim_spec, one_replica) else "forward/backward"
+    seq_steps = " (one optimizer step: one replica)" if one_replica and _stepped(optim_spec, one_replica) else ""
     why = (f"probe: one batched {what} of {num_nodes} nodes took {fused_s * 1e3:.1f} ms, "
-           f"{num_nodes} sequential ones {seq_s * 1e3:.1f} ms")
+           f"{num_nodes} sequential ones {seq_s * 1e3:.1f} ms{seq_steps}")
     if fused_s < _MARGIN * seq_s:
         return "fused", why
     warnings.warn(f"execution='auto' runs the nodes sequentially: fusing is not faster here ({why})",
@@ -131,38 +135,45 @@ def _joinable(optim_spec: Any) -> bool:
     return isinstance(optim_spec, OptimSpec) and optim_spec.cls in JOINABLE
 
 
+def _stepped(optim_spec: Any, one_replica: bool) -> bool:
+    """Whether the probe takes optimizer steps: where fused and sequential runs step differently (fused steps
+    SGD/Adam/AdamW together; sequential DDP steps its one replica once), not where both step per node."""
+    return optim_spec is not None and hasattr(optim_spec, "build") and (one_replica or _joinable(optim_spec))
+
+
 def _probe(model: torch.nn.Module, batch: Any, k: int, device: torch.device, minibatch_size: int, autocast: bool,
-           seed: int, *, timed: bool, optim_spec: Any = None) -> tuple[float, float] | None:
+           seed: int, *, timed: bool, optim_spec: Any = None, one_replica: bool = False) -> tuple[float, float] | None:
     """One unbatched forward/backward (checks the model contract) and one batched one over k copies; with
-    `timed`, the fastest of _REPEATS of each (seconds for all k nodes). With the strategy's optimizer (an
-    OptimSpec of SGD, Adam or AdamW, which fused runs step together) each side also takes its optimizer steps:
-    k of them one after another, or in one call as fused runs take them (exogym.backends.sim.fused.joint_steps); other optimizers
-    step per node either way, so they are left out of both."""
+    `timed`, the fastest of _REPEATS of each (seconds for all k nodes). Each side takes the optimizer steps its
+    execution takes where the two differ (_stepped): fused runs step SGD, Adam and AdamW of all k nodes in one call
+    (exogym.backends.sim.fused.joint_steps), sequential runs k steps one after another, or one where the nodes
+    share one replica (one_replica: DDP)."""
     from exogym.engine.model_call import model_caller, parse_model_output
 
     batch = move_to_device(batch, device)
     engine = FusedEngine(model, k, device, minibatch_size=minibatch_size, autocast=autocast, seed=seed)
     copies = [copy.deepcopy(engine.template).train() for _ in range(k)]
-    optims = [optim_spec.build(m) for m in copies] if _joinable(optim_spec) else []  # as sequential runs step
-    fused_optims = [optim_spec.build(m) for m in copies] if optims else []  # as fused runs step (their kernel)
-    together = bool(fused_optims) and all(engine.optimizers.register(r, m, o)
-                                         for r, (m, o) in enumerate(zip(copies, fused_optims)))
-    for o in fused_optims:
-        prefer_fused_kernel(o)
-    n = batch_size_of(batch)
-    parts = split_batch(batch, minibatch_size) if minibatch_size < n else [batch]
-    ctx = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if autocast else None
+    stepped = _stepped(optim_spec, one_replica)
+    optims = [optim_spec.build(m) for m in copies[:1 if one_replica else k]] if stepped else []  # sequential's
+    fused_optims = [optim_spec.build(m) for m in copies] if stepped else []  # as fused runs step (their kernel)
+    together = stepped and _joinable(optim_spec) and all(engine.optimizers.register(r, m, o)
+                                                         for r, (m, o) in enumerate(zip(copies, fused_optims)))
+    if stepped and _joinable(optim_spec):
+        for o in fused_optims:
+            prefer_fused_kernel(o)
+    parts = minibatches(batch, minibatch_size)
+    ctx = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
     call = model_caller(engine.template, batch)  # model(batch), or model(**batch) for a keyword batch
 
     def sequential() -> None:
         for m in copies:
-            for part in parts:
-                if ctx is None:
-                    loss, _ = parse_model_output(call(m, part))
-                else:
-                    with ctx():
-                        loss, _ = parse_model_output(call(m, part))
-                loss.backward()
+            def step(i: int, weight: float | None, m=m) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                with ctx():
+                    loss, metrics = parse_model_output(call(m, parts[i]))
+                (loss if weight is None else loss * weight).backward()
+                return loss, metrics
+
+            accumulate([batch_size_of(p) for p in parts], step)
         for o in optims:
             o.step()
         for m in copies:
