@@ -2,6 +2,7 @@
 
     python examples/elastic_compute.py              # 8 nodes, 300 steps per run, a few minutes on 2 CPU cores
     python examples/elastic_compute.py --quick      # a smoke run (~30 s)
+    python examples/elastic_compute.py --update-docs   # the default run, its plot and JSON into docs/img
 
 Part 1, the DiLoCo paper's adaptive compute pool (Douillard et al. 2023, section 3): DiLoCo with the
 number of nodes held at 8 or 4, doubling (4 then 8), halving (8 then 4), ramping up (1 to 8) or down
@@ -15,7 +16,9 @@ up, DiLoCo their pseudo-gradients; a node coming back downloads the global state
 
 Printed: per run, the compute used (node-steps, relative to 8 nodes throughout), the global model's
 held-out loss and accuracy, and the MB each node sent on average; plotted: held-out loss against
-steps (elastic_compute.png, with matplotlib).
+steps (with matplotlib). The plot and the numbers go to runs/elastic_compute.png and .json (git-ignored;
+--plot to move them, --update-docs to write docs/img/elastic_compute.png and .json, with the default
+settings only).
 """
 
 from __future__ import annotations
@@ -30,12 +33,13 @@ from exogym import RandomFailures, Trainer
 from exogym.data.mnist import load_mnist
 from exogym.models import MnistCNN
 from exogym.strategy import DiLoCoStrategy, OptimSpec, SimpleReduceStrategy
-from published_output import output_path
+from published_output import add_update_docs, output_path, print_outputs
 
 
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, with args.plot resolved to the plot's path (see published_output.output_path)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--nodes", type=int, default=8)
@@ -47,9 +51,16 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="60 steps, 2 schedules, 1 failure rate")
     parser.add_argument("--plot", default=None,
-                        help="the plot; the numbers go next to it as a .json file")
-    args = parser.parse_args()
-    args.plot = str(output_path(parser, args, "elastic_compute.png", given=args.plot))
+                        help="the plot (default runs/elastic_compute.png); the numbers go next to it as a .json file")
+    add_update_docs(parser, "elastic_compute.png and .json")
+    args = parser.parse_args(argv)
+    args.plot = output_path(parser, args, "elastic_compute.png", given=args.plot, flag="--plot")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    args.plot.parent.mkdir(parents=True, exist_ok=True)
     if args.quick:
         args.steps, args.rates = 60, [0.02]
 
@@ -87,22 +98,25 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for name, label, compute, loss, acc, sent, _ in results:
         print(f"| {name} | {label} | {compute:.2f} | {loss:.4f} | {acc:.4f} | {sent:.2f} |")
-    Path(args.plot).with_suffix(".json").write_text(json.dumps({
-        "command": "python examples/elastic_compute.py", "steps": args.steps, "nodes": k, "H": args.H,
+    numbers = args.plot.with_suffix(".json")
+    numbers.write_text(json.dumps({
+        "command": "python examples/elastic_compute.py" + (" --update-docs" if args.update_docs else ""),
+        "steps": args.steps, "nodes": k, "H": args.H,
         "seed": args.seed, "runs": [{"strategy": name, "schedule": label, "compute": compute, "held_out_loss": loss,
                                      "accuracy": acc, "mb_sent_per_node": sent}
                                     for name, label, compute, loss, acc, sent, _ in results]}, indent=1) + "\n")
-    _plot(results, args.plot)
+    print_outputs([numbers, *_plot(results, args.plot)])
 
 
-def _plot(results: list, path: str) -> None:
+def _plot(results: list, path: Path) -> list[Path]:
+    """Held-out loss against steps, compute pools and failures side by side; returns the files written."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("(matplotlib is not installed: no plot)")
-        return
+        return []
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, label, *_, val in results:
         ax = axes[0] if label.startswith(("constant", "doubling", "halving", "ramp")) else axes[1]
@@ -112,7 +126,7 @@ def _plot(results: list, path: str) -> None:
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
+    return [path]
 
 
 if __name__ == "__main__":

@@ -3,12 +3,15 @@
     pip install 'exogym[hf]'               # transformers and datasets
     python examples/hf_shakespeare.py      # a few minutes on a 2-core CPU
     python examples/hf_shakespeare.py --steps 40
+    python examples/hf_shakespeare.py --update-docs   # the default run, its JSON into docs/img
 
 Nothing is downloaded from the Hugging Face hub: the model is a `GPT2LMHeadModel` built from a small
 `GPT2Config`, and the tokens are the characters of the bundled Shakespeare text (exogym.data.shakespeare),
 held in a `datasets.Dataset` of blocks with "input_ids" and "labels" columns. The Trainer passes each
 batch's columns to the model as keywords, `model(input_ids=..., labels=...)`, and trains on the `.loss`
 of the output it returns, exactly as for any other model (see the model contract in README.md).
+The numbers go to runs/hf_shakespeare.json (git-ignored; --out to move it, --update-docs to write
+docs/img/hf_shakespeare.json, with the default settings only).
 """
 
 from __future__ import annotations
@@ -16,14 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
 
 from exogym import Trainer
 from exogym.data.shakespeare import VAL_FRACTION, CharVocab, shakespeare_text
 from exogym.strategy import DiLoCoStrategy, OptimSpec, SimpleReduceStrategy
-from published_output import output_path
+from published_output import add_update_docs, output_path, print_outputs
 
 NODES = 4
 
@@ -54,16 +56,24 @@ def held_out_loss(model: torch.nn.Module, data, batches: int = 10, batch_size: i
     return sum(losses) / len(losses)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, with args.out resolved to the JSON file's path (see published_output.output_path)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps per run (default 60)")
     parser.add_argument("--block-size", type=int, default=32, help="characters per block (default 32)")
     parser.add_argument("--batch-size", type=int, default=8, help="blocks per node per step (default 8)")
     parser.add_argument("--H", type=int, default=10, help="DiLoCo: inner steps per round (default 10)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="the JSON file of the numbers")
-    args = parser.parse_args()
-    args.out = str(output_path(parser, args, "hf_shakespeare.json", given=args.out))
+    parser.add_argument("--out", default=None, help="the JSON file of the numbers (default runs/hf_shakespeare.json)")
+    add_update_docs(parser, "hf_shakespeare.json")
+    args = parser.parse_args(argv)
+    args.out = output_path(parser, args, "hf_shakespeare.json", given=args.out)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
 
     text = shakespeare_text()
     vocab = CharVocab.from_text(text)
@@ -93,12 +103,13 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|")
     for label, loss, sent, seconds in rows:
         print(f"| {label} | {NODES} | {loss:.4f} | {sent / 1e6:.2f} | {sent / ddp_bytes:.3f} | {seconds:.1f} |")
-    Path(args.out).write_text(json.dumps({
-        "command": "python examples/hf_shakespeare.py", "steps": args.steps, "block_size": args.block_size,
+    args.out.write_text(json.dumps({
+        "command": "python examples/hf_shakespeare.py" + (" --update-docs" if args.update_docs else ""),
+        "steps": args.steps, "block_size": args.block_size,
         "batch_size": args.batch_size, "H": args.H, "seed": args.seed, "nodes": NODES,
         "runs": [{"label": label, "held_out_loss": loss, "wire_bytes_per_node": sent, "seconds": round(sec, 1)}
                  for label, loss, sent, sec in rows]}, indent=1) + "\n")
-    print(f"\nnumbers: {args.out}")
+    print_outputs([args.out])
 
 
 if __name__ == "__main__":

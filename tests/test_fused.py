@@ -247,50 +247,23 @@ def test_a_transformers_model_called_with_keywords_fuses():
     _same_run(*runs, rtol=1e-4, atol=1e-5)  # the batched matmuls round differently; weights are O(0.02)
 
 
-@pytest.mark.parametrize("name", ["ddp", "diloco", "sparta", "fedavg-sampled", "readme", "sgd-momentum",
-                                  "adamw-for-loop"])
-def test_optimizer_steps_taken_together_move_no_bit(name, monkeypatch):
-    """The nodes' SGD / Adam / AdamW steps taken in one call give the bits of one step per node with the same
-    implementation (the same fused forward/backward either way), through a failure and a node coming back, and
-    with FedAvg's sampled clients, whose step counts differ."""
-    from exogym.backends.sim.fused.joint_steps import JointSteps
-
-    make = STRATEGIES.get(name) or {
-        "sgd-momentum": lambda: SimpleReduceStrategy(OptimSpec(torch.optim.SGD, lr=0.1, momentum=0.9, nesterov=True,
-                                                               weight_decay=1e-3)),
-        "adamw-for-loop": lambda: SimpleReduceStrategy(OptimSpec(torch.optim.AdamW, lr=1e-2, foreach=False)),
-    }[name]
-    sizes = []
-    original = JointSteps._step_together
-    monkeypatch.setattr(JointSteps, "_step_together", lambda self, group: (sizes.append(len(group)),
-                                                                                 original(self, group)))
-    kw = dict(network=None, failures=[(2, 3, 5)], steps=8)
-    stacked = _fit("fused", make, **kw)
-    assert sizes and max(sizes) > 1  # nodes did step together
-    # Each node steps its own optimizer (which fused execution switched to torch's fused kernel where it was left to
-    # torch): only the one call differs.
-    monkeypatch.setattr(JointSteps, "_step_together", lambda self, group: [w.step() for w in group])
-    alone = _fit("fused", make, **kw)
-    for a, b in zip(stacked[0].state_dict().values(), alone[0].state_dict().values()):
-        assert torch.equal(a, b)
-    assert stacked[1].node_loss == alone[1].node_loss and stacked[1].bytes_per_node == alone[1].bytes_per_node
-
-
 @pytest.mark.parametrize("spec, kernel", [(OptimSpec(torch.optim.AdamW, lr=1e-2), True),
                                           (OptimSpec(torch.optim.SGD, lr=0.1, momentum=0.9), True),
                                           (OptimSpec(torch.optim.AdamW, lr=1e-2, foreach=False), None),
                                           (OptimSpec(torch.optim.AdamW, lr=1e-2, fused=False), False)])
-def test_steps_taken_together_use_the_fused_kernel_unless_the_optimizer_names_its_own(spec, kernel, monkeypatch):
+def test_fused_runs_step_with_the_fused_kernel_unless_the_optimizer_names_its_own(spec, kernel, monkeypatch):
     """An SGD / Adam / AdamW that leaves the implementation to torch steps with its fused kernel under fused
-    execution (one pass instead of one per op); one that names foreach or fused keeps what it named."""
-    from exogym.backends.sim.fused.joint_steps import JointSteps
-
-    seen = []
-    original = JointSteps._step_together
-    monkeypatch.setattr(JointSteps, "_step_together", lambda self, group: (
-        seen.extend(g["fused"] for w in group for g in w.optim.param_groups), original(self, group)))
-    _fit("fused", lambda: SimpleReduceStrategy(spec), steps=2, network=None)
-    assert seen and set(seen) == {kernel}
+    execution (one pass instead of one per op); one that names foreach or fused keeps what it named; sequential
+    runs keep the optimizer as it was built. Each node steps its own optimizer either way."""
+    seen = {"fused": [], "sequential": []}
+    original = spec.cls.step
+    for execution in seen:
+        monkeypatch.setattr(spec.cls, "step", lambda self, *a, _e=execution, **k: (
+            seen[_e].extend(g["fused"] for g in self.param_groups), original(self, *a, **k))[1])
+        _fit(execution, lambda: SimpleReduceStrategy(spec), steps=2, network=None)
+    # The training's steps come last (the fused run's probe steps throwaway copies first): 4 nodes' own, 2 each.
+    assert len(seen["fused"]) >= 2 * 4 and set(seen["fused"][-2 * 4:]) == {kernel}
+    assert seen["sequential"] == [spec.kwargs.get("fused")] * 2  # the one replica's, as built
 
 
 @pytest.mark.parametrize("rows, strided_path", [(4, True), (64, False)])

@@ -6,9 +6,9 @@ batching rule that cannot run under vmap) is a ValueError naming the reason befo
 
 "auto" picks fused only where it measured faster: the same probe, timed. On throwaway copies of the
 model and node 0's first batch it times K sequential forward/backward passes and optimizer steps against
-one batched pass and the optimizer steps taken together (exogym.backends.sim.fused.joint_steps; the strategy's optimizer when it is
-SGD, Adam or AdamW, the ones fused runs step together), one warm-up, then the fastest of `_REPEATS` each,
-interleaved, and fuses when the batched side takes less than `_MARGIN` of the sequential time.
+one batched pass and the optimizer steps fused runs take (exogym.backends.sim.fused.kernel: SGD, Adam and AdamW
+with torch's fused kernel; sequential DDP steps its one replica once), one warm-up, then the fastest of
+`_REPEATS` each, interleaved, and fuses when the batched side takes less than `_MARGIN` of the sequential time.
 Collectives, and other optimizers' steps, cost the same either way. Where fusing cannot run or does not pay, "auto" runs
 sequential and says why, once per run (a FusedFallbackWarning, or the announcement line).
 """
@@ -28,7 +28,7 @@ import torch
 from exogym.data.sharding import batch_size_of, move_to_device
 from exogym.engine.forward_backward import accumulate, minibatches
 from exogym.backends.sim.fused.engine import FusedEngine, NodeWork, _forked_rng
-from exogym.backends.sim.fused.joint_steps import StepWork, prefer_fused_kernel
+from exogym.backends.sim.fused.kernel import FUSED_KERNEL, prefer_fused_kernel
 
 __all__ = ["EXECUTIONS", "FusedFallbackWarning", "choose_execution"]
 
@@ -129,15 +129,14 @@ def _static_obstacle(model: torch.nn.Module, num_nodes: int, devices: Sequence[t
 
 
 def _joinable(optim_spec: Any) -> bool:
-    from exogym.backends.sim.fused.joint_steps import JOINABLE
     from exogym.strategy.optim import OptimSpec
 
-    return isinstance(optim_spec, OptimSpec) and optim_spec.cls in JOINABLE
+    return isinstance(optim_spec, OptimSpec) and optim_spec.cls in FUSED_KERNEL
 
 
 def _stepped(optim_spec: Any, one_replica: bool) -> bool:
     """Whether the probe takes optimizer steps: where fused and sequential runs step differently (fused steps
-    SGD/Adam/AdamW together; sequential DDP steps its one replica once), not where both step per node."""
+    SGD/Adam/AdamW with the fused kernel; sequential DDP steps its one replica once), not where both step per node."""
     return optim_spec is not None and hasattr(optim_spec, "build") and (one_replica or _joinable(optim_spec))
 
 
@@ -145,9 +144,9 @@ def _probe(model: torch.nn.Module, batch: Any, k: int, device: torch.device, min
            seed: int, *, timed: bool, optim_spec: Any = None, one_replica: bool = False) -> tuple[float, float] | None:
     """One unbatched forward/backward (checks the model contract) and one batched one over k copies; with
     `timed`, the fastest of _REPEATS of each (seconds for all k nodes). Each side takes the optimizer steps its
-    execution takes where the two differ (_stepped): fused runs step SGD, Adam and AdamW of all k nodes in one call
-    (exogym.backends.sim.fused.joint_steps), sequential runs k steps one after another, or one where the nodes
-    share one replica (one_replica: DDP)."""
+    execution takes where the two differ (_stepped): fused runs step SGD, Adam and AdamW with torch's fused kernel
+    (exogym.backends.sim.fused.kernel), sequential runs with the optimizer's own implementation, k steps, or one
+    where the nodes share one replica (one_replica: DDP)."""
     from exogym.engine.model_call import model_caller, parse_model_output
 
     batch = move_to_device(batch, device)
@@ -156,8 +155,6 @@ def _probe(model: torch.nn.Module, batch: Any, k: int, device: torch.device, min
     stepped = _stepped(optim_spec, one_replica)
     optims = [optim_spec.build(m) for m in copies[:1 if one_replica else k]] if stepped else []  # sequential's
     fused_optims = [optim_spec.build(m) for m in copies] if stepped else []  # as fused runs step (their kernel)
-    together = stepped and _joinable(optim_spec) and all(engine.optimizers.register(r, m, o)
-                                                         for r, (m, o) in enumerate(zip(copies, fused_optims)))
     if stepped and _joinable(optim_spec):
         for o in fused_optims:
             prefer_fused_kernel(o)
@@ -181,11 +178,8 @@ def _probe(model: torch.nn.Module, batch: Any, k: int, device: torch.device, min
 
     def fused() -> None:
         engine.run_group([NodeWork(r, 1, m, batch) for r, m in enumerate(copies)])
-        if together:
-            engine.optimizers.run([StepWork(r, m, o, o.step) for r, (m, o) in enumerate(zip(copies, fused_optims))])
-        else:
-            for o in fused_optims:
-                o.step()
+        for o in fused_optims:
+            o.step()
         for m in copies:
             m.zero_grad(set_to_none=True)
 

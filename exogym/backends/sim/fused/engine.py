@@ -33,7 +33,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from exogym.data.sharding import batch_size_of
 from exogym.backends.sim.fused.attention import fold_attention
 from exogym.backends.sim.fused.layers import batching_friendly
-from exogym.backends.sim.fused.joint_steps import JointSteps, StepWork
+from exogym.backends.sim.fused.kernel import adopt_fused_kernel
 from exogym.backends.sim.fused.stacked import NodeStacks
 from exogym.engine.forward_backward import accumulate, minibatches
 from exogym.engine.model_call import parse_model_output, takes_keyword_batch
@@ -81,10 +81,8 @@ class FusedEngine:
         self._batched = batching_friendly(self.template)  # the same, with forwards that vmap batches well
         self.device, self.minibatch_size, self.autocast, self.seed = device, minibatch_size, autocast, seed
         self.stacks = NodeStacks(self.template, num_nodes, device)
-        self.optimizers = JointSteps(self.stacks)  # the nodes' SGD / Adam / AdamW steps, taken together
         self.baton = baton  # park() is how a node waits for the batched step (None: the probe, which parks none)
         self._parked: dict[int, NodeWork] = {}
-        self._parked_steps: dict[int, StepWork] = {}
         self.batched_steps = 0  # how many vmapped forward/backward groups ran (for tests and reports)
         # The attention fold is a TorchFunctionMode, which puts Python on every op's path: keep it only for
         # models whose first batched step called SDPA (on CUDA, vmap batches SDPA itself).
@@ -100,12 +98,9 @@ class FusedEngine:
         return work.result, work.seconds
 
     def adopt_optimizer(self, rank: int, model: torch.nn.Module, optim: Any) -> bool:
-        """Step node `rank`'s optimizer with the others' (exogym.backends.sim.fused.joint_steps) where that is exact."""
-        return self.optimizers.adopt(rank, model, optim, self._park_step)
-
-    def _park_step(self, work: StepWork) -> None:
-        self._parked_steps[work.rank] = work
-        self.baton.park(work.rank, self.run_parked)  # returns after run_parked has stepped it
+        """Node `rank`'s optimizer steps with torch's fused kernel where it left the choice to torch
+        (exogym.backends.sim.fused.kernel)."""
+        return adopt_fused_kernel(model, optim)
 
     def release(self, rank: int, model: torch.nn.Module) -> None:
         """Give node `rank`'s tensors storage of their own, before they are pickled (its optimizer's state is its
@@ -124,10 +119,7 @@ class FusedEngine:
 
     # --- the baton's side ------------------------------------------------------------------------------
     def run_parked(self, ranks: list[int]) -> None:
-        """Compute every parked node's forward/backward or optimizer step (ranks: those parked, any order)."""
-        steps = [self._parked_steps.pop(r) for r in sorted(ranks) if r in self._parked_steps]
-        if steps:
-            self.optimizers.run(steps)
+        """Compute every parked node's forward/backward (ranks: those parked, any order)."""
         works = [self._parked.pop(r) for r in sorted(ranks) if r in self._parked]
         groups: dict[tuple, list[NodeWork]] = {}
         for w in works:

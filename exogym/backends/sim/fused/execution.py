@@ -22,7 +22,7 @@ class FusedExecution:
         self.engine = engine
 
     def adopt_optimizer(self, rank: int, model: torch.nn.Module, optim: Any) -> None:
-        self.engine.adopt_optimizer(rank, model, optim)  # steps with the others' where that is exact
+        self.engine.adopt_optimizer(rank, model, optim)  # torch's fused kernel where the choice was torch's
 
     def release(self, rank: int, model: torch.nn.Module) -> None:
         self.engine.release(rank, model)  # views into the stacks would pickle every node's slots
