@@ -203,7 +203,7 @@ def print_seed_table(docs: list[dict]) -> None:
 def _plot(records, stem: Path) -> list[Path]:
     """The validation curves against steps and bytes, as PNGs; returns the files written."""
     try:
-        from exogym.plot import plot_runs
+        from exogym.runs.plot import plot_runs
         labels = [label for label, _ in records]
         runs = [record for _, record in records]
         steps = plot_runs(runs, x="step", y="global_loss", labels=labels, out=f"{stem}_loss_vs_steps.png")

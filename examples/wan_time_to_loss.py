@@ -23,7 +23,7 @@ import torch
 from exogym import Trainer
 from exogym.data.mnist import load_mnist
 from exogym.models import MnistCNN
-from exogym.network import Network
+from exogym.cluster.network import Network
 from exogym.strategy import DeMoStrategy, DiLoCoStrategy, OptimSpec, SimpleReduceStrategy, SPARTAStrategy
 from published_output import add_update_docs, output_path, print_outputs
 
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
                  for label, reach, total, comm_share, final, r in results]}, indent=1) + "\n")
     written = [out]
     try:
-        from exogym.plot import plot_runs
+        from exogym.runs.plot import plot_runs
         written.append(plot_runs([r for *_, r in results], x="sim_time_s", y="global_loss",
                                  labels=[x[0] for x in results], out=out.with_name("wan_loss_vs_time.png"), log_x=True))
     except ImportError:
