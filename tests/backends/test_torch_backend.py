@@ -148,7 +148,7 @@ def test_the_spawn_start_method_gives_the_same_run(monkeypatch):
     import torch.multiprocessing as torch_mp
     from exogym.backends.torch import spawn as torch_spawn
 
-    monkeypatch.setattr(torch_spawn, "_context", lambda: torch_mp.get_context("spawn"))
+    monkeypatch.setattr(torch_spawn, "process_context", lambda: torch_mp.get_context("spawn"))
     strategy = AverageEveryH(H=2)
     _assert_same_run(_fit(strategy, 2, "sim"), _fit(strategy, 2, "torch"))
 
