@@ -26,7 +26,7 @@ from exogym.runs.loggers import Logger
 from exogym.runs.progress import RunProgress
 from exogym.strategy.base import Strategy
 
-__all__ = ["FitArguments", "check_arguments", "RunData", "ResumePoint", "resume_point", "run_config", "FitRun",
+__all__ = ["FitArguments", "check_arguments", "check_processes", "RunData", "ResumePoint", "resume_point", "run_config", "FitRun",
            "keeps_one_replica"]
 
 
@@ -61,6 +61,17 @@ def check_arguments(o: FitArguments) -> None:
         raise ValueError("overwrite=True would delete the run that resume_from continues; drop one of them")
     if o.execution not in EXECUTIONS:
         raise ValueError(f"execution must be one of {list(EXECUTIONS)}, got {o.execution!r}")
+
+
+def check_processes(o: FitArguments) -> None:
+    """processes=P: how many processes share the simulation (backend="sim"), each a block of nodes."""
+    check_int("processes", o.processes, minimum=1)
+    if o.processes > 1 and o.backend != "sim":
+        raise ValueError(f"processes={o.processes} spreads the sim backend's nodes over processes; backend={o.backend!r} "
+                         "already runs one process per node: drop processes=")
+    if o.processes > o.num_nodes:
+        raise ValueError(f"processes={o.processes} is more than num_nodes={o.num_nodes}: each process simulates at "
+                         f"least one node; use processes <= {o.num_nodes}")
 
 
 def keeps_one_replica(strategy: Strategy) -> bool:

@@ -14,6 +14,7 @@ from exogym._validation import check_int
 from exogym.adapters import adaptable
 from exogym.backends.errors import DEFAULT_NODE_TIMEOUT
 from exogym.backends.sim import run_sim
+from exogym.backends.sim.processes import run_sim_launched, run_sim_processes
 from exogym.backends.sim.fused.choose import choose_execution
 from exogym.backends.torch.launch import launch_for_fit, run_torch
 from exogym.cluster.membership import RandomFailures, build_membership
@@ -24,8 +25,8 @@ from exogym.engine.config import RunConfig
 from exogym.engine.devices import DeviceLike, memory_fraction, resolve_node_devices
 from exogym.engine.plan import RunPlan
 from exogym.engine.rng import GlobalRNGState
-from exogym.fit_plan import (FitArguments, FitRun as _Run, RunData, check_arguments, keeps_one_replica, resume_point,
-                             run_config)
+from exogym.fit_plan import (FitArguments, FitRun as _Run, RunData, check_arguments, check_processes,
+                             keeps_one_replica, resume_point, run_config)
 from exogym.fit_setup import (announce, build_node_batches, build_time_model, build_val_batches, claim_run_folders,
                               partition_data, peak_memory_mb, resolve_logger, run_name_of)
 from exogym.runs.checkpoint import CheckpointPlan
@@ -88,7 +89,8 @@ class Trainer:
             active_nodes: str | Sequence[tuple[int, int]] | Callable[[int], int] | None = None,
             node_timeout: float | None = DEFAULT_NODE_TIMEOUT, dataloader_kwargs: dict[str, Any] | None = None,
             max_memory_usage: float | None = None, port: int | None = None,
-            extra_config: dict[str, Any] | None = None, execution: str = "sequential") -> torch.nn.Module:
+            extra_config: dict[str, Any] | None = None, execution: str = "sequential",
+            processes: int = 1) -> torch.nn.Module:
         """Train with `strategy` on `num_nodes` nodes; return the global model (by default the nodes' average).
 
         batch_size is per node (the global batch is num_nodes x batch_size); minibatch_size splits it
@@ -129,6 +131,12 @@ class Trainer:
         ("doubling", "halving", "ramp_up", "ramp_down", [(from_step, count), ...], or step -> count; ranks
         0..count-1 are in it). Both are simulated: backend="sim" only (see exogym.cluster.membership).
 
+        processes=P (sim backend): P local processes share the simulation, each running a contiguous block of
+        the nodes (sizes differ by at most one) with torch's threads divided among them; collectives whose members
+        sit in several processes cross between them over torch.distributed (gloo). Under torchrun with more than
+        one process, backend="sim" runs this way on torchrun's processes. Results agree with one process to float
+        rounding (only sums across processes reassociate); bytes and simulated time are exactly those of one.
+
         execution: "sequential" runs the nodes' forward/backward one after another; "fused" runs those of
         the nodes computing in a step as one batched (vmapped) computation (backend="sim", one device;
         exogym.backends.sim.fused); "auto" probes both on throwaway copies and fuses only where that is faster.
@@ -153,6 +161,7 @@ class Trainer:
         if o.port is None and self._next_port is not None:  # the original's start_port: one port per fit call
             o.port, self._next_port = self._next_port, self._next_port + 1
         check_arguments(o)
+        check_processes(o)
         run = self._plan(o)  # everything that can be checked is, before any node starts
         results = self._run(run)
         return self._finish(run, results)
@@ -168,9 +177,11 @@ class Trainer:
         run_name = run_name_of(logger, o.run_name)  # None: a default name is claimed below
         if o.backend not in BACKENDS:
             raise ValueError(f"unknown backend {o.backend!r}; use one of {list(BACKENDS)}")
-        # Under torchrun (RANK, WORLD_SIZE set) backend="torch" runs only this process's node, and rank 0 logs.
-        launch = launch_for_fit(o.backend, o.num_nodes, checkpoint_dir_shared=o.checkpoint_interval is None or
-                                o.checkpoint_dir is not None or run_name is not None)
+        # Under torchrun (RANK, WORLD_SIZE set) backend="torch" runs only this process's node, backend="sim" this
+        # process's block of nodes; rank 0 logs.
+        launch = launch_for_fit(o.backend, o.num_nodes, processes=o.processes,
+                                checkpoint_dir_shared=o.checkpoint_interval is None or o.checkpoint_dir is not None
+                                or run_name is not None)
         is_main = launch is None or launch.rank == 0
         logger = logger if is_main else None
         devices = self._node_devices(o, launch)
@@ -219,14 +230,15 @@ class Trainer:
                                              resumed.run_id, fingerprint)
                 checkpoints.check_owner(overwrite=o.overwrite)
             run.bar = RunProgress(data.total_steps, initial=resumed.step) if o.progress and is_main else None
-            live = LiveLog(logger, range(o.num_nodes) if launch is None else [launch.rank],  # torchrun: its own
+            live = LiveLog(logger, [launch.rank] if launch is not None and o.backend == "torch" else range(o.num_nodes),
                            global_batch=o.num_nodes * o.batch_size, log_interval=o.log_interval,
                            last_step=data.total_steps, progress=run.bar)
             run.plan = RunPlan(model=self.model, strategy=o.strategy, node_batches=data.node_batches,
                                val_batches=data.val_batches, devices=devices, cfg=cfg, seed=o.seed, live=live,
                                checkpoints=checkpoints, resume=resumed.states, node_timeout=o.node_timeout,
                                port=o.port, execution=execution)
-            run.runner = _RUNNERS[o.backend]
+            run.runner = _runner(o.backend, launch, o.processes)
+            config["processes"] = launch.world_size if launch is not None and o.backend == "sim" else o.processes
             if logger is not None:
                 logger.start(config)
         except BaseException:
@@ -296,6 +308,15 @@ class Trainer:
         final_model = copy.deepcopy(self.model).to(run.devices[0])
         final_model.load_state_dict(final_state, strict=True)
         return final_model
+
+
+def _runner(backend: str, launch: Any, processes: int) -> Callable[[RunPlan], list[Any]]:
+    """What starts the nodes: the sim in this process, over several (fit's processes, or torchrun's), or torch's."""
+    if backend == "sim" and launch is not None:
+        return lambda plan: run_sim_launched(plan, launch.rank, launch.world_size)
+    if backend == "sim" and processes > 1:
+        return lambda plan: run_sim_processes(plan, processes)
+    return _RUNNERS[backend]
 
 
 LocalTrainer = Trainer

@@ -63,11 +63,12 @@ def process_context() -> Any:
 
 
 def supervise(live: Any, procs: list[Any], conns: list[Connection], labels: Sequence[str],
-              first_nodes: Sequence[int] | None = None) -> list[tuple[Any, ...]]:
+              first_nodes: Sequence[int] | None = None, passthrough: tuple[type, ...] = ()) -> list[tuple[Any, ...]]:
     """Feed `live` with the processes' log rows until each has sent its result; return the results in process
     order, or raise the root failure (NodeProcessError, or the NodeTimeoutError a process reported) once any
     process failed or died. labels[i] names process i in messages ("node 3", "process 1 (nodes 4-7)");
-    first_nodes[i] is the node a process that died silently is reported as (default: i)."""
+    first_nodes[i] is the node a process that died silently is reported as (default: i). A root failure that is
+    one of `passthrough` (the sim's CollectiveError) is raised as itself, as one process would raise it."""
     k = len(procs)
     first_nodes = list(range(k)) if first_nodes is None else list(first_nodes)
     results: dict[int, tuple[Any, Any]] = {}
@@ -102,7 +103,7 @@ def supervise(live: Any, procs: list[Any], conns: list[Connection], labels: Sequ
         elif results and deadline is None:
             deadline = time.monotonic() + _FINISH_GRACE_S
     if failures:
-        raise _failure_error(failures, finished=sorted(results))
+        raise _failure_error(failures, finished=sorted(results), passthrough=passthrough)
     if len(results) < k:
         missing, done = sorted(set(range(k)) - set(results)), sorted(results)
         raise NodeProcessError(
@@ -126,13 +127,16 @@ def _died(rank: int, label: str, proc: Any) -> Failure:
     return Failure(rank, time.monotonic(), f"{label}'s process {how}")
 
 
-def _failure_error(failures: list[Failure], finished: list[int]) -> Exception:
+def _failure_error(failures: list[Failure], finished: list[int], passthrough: tuple[type, ...] = ()) -> Exception:
     """The error for the caller: the root cause first (the earliest exception that is not a torch.distributed error
     caused by a peer going away, else a process that died silently, else the earliest), the rest in one line each.
     A collective that timed out is a NodeTimeoutError naming the node(s) that never reached it, as on the sim."""
     raised = sorted((f for f in failures if f.traceback), key=lambda f: f.stamp)
     died = [f for f in failures if not f.traceback]
     first = next((f for f in raised if not f.from_peer), died[0] if died else raised[0])
+    if passthrough and isinstance(first.exception, passthrough):
+        first.exception.add_note(f"(raised in the process of node {first.rank}; the run's other processes were ended)")
+        return first.exception
     if isinstance(first.exception, NodeTimeoutError):
         timeout = first.exception
         timeout.add_note(f"(reported by node {first.rank}, which waited for it; the run's node processes were ended)")

@@ -61,7 +61,12 @@ class TimeModel:
         """Members (clock, arrival time, blocking) of a collective, in `ranks` order: the transfer starts at
         the last arrival and takes the network's duration. Blocking members leave at its end; async ones
         ran on and catch up in `catch_up` when they wait. Returns the time it ends."""
-        start = max(arrival for _, arrival, _ in members)
+        return self.leave(members, max(arrival for _, arrival, _ in members), op, nbytes, ranks)
+
+    def leave(self, members: Sequence[tuple[NodeClock, float, bool]], start: float, op: str, nbytes: int,
+              ranks: Sequence[int]) -> float:
+        """`settle` with the transfer's start given: the last arrival, among members some of which are elsewhere
+        (another process's clocks)."""
         duration = self.network.duration(op, nbytes, ranks)
         for clock, arrival, blocking in members:
             clock.comm_s += duration  # transfer time, whether or not compute overlapped it

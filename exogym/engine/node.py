@@ -79,6 +79,8 @@ class TrainNode:
             except Exception as e:
                 if hasattr(e, "add_note") and not isinstance(e, (CollectiveError, NonFiniteLoss)):  # those name theirs
                     e.add_note(f"(raised in node {self.rank} at step {self.step + 1})")
+                if not hasattr(e, "exogym_node"):
+                    e.exogym_node = self.rank  # which node, for a run over several processes to report
                 raise
 
     def _train(self, comm: Transport) -> tuple[NodeLog, dict[str, torch.Tensor] | None]:

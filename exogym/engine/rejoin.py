@@ -12,6 +12,7 @@ and sends it by one broadcast to the joiners, who load it and then drop what was
 from __future__ import annotations
 
 import io
+import sys
 from typing import Any
 
 import torch
@@ -52,8 +53,23 @@ def hand_over_state(model: torch.nn.Module, strategy: Any, step: int, survivors:
 
 def _pack(state: Any) -> torch.Tensor:
     out = io.BytesIO()
-    torch.save(state, out)
+    torch.save(_canonical(state), out)
     return torch.frombuffer(bytearray(out.getbuffer()), dtype=torch.uint8)
+
+
+def _canonical(x: Any) -> Any:
+    """The state rebuilt with fresh containers and interned strings: pickle writes a repeated object once, so
+    without this the payload's size (the bytes counted) would depend on which equal strings and tuples happen to
+    be one object, e.g. on whether the sender once loaded its state from another node or another process."""
+    if isinstance(x, str):
+        return sys.intern(x)
+    if isinstance(x, dict):
+        return {_canonical(k): _canonical(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_canonical(v) for v in x]
+    if isinstance(x, tuple):
+        return tuple(_canonical(v) for v in x)
+    return x
 
 
 def _unpack(buffer: torch.Tensor) -> Any:

@@ -196,11 +196,16 @@ def test_under_torchrun_num_nodes_must_equal_the_world_size(monkeypatch):
         _fit(SimpleReduceStrategy(), 3, "torch")
 
 
-def test_under_torchrun_the_sim_backend_warns(monkeypatch):
+def test_under_torchrun_the_sim_backend_shares_the_nodes_and_checks_its_processes(monkeypatch):
+    # Under torchrun backend="sim" runs over torchrun's processes (tests/backends/test_sim_processes.py runs it);
+    # a processes= that disagrees, or more processes than nodes, is refused before anything starts.
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.warns(UserWarning, match="backend='torch' to run one node per process"):
-        _fit(SimpleReduceStrategy(), 2, "sim", val_interval=100)
+    with pytest.raises(ValueError, match=r"processes=3 but torchrun started WORLD_SIZE=2"):
+        _fit(SimpleReduceStrategy(), 4, "sim", processes=3)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match=r"WORLD_SIZE=3 processes for num_nodes=2"):
+        _fit(SimpleReduceStrategy(), 2, "sim")
 
 
 def test_torchrun_runs_one_node_per_process_and_matches_the_sim(tmp_path):

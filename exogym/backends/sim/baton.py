@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import greenlet
 
@@ -28,6 +28,8 @@ from exogym.backends.sim.watchdog import Watchdog, WatchdogInterrupt
 from exogym.comm.transport import CollectiveError
 
 __all__ = ["Baton", "CollectiveCall", "Pending"]
+
+_STALL_S = 2.0  # waiting on other processes this long with nothing to run, a process says so
 
 
 @dataclass
@@ -61,27 +63,36 @@ class Pending:
 
 
 class Baton:
-    """Runs one function per node under the baton; `rendezvous` is the only place a node waits."""
+    """Runs one function per node under the baton; `rendezvous` is the only place a node waits.
+
+    local: the nodes this process runs (default: all num_nodes). With an `exchange`
+    (exogym.backends.sim.exchange), collectives whose groups hold nodes of other processes cross to them once
+    their local members have arrived, and the baton waits on the exchange when none of its nodes can run."""
 
     def __init__(self, num_nodes: int, *, on_resume: Callable[[int], None], on_pause: Callable[[int], None],
-                 node_timeout: float | None = None, step_of: Callable[[int], int | None] = lambda rank: None):
+                 node_timeout: float | None = None, step_of: Callable[[int], int | None] = lambda rank: None,
+                 local: Sequence[int] | None = None, exchange: Any = None):
         self.num_nodes = num_nodes
+        self.local = list(range(num_nodes)) if local is None else list(local)
+        self._exchange = exchange
         self.node_timeout, self._step_of = node_timeout, step_of  # the watchdog's limit; a node's current step
         self.running: int | None = None  # the node holding the baton (None: the hub)
         self.arrivals = 0  # collectives entered so far, by any node: progress, for the watchdog
         self._on_resume, self._on_pause = on_resume, on_pause  # swap per-node state (RNG, grad mode)
         self._on_compute: Callable[[list[int]], None] | None = None  # what computes the parked nodes' work at once
         self._parked: list[int] = []  # nodes waiting at the compute rendezvous
-        self._ready: deque[int] = deque(range(num_nodes))
+        self._ready: deque[int] = deque(self.local)
         self._blocked: dict[int, tuple] = {}  # rank -> key of the collective it waits in
         self._pending: dict[tuple, Pending] = {}
-        self._seq: list[dict[tuple[int, ...], int]] = [{} for _ in range(num_nodes)]
+        self._seq: dict[int, dict[tuple[int, ...], int]] = {r: {} for r in self.local}
+        self._local_members: dict[tuple[int, ...], int] = {}  # group -> how many of its members run here
+        self._across: dict[tuple, Pending] = {}  # collectives gone to other processes, by key
         self._finished: set[int] = set()
         self._hub: greenlet.greenlet | None = None
 
     def run(self, node_fns: list[Callable[[], Any]]) -> list[Any]:
-        """Run node_fns[r] as node r; return their results, or raise the first exception a node raises
-        (a NodeTimeoutError when the watchdog stopped a node)."""
+        """Run node_fns[i] as node local[i]; return their results in that order, or raise the first exception a
+        node raises (a NodeTimeoutError when the watchdog stopped a node)."""
         dog = Watchdog(self.node_timeout, self._progress)
         try:
             with dog:
@@ -103,20 +114,24 @@ class Baton:
         return rank, self.arrivals, None if rank is None else self._step_of(rank)
 
     def _run(self, node_fns: list[Callable[[], Any]]) -> list[Any]:
-        results: list[Any] = [None] * self.num_nodes
+        results: dict[int, Any] = {}
         self._hub = greenlet.getcurrent()
 
-        def body(rank: int) -> None:
-            results[rank] = node_fns[rank]()
+        def body(rank: int, fn: Callable[[], Any]) -> None:
+            results[rank] = fn()
             self._finish(rank)
 
-        nodes = [greenlet.greenlet(lambda r=r: body(r)) for r in range(self.num_nodes)]
+        nodes = {r: greenlet.greenlet(lambda r=r, fn=fn: body(r, fn)) for r, fn in zip(self.local, node_fns)}
+        crossing = self._exchange is not None
         try:
-            while self._ready or self._parked:
-                if not self._ready:  # nobody can run: the parked nodes' batched step, then they run on
+            while self._ready or self._parked or crossing and self._exchange.busy:
+                if not self._ready and self._parked:  # the parked nodes' batched step, then they run on
                     parked, self._parked = self._parked, []
                     self._on_compute(parked)
                     self._ready.extend(sorted(parked))
+                    continue
+                if not self._ready:  # every node here waits on other processes
+                    self._wait_for_other_processes()
                     continue
                 rank = self._ready.popleft()
                 self._on_resume(rank)
@@ -129,12 +144,31 @@ class Baton:
             if self._blocked:
                 raise CollectiveError("deadlock: every unfinished node waits in a collective that cannot "
                                       "complete:\n" + self._describe_waiting())
+            if crossing:
+                self._exchange.report_finished()
         except BaseException:
-            for g in nodes:  # unwind the others so their `finally` blocks run now, not at garbage collection
+            for g in nodes.values():  # unwind the others so their `finally` blocks run now, not at garbage collection
                 if g and not g.dead:
                     g.throw(greenlet.GreenletExit)
             raise
-        return results
+        return [results[r] for r in self.local]
+
+    def _wait_for_other_processes(self) -> None:
+        """Wait for crossings to complete; when nothing moves anywhere, a deadlock across processes is an error."""
+        waited, stalled = 0.0, False
+        while not self._ready:
+            self._exchange.wait(timeout=0.25)  # completed crossings make their waiting members ready
+            if self._ready:
+                break
+            waited += 0.25
+            if waited >= _STALL_S:
+                stalled = True
+                everyone = self._exchange.report_stall(self._describe_waiting(), self.arrivals + self._exchange.completed)
+                if everyone is not None:
+                    raise CollectiveError("deadlock across processes: every unfinished node waits in a collective "
+                                          "that cannot complete:\n" + everyone)
+        if stalled:
+            self._exchange.report_running()
 
     def _finish(self, rank: int) -> None:
         self._finished.add(rank)
@@ -153,7 +187,8 @@ class Baton:
 
     def rendezvous(self, rank: int, group: tuple[int, ...], call: CollectiveCall,
                    complete: Callable[[list[CollectiveCall]], None],
-                   arrive: Callable[[Pending], None] | None = None) -> Pending:
+                   arrive: Callable[[Pending], None] | None = None,
+                   settle: Callable[[list[CollectiveCall], float], None] | None = None) -> Pending:
         """Arrive at the next collective on `group`. A blocking call returns once every member has arrived
         and the collective is computed; a non-blocking one returns at once (wait on it with `wait`).
 
@@ -161,6 +196,9 @@ class Baton:
         group meets the other members' n-th call on it. They must also have been issued at the same step
         (an async call counts at the step it was issued, not the one that waits on it): a node that skipped
         or repeated a collective would otherwise be paired with another step's call, silently.
+
+        A group holding nodes of other processes: once its local members have arrived, the exchange takes it
+        across; `settle(local calls, start)` then sets their clocks from the last arrival anywhere.
         """
         self.arrivals += 1
         seq = self._seq[rank].get(group, 0)
@@ -186,11 +224,18 @@ class Baton:
         pending.calls[rank] = call
         if arrive is not None:  # e.g. fold this member's tensor into the reduction now (exogym.backends.sim.transport)
             arrive(pending)
-        if len(pending.calls) < len(group):
+        if len(pending.calls) < self._members_here(group):
             if call.blocking:
                 self.wait(rank, pending)
             return pending
         del self._pending[pending.key]
+        if len(pending.calls) < len(group):  # members in other processes: across, then they run on
+            self._across[pending.key] = pending
+            self._exchange.start(pending, [pending.calls[r] for r in sorted(pending.calls)], call.op,
+                                 finish=lambda calls, start: self._crossed(pending, calls, start, settle))
+            if call.blocking:
+                self.wait(rank, pending)
+            return pending
         complete([pending.calls[r] for r in group])
         pending.done = True
         for r in pending.waiters:
@@ -201,6 +246,24 @@ class Baton:
         self._ready.extend(sorted(pending.waiters | {rank}))
         self._yield(rank)
         return pending
+
+    def _members_here(self, group: tuple[int, ...]) -> int:
+        n = self._local_members.get(group)
+        if n is None:
+            local = set(self.local)
+            n = self._local_members[group] = sum(r in local for r in group)
+        return n
+
+    def _crossed(self, pending: Pending, calls: list[CollectiveCall], start: float,
+                 settle: Callable[[list[CollectiveCall], float], None] | None) -> None:
+        """A crossing completed (its results are in the local members' tensors): they run on, in rank order."""
+        if settle is not None:
+            settle(calls, start)
+        del self._across[pending.key]
+        pending.done = True
+        for r in pending.waiters:
+            del self._blocked[r]
+        self._ready.extend(sorted(pending.waiters))
 
     def park(self, rank: int, compute: Callable[[list[int]], None]) -> None:
         """The compute rendezvous (fused execution): wait until no node can run any more, when
@@ -226,7 +289,9 @@ class Baton:
 
     def _describe_waiting(self) -> str:
         lines = [self._describe(p) for p in self._pending.values()]
-        idle = sorted(set(range(self.num_nodes)) - set(self._blocked) - self._finished)
+        lines += [self._describe(p) + f"\n    (sent across; waiting for nodes {sorted(set(p.group) - set(p.calls))} in "
+                  "other processes)" for p in self._across.values()]
+        idle = sorted(set(self.local) - set(self._blocked) - self._finished)
         if self._finished:
             lines.append(f"  finished: nodes {sorted(self._finished)}")
         if idle:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, Hashable
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Sequence
 
 import torch
 
 from exogym.backends.sim.baton import Baton
+from exogym.backends.sim.exchange import Exchange
 from exogym.backends.sim.fused.engine import FusedEngine
 from exogym.backends.sim.fused.execution import FusedExecution
 from exogym.backends.sim.transport import SimTransport
@@ -53,14 +54,17 @@ class _NodeModes:
             torch.set_autocast_dtype(d, dtype)
 
 
-def run_sim(plan: "RunPlan") -> list[Any]:
-    """Run every node of the plan under one baton on this thread; return their results in rank order."""
+def run_sim(plan: "RunPlan", *, local: Sequence[int] | None = None, exchange: Exchange | None = None
+            ) -> list[Any]:
+    """Run the plan's nodes (or the block `local`, one process's share of a run over several, with the `exchange`
+    to the others) under one baton on this thread; return their results in rank order."""
     start = time.perf_counter()
     k = plan.num_nodes
+    local = list(range(k)) if local is None else list(local)
     numpy_stream = NumpyBaton()  # numpy's stream, handed from node to node
-    rngs = [plan.node_rng(r, numpy_stream) for r in range(k)]
+    rngs = {r: plan.node_rng(r, numpy_stream) for r in local}
     device_types = tuple(sorted({"cpu", *(d.type for d in plan.devices)}))
-    modes = [_NodeModes(device_types) for _ in range(k)]
+    modes = {r: _NodeModes(device_types) for r in local}
     caller = _NodeModes(device_types)
     caller.capture()
 
@@ -72,13 +76,15 @@ def run_sim(plan: "RunPlan") -> list[Any]:
         rngs[r].deactivate()
         modes[r].capture()
 
-    comms: list[SimTransport] = []
-    baton = Baton(k, on_resume=resume, on_pause=pause, node_timeout=plan.node_timeout, step_of=lambda r: comms[r].step)
-    comms.extend(SimTransport(baton, r, k, plan.cfg.time_model, plan.cfg.membership) for r in range(k))
+    comms: dict[int, SimTransport] = {}
+    baton = Baton(k, on_resume=resume, on_pause=pause, node_timeout=plan.node_timeout, step_of=lambda r: comms[r].step,
+                  local=local, exchange=exchange)
+    owner = exchange.owner if exchange is not None else None
+    comms.update((r, SimTransport(baton, r, k, plan.cfg.time_model, plan.cfg.membership, owner)) for r in local)
     execution = SequentialExecution() if plan.execution == "sequential" else FusedExecution(FusedEngine(
-        plan.model, k, plan.devices[0], minibatch_size=plan.cfg.minibatch_size, autocast=plan.cfg.autocast,
-        seed=plan.seed, baton=baton))
-    keep_once = KeptOnce()  # one store for the run: what every node holds identically is held once
+        plan.model, len(local), plan.devices[local[0]], minibatch_size=plan.cfg.minibatch_size,
+        autocast=plan.cfg.autocast, seed=plan.seed, baton=baton, first_rank=local[0]))
+    keep_once = KeptOnce()  # one store for this process's nodes: what every node holds identically is held once
 
     def node_body(r: int) -> Any:
         # The node's model and strategy are copied on its first turn, not all K up front: state a strategy keeps
@@ -87,6 +93,6 @@ def run_sim(plan: "RunPlan") -> list[Any]:
         return node.run(comms[r])
 
     try:
-        return baton.run([lambda r=r: node_body(r) for r in range(k)])
+        return baton.run([lambda r=r: node_body(r) for r in local])
     finally:
         caller.apply()

@@ -181,9 +181,10 @@ class SimTransport(TransportBase):
     """Node `rank`'s side of the sim backend (implements `exogym.comm.transport.Transport`)."""
 
     def __init__(self, baton: Baton, rank: int, num_nodes: int, time_model: TimeModel | None = None,
-                 membership: Membership | None = None):
+                 membership: Membership | None = None, owner: Sequence[int] | None = None):
         super().__init__(rank, num_nodes, membership)
         self.baton, self.time_model = baton, time_model
+        self.owner = owner  # each node's process, when the run spans several (None: all in this one)
         self.match_steps = True  # the strategy's collectives_match_steps (set by the node)
 
     def _meet(self, name: str, group: Group, signature: tuple, account: bool, payload: int, async_op: bool,
@@ -200,10 +201,20 @@ class SimTransport(TransportBase):
                                                  name, payload, group.ranks)
                 for c in calls:
                     c.args["done_at"] = done_at
-        fold = (_fold_arrivals if name == "all_reduce" and group.size > 1 and args["op"] in (ReduceOp.SUM, ReduceOp.AVG)
+
+        def settle(calls: list[CollectiveCall], start: float) -> None:  # a collective across processes
+            if timed:
+                done_at = self.time_model.leave([(c.args["clock"], c.args["arrival"], c.blocking) for c in calls],
+                                                start, name, payload, group.ranks)
+                for c in calls:
+                    c.args["done_at"] = done_at
+
+        whole = not self.crosses(group)  # folding into one accumulator needs every member's tensor here
+        fold = (_fold_arrivals if name == "all_reduce" and group.size > 1 and whole
+                and args["op"] in (ReduceOp.SUM, ReduceOp.AVG)
                 else _release_gather_outputs if name == "all_gather" and group.size > 1
                 else None)  # alone in the group there is nothing to fold, and no buffer to give back
-        pending = self.baton.rendezvous(self.rank, group.ranks, call, complete, fold)
+        pending = self.baton.rendezvous(self.rank, group.ranks, call, complete, fold, settle)
         if async_op:
             return SimWork(self, pending, call, timed)
         _restore(call)
@@ -238,6 +249,10 @@ class SimTransport(TransportBase):
 
     def new_group(self, ranks: Sequence[int]) -> Group:
         return make_group(ranks, self.num_nodes)
+
+    def crosses(self, group: Group) -> bool:
+        """Whether some of the group's members run in other processes (processes=P)."""
+        return self.owner is not None and any(self.owner[r] != self.owner[self.rank] for r in group.ranks)
 
 
 class SimWork:

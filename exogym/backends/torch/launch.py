@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Sequence
@@ -70,20 +69,26 @@ def check_launch(num_nodes: int, env: LaunchEnv) -> None:
         raise ValueError(f"RANK={env.rank} must lie in 0..{env.world_size - 1} (WORLD_SIZE={env.world_size})")
 
 
-def launch_for_fit(backend: str, num_nodes: int, *, checkpoint_dir_shared: bool) -> LaunchEnv | None:
-    """Trainer.fit's launched-mode check: this process's launch when backend="torch" runs under torchrun, else None.
-
-    Under torchrun, backend="sim" is allowed (each process then simulates every node) but warned about: no
-    environment variable silently changes the backend the caller asked for.
-    """
-    env = launch_env() if backend == "torch" else None
-    if env is None:
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            warnings.warn(f"RANK and WORLD_SIZE are set (torchrun?), but backend={backend!r} runs all {num_nodes} "
-                          "nodes in this process, and so in every process; pass backend='torch' to run one node per "
-                          "process", stacklevel=3)
+def launch_for_fit(backend: str, num_nodes: int, *, processes: int, checkpoint_dir_shared: bool) -> LaunchEnv | None:
+    """Trainer.fit's launched-mode check: this process's place when the script runs under torchrun with more than
+    one process, else None. backend="torch": each process is one node (num_nodes must be the world size).
+    backend="sim": the world's processes share the simulation, a block of nodes each (processes= may be left at
+    1, or must equal the world size)."""
+    env = launch_env()
+    if env is None or backend == "sim" and env.world_size == 1:
         return None
-    check_launch(num_nodes, env)
+    if backend == "torch":
+        check_launch(num_nodes, env)
+    else:
+        if processes not in (1, env.world_size):
+            raise ValueError(f"processes={processes} but torchrun started WORLD_SIZE={env.world_size} processes; under "
+                             f"torchrun the simulation runs on the processes torchrun started: drop processes= or "
+                             f"pass processes={env.world_size}")
+        if env.world_size > num_nodes:
+            raise ValueError(f"torchrun started WORLD_SIZE={env.world_size} processes for num_nodes={num_nodes}: each "
+                             f"process simulates at least one node; launch at most {num_nodes} processes")
+        if not 0 <= env.rank < env.world_size:
+            raise ValueError(f"RANK={env.rank} must lie in 0..{env.world_size - 1} (WORLD_SIZE={env.world_size})")
     if not checkpoint_dir_shared:
         raise ValueError("under torchrun, checkpoint_interval needs checkpoint_dir= or run_name=, so that every "
                          "process writes into the same folder (the default run name holds a timestamp)")

@@ -16,7 +16,7 @@ from exogym.backends.torch.transport import TorchTransport
 if TYPE_CHECKING:
     from exogym.engine.plan import RunPlan
 
-__all__ = ["run_node", "pick_backend", "process_group_timeout", "PROCESS_GROUP_TIMEOUT"]
+__all__ = ["run_node", "pick_backend", "process_group_timeout", "PROCESS_GROUP_TIMEOUT", "peak_rss_mb"]
 
 # How long a collective may wait for the other members before torch.distributed gives up is fit's node_timeout (the
 # sim's watchdog limit, default 600 s). A node that raises or dies ends a local run at once anyway; this bounds what
@@ -62,11 +62,11 @@ def run_node(plan: "RunPlan", rank: int, backend: str, start_time: float, timeou
     finally:
         if comm.heartbeat is not None:
             comm.heartbeat.stop()
-    log.comm["process_peak_rss_mb"] = _peak_rss_mb()  # the caller's record measures one process; each node is one
+    log.comm["process_peak_rss_mb"] = peak_rss_mb()  # the caller's record measures one process; each node is one
     return node, comm, log, state
 
 
-def _peak_rss_mb() -> float | None:
+def peak_rss_mb() -> float | None:
     try:
         import resource
     except ImportError:  # Windows

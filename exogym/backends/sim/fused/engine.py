@@ -76,11 +76,11 @@ class FusedEngine:
     """Runs the parked nodes' forward/backward as one vmapped computation per batch signature."""
 
     def __init__(self, template: torch.nn.Module, num_nodes: int, device: torch.device, *, minibatch_size: int,
-                 autocast: bool, seed: int, baton: Baton | None = None):
+                 autocast: bool, seed: int, baton: Baton | None = None, first_rank: int = 0):
         self.template = copy.deepcopy(template).to(device)  # only its structure is used, under functional_call
         self._batched = batching_friendly(self.template)  # the same, with forwards that vmap batches well
         self.device, self.minibatch_size, self.autocast, self.seed = device, minibatch_size, autocast, seed
-        self.stacks = NodeStacks(self.template, num_nodes, device)
+        self.stacks = NodeStacks(self.template, num_nodes, device, first=first_rank)  # this process's nodes
         self.baton = baton  # park() is how a node waits for the batched step (None: the probe, which parks none)
         self._parked: dict[int, NodeWork] = {}
         self.batched_steps = 0  # how many vmapped forward/backward groups ran (for tests and reports)

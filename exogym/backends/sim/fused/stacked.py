@@ -20,10 +20,11 @@ __all__ = ["NodeStacks"]
 
 
 class NodeStacks:
-    """The stacked parameters and buffers of `num_nodes` copies of `template`, and node r's views into slot r."""
+    """The stacked parameters and buffers of `num_nodes` copies of `template`, and node r's views into slot
+    r - first (`first`: the first node of this process's block, when a run spans several processes)."""
 
-    def __init__(self, template: torch.nn.Module, num_nodes: int, device: torch.device):
-        self.num_nodes, self.device = num_nodes, device
+    def __init__(self, template: torch.nn.Module, num_nodes: int, device: torch.device, first: int = 0):
+        self.num_nodes, self.device, self.first = num_nodes, device, first
         # named_parameters() lists a tied tensor once; functional_call re-ties it by module identity.
         self.param_shapes = {n: (p.shape, p.dtype) for n, p in template.named_parameters()}
         self.buffer_shapes = {n: (b.shape, b.dtype) for n, b in template.named_buffers()}
@@ -56,7 +57,7 @@ class NodeStacks:
             raise RuntimeError(f"node {rank}'s model no longer has {missing}; execution='fused' needs every "
                                "node's model to keep its parameters and buffers: use execution='sequential'")
         for name, t in (*params.items(), *buffers.items()):
-            slot = self._slots[name][rank]
+            slot = self._slots[name][rank - self.first]
             if t.data_ptr() != slot.data_ptr() or t.shape != slot.shape or t.stride() != slot.stride():
                 if t.shape != slot.shape or t.dtype != slot.dtype or t.device != slot.device:
                     raise RuntimeError(f"node {rank}'s tensor {name!r} is {tuple(t.shape)} {t.dtype} on {t.device}, "
@@ -78,6 +79,7 @@ class NodeStacks:
     def gather(self, members: list[int]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], bool]:
         """The members' slots [M, ...] of every parameter and buffer, and whether they are copies (whose
         updated buffers must be written back with `scatter_buffers`) rather than views."""
+        members = [m - self.first for m in members]
         lo = members[0]
         if members == list(range(lo, lo + len(members))):  # a run of ranks: views, no copy
             sl = slice(lo, lo + len(members))
@@ -87,7 +89,7 @@ class NodeStacks:
                 {n: t.index_select(0, idx) for n, t in self.buffers.items()}, True)
 
     def scatter_buffers(self, members: list[int], buffers: dict[str, torch.Tensor]) -> None:
-        idx = torch.tensor(members, device=self.device)
+        idx = torch.tensor([m - self.first for m in members], device=self.device)
         for n, t in buffers.items():
             self.buffers[n].index_copy_(0, idx, t)
 

@@ -1,0 +1,152 @@
+"""What each collective sends and computes when its members live in several processes (exogym.backends.sim.exchange).
+
+A process holding some of a collective's members sends its part (from its local members, in rank order) to the
+group's leader process; the leader combines the parts in process order, which is rank order (each process holds a
+contiguous block of nodes), and sends each other holder its reply; every holder writes its reply into its local
+members' tensors. Sums are summed per process, then across processes: only that reassociation differs from one
+process's rank-order sum.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from exogym.backends.sim.baton import CollectiveCall
+from exogym.comm.transport import ReduceOp
+
+__all__ = ["OPS", "CrossingOp"]
+
+
+def _reduce(tensors: Sequence[torch.Tensor], op: ReduceOp) -> torch.Tensor:
+    """op over the tensors, left to right, into a new tensor (AVG: the sum; the leader divides once)."""
+    acc = tensors[0].clone()
+    for t in tensors[1:]:
+        if op in (ReduceOp.SUM, ReduceOp.AVG):
+            acc.add_(t)
+        elif op is ReduceOp.MAX:
+            torch.maximum(acc, t, out=acc)
+        elif op is ReduceOp.MIN:
+            torch.minimum(acc, t, out=acc)
+        else:
+            acc.mul_(t)
+    return acc
+
+
+class CrossingOp:
+    """One collective kind across processes. `part(calls)`: this process's part (None: it sends nothing);
+    `part_like(calls, n)`: an empty part of a holder with n members, to receive into (None: that holder sends
+    nothing); `combine(calls, parts, counts, group)`: the leader's replies, one per holder in process order;
+    `deliver(calls, reply, first)`: the reply into the local members' tensors (`first`: the index of this process's
+    first member in the group)."""
+
+    def __init__(self, part: Callable, part_like: Callable, combine: Callable, deliver: Callable):
+        self.part, self.part_like, self.combine, self.deliver = part, part_like, combine, deliver
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=False)
+
+
+# ---- all_reduce: a partial reduction per process, reduced again by the leader --------------------------------------
+def _reduce_part(calls: list[CollectiveCall]) -> torch.Tensor:
+    return _cpu(_reduce([c.args["tensor"].to(calls[0].args["tensor"].device) for c in calls], calls[0].args["op"]))
+
+
+def _reduce_combine(calls: list[CollectiveCall], parts: list[torch.Tensor], counts: list[int],
+                    group: tuple[int, ...]) -> list[torch.Tensor]:
+    op = calls[0].args["op"]
+    total = _reduce(parts, op)
+    if op is ReduceOp.AVG:
+        total.div_(len(group))
+    return [total] * len(parts)
+
+
+def _copy_into_tensor(calls: list[CollectiveCall], reply: torch.Tensor, first: int) -> None:
+    for c in calls:
+        c.args["tensor"].copy_(reply)
+
+
+# ---- broadcast: the source's holder sends the source tensor ------------------------------------------------------
+def _source(calls: list[CollectiveCall]) -> torch.Tensor | None:
+    src = calls[0].args["src"]
+    return next((_cpu(c.args["tensor"]) for c in calls if c.args["rank"] == src), None)
+
+
+def _source_like(calls: list[CollectiveCall], ranks: Sequence[int]) -> torch.Tensor | None:
+    t = calls[0].args["tensor"]
+    return torch.empty(t.shape, dtype=t.dtype) if calls[0].args["src"] in ranks else None
+
+
+def _broadcast_combine(calls, parts, counts, group):
+    source = next(p for p in parts if p is not None)
+    return [source] * len(parts)
+
+
+# ---- all_gather: every holder sends its members' tensors, every holder gets all of them -------------------------
+def _gather_part(calls: list[CollectiveCall]) -> torch.Tensor:
+    return _cpu(torch.stack([c.args["tensor"].to(calls[0].args["tensor"].device) for c in calls]))
+
+
+def _gather_like(calls: list[CollectiveCall], ranks: Sequence[int]) -> torch.Tensor:
+    t = calls[0].args["tensor"]
+    return torch.empty((len(ranks), *t.shape), dtype=t.dtype)
+
+
+def _gather_combine(calls, parts, counts, group):
+    everyone = torch.cat(parts)  # [group size, ...] in rank order
+    return [everyone] * len(parts)
+
+
+def _gather_deliver(calls: list[CollectiveCall], reply: torch.Tensor, first: int) -> None:
+    gathered = list(reply.unbind(0))
+    for c in calls:
+        if c.args.get("outputs_released"):
+            c.args["gathered"] = gathered  # filled when that node resumes (exogym.backends.sim.transport._restore)
+            continue
+        for out, member in zip(c.args["tensor_list"], gathered):
+            out.copy_(member)
+
+
+# ---- reduce_scatter: every holder sends its members' input lists, gets its members' outputs ----------------------
+def _scatter_part(calls: list[CollectiveCall]) -> torch.Tensor:
+    device = calls[0].args["output"].device
+    return _cpu(torch.stack([torch.stack([t.to(device) for t in c.args["input_list"]]) for c in calls]))
+
+
+def _scatter_like(calls: list[CollectiveCall], ranks: Sequence[int]) -> torch.Tensor:
+    t = calls[0].args["output"]
+    return torch.empty((len(ranks), len(calls[0].args["input_list"]), *t.shape), dtype=t.dtype)
+
+
+def _scatter_combine(calls, parts, counts, group):
+    op = calls[0].args["op"]
+    inputs = torch.cat(parts)  # [member, chunk, ...]
+    outputs = []
+    for j in range(len(group)):  # member j's output: chunk j reduced over the members in rank order
+        out = _reduce(list(inputs[:, j].unbind(0)), op)
+        if op is ReduceOp.AVG:
+            out.div_(len(group))
+        outputs.append(out)
+    replies, start = [], 0
+    for n in counts:
+        replies.append(torch.stack(outputs[start:start + n]))
+        start += n
+    return replies
+
+
+def _scatter_deliver(calls: list[CollectiveCall], reply: torch.Tensor, first: int) -> None:
+    for c, out in zip(calls, reply.unbind(0)):
+        c.args["output"].copy_(out)
+
+
+OPS: dict[str, CrossingOp] = {
+    "all_reduce": CrossingOp(_reduce_part, lambda calls, ranks: torch.empty_like(_cpu(calls[0].args["tensor"])),
+                             _reduce_combine, _copy_into_tensor),
+    "broadcast": CrossingOp(_source, _source_like, _broadcast_combine, _copy_into_tensor),
+    "all_gather": CrossingOp(_gather_part, _gather_like, _gather_combine, _gather_deliver),
+    "reduce_scatter": CrossingOp(_scatter_part, _scatter_like, _scatter_combine, _scatter_deliver),
+    "barrier": CrossingOp(lambda calls: None, lambda calls, ranks: None, lambda calls, parts, counts, group:
+                          [None] * len(parts), lambda calls, reply, first: None),
+}
