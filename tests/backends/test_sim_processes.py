@@ -43,7 +43,7 @@ def _flat(model):
     return torch.cat([t.flatten().float() for t in model.state_dict().values()])
 
 
-def _same_as_one_process(one, many, exact=False):
+def _same_as_one_process(one, many, exact=False, counts=(1, 2)):
     (m1, r1), (m2, r2) = one, many
     if exact:
         assert torch.equal(_flat(m1), _flat(m2))
@@ -53,7 +53,7 @@ def _same_as_one_process(one, many, exact=False):
     assert r2.sim_time_per_node == r1.sim_time_per_node  # the simulated K-node cluster, not the P processes
     assert len(r2.train) == len(r1.train) and [row["step"] for row in r2.val] == [row["step"] for row in r1.val]
     torch.testing.assert_close(torch.tensor(r2.column("loss")), torch.tensor(r1.column("loss")), rtol=1e-5, atol=1e-6)
-    assert r2.config["processes"] > 1 and r1.config["processes"] == 1
+    assert r1.config["processes"] == counts[0] and r2.config["processes"] >= counts[1]
 
 
 def test_blocks_are_contiguous_and_differ_by_at_most_one():
@@ -178,6 +178,31 @@ def test_resume_with_the_same_processes_is_bit_identical(tmp_path):
     resumed = _fit(make, 2, nodes=5, steps=6, resume_from=tmp_path / "ck" / "step_000000003")
     assert torch.equal(_flat(whole[0]), _flat(resumed[0]))
     assert whole[1].node_loss == resumed[1].node_loss and whole[1].bytes_per_node == resumed[1].bytes_per_node
+
+
+def test_resume_with_other_processes_continues_the_run(tmp_path):
+    make = STRATEGIES["diloco"]
+    whole = _fit(make, 2, nodes=5, steps=6, checkpoint_interval=3, checkpoint_dir=tmp_path / "ck")
+    resumed = _fit(make, 3, nodes=5, steps=6, resume_from=tmp_path / "ck" / "step_000000003")
+    _same_as_one_process(whole, resumed, counts=(2, 3))  # the same run; only sums across processes reassociate
+
+
+class StuckOnNode3(SimpleReduceStrategy):
+    def step(self):
+        if self.rank == 3 and self.local_step == 1:
+            started = time.monotonic()
+            while time.monotonic() - started < 60:  # stuck in Python (native code is named once it returns)
+                pass
+        super().step()
+
+
+def test_a_stuck_node_in_any_process_is_named_by_its_watchdog():
+    from exogym import NodeTimeoutError
+
+    started = time.monotonic()
+    with pytest.raises(NodeTimeoutError, match=r"node 3 ran for") as info:
+        _fit(lambda: StuckOnNode3(OptimSpec(torch.optim.SGD, lr=0.1)), 2, nodes=4, steps=3, node_timeout=2)
+    assert info.value.rank == 3 and time.monotonic() - started < 30
 
 
 TORCHRUN_SCRIPT = """

@@ -22,12 +22,13 @@ from exogym.backends.local_processes import (HOST, ForwardingLive, Outbox, check
 from exogym.backends.sim.exchange import Exchange, block_of, blocks
 from exogym.backends.sim.run import run_sim
 from exogym.backends.torch.node_process import peak_rss_mb, process_group_timeout
+from exogym.backends.errors import NodeTimeoutError
 from exogym.comm.transport import CollectiveError
 
 if TYPE_CHECKING:
     from exogym.engine.plan import RunPlan
 
-__all__ = ["run_sim_processes", "run_sim_launched", "threads_per_process"]
+__all__ = ["run_sim_processes", "run_sim_launched", "threads_per_process", "own_gpu"]
 
 
 def threads_per_process(processes: int) -> int:
@@ -41,7 +42,9 @@ def run_sim_processes(plan: "RunPlan", processes: int) -> list[Any]:
     spans = blocks(plan.num_nodes, processes)
     worker_plan = dataclasses.replace(plan, live=None)  # each process forwards its rows here instead
     check_picklable(worker_plan, f"processes={processes}", "each simulating process")
-    timeout = process_group_timeout(plan.node_timeout)
+    # No message waits out a timeout here: a stuck node is named by its process's watchdog (node_timeout), a
+    # collective that never completes by the deadlock check, a dead process by the caller at once.
+    timeout = process_group_timeout(None)
     store = dist.TCPStore(HOST, plan.port or 0, is_master=True, wait_for_workers=False, timeout=timeout)
     threads = threads_per_process(processes)
     ctx = process_context()
@@ -58,7 +61,7 @@ def run_sim_processes(plan: "RunPlan", processes: int) -> list[Any]:
             conns.append(reader)
         labels = [f"process {p} (nodes {b.start}-{b.stop - 1})" for p, b in enumerate(spans)]
         per_process = supervise(plan.live, procs, conns, labels, [b.start for b in spans],
-                                passthrough=(CollectiveError,))
+                                passthrough=(CollectiveError, NodeTimeoutError))
         finished = True
         return [result for (results,) in per_process for result in results]
     finally:
@@ -77,6 +80,7 @@ def _process_main(p: int, processes: int, plan: "RunPlan", port: int, conn: Conn
         store = dist.TCPStore(HOST, port, is_master=False, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=p, world_size=processes, timeout=timeout)
         plan.live = ForwardingLive(outbox)
+        plan.devices = own_gpu(plan.devices, p)
         results = _run_block(plan, p, processes, store, "exogym/sim", start)
         outbox.send("done", [(log, None if state is None else {k: v.detach().cpu() for k, v in state.items()})
                              for log, state in results])
@@ -89,6 +93,15 @@ def _process_main(p: int, processes: int, plan: "RunPlan", port: int, conn: Conn
             os._exit(1)  # now: skip interpreter teardown, which could block on a process group mid-message
     dist.destroy_process_group()
     conn.close()
+
+
+def own_gpu(devices: list[torch.device], p: int) -> list[torch.device]:
+    """On a machine with several GPUs, process p runs its CUDA nodes on GPU p (mod the count), as torchrun's
+    processes take their LOCAL_RANK's; with one GPU every process shares it."""
+    count = torch.cuda.device_count() if any(d.type == "cuda" for d in devices) else 0
+    if count < 2:
+        return devices
+    return [torch.device("cuda", p % count) if d.type == "cuda" else d for d in devices]
 
 
 def _run_block(plan: "RunPlan", p: int, processes: int, store: Any, run_key: str, start: float) -> list[Any]:
@@ -106,7 +119,7 @@ def run_sim_launched(plan: "RunPlan", rank: int, world_size: int) -> list[Any]:
     log (gathered at the end), as a one-process run would. Rank 0's loggers get its own nodes' rows as they train
     and the other processes' at the end, so the run folder's train.csv is the whole run's."""
     owns_group = not dist.is_initialized()
-    timeout = process_group_timeout(plan.node_timeout)
+    timeout = process_group_timeout(None)  # as in run_sim_processes
     if owns_group:
         dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
     elif dist.get_world_size() != world_size or dist.get_rank() != rank:

@@ -1,0 +1,168 @@
+"""One simulation over several processes, against one process and against this machine's own limit.
+
+Per cell (a model, K nodes, a strategy), each in a fresh process, wall time per step after a warm-up, measured
+inside the run (so start-up, forking and the process group's rendezvous are reported apart):
+- "1 proc, 1 thr": fit(processes=1) with one torch thread;
+- "1 proc, 2 thr": fit(processes=1) with two;
+- "2 procs": fit(processes=2), one thread each;
+- "plain 2 procs": the limit of this machine and of gloo: two processes started by torch.multiprocessing, each
+  keeping its K/2 model copies and optimizers in a Python loop, with one gloo all-reduce of the flattened sum per
+  synchronisation (DDP: the gradients every step; DiLoCo: the parameters every H steps, then an outer Nesterov
+  SGD step), no simulator at all.
+Workloads: the 784-256-256-10 MLP and the small CNN of benchmarks/workload.py, batch 32 per node, AdamW; DDP, and
+DiLoCo with H=10. Ratios are to "1 proc, 1 thr" and, for "2 procs", to the plain loop.
+Usage: python benchmarks/bench_processes.py [--models mlp cnn] [--nodes 8 16 64] [--strategies ddp diloco]
+       [--seconds 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils.data import DistributedSampler
+
+from workload import MLP, SmallCNN, make_data
+
+MODES = ("1 proc, 1 thr", "1 proc, 2 thr", "2 procs", "plain 2 procs")
+BATCH, H = 32, 10
+
+
+def strategy(name: str):
+    from exogym.strategy import DiLoCoStrategy, OptimSpec, SimpleReduceStrategy
+
+    spec = OptimSpec(torch.optim.AdamW, lr=1e-3)
+    return SimpleReduceStrategy(spec) if name == "ddp" else DiLoCoStrategy(spec, H=H)
+
+
+def run_exogym(model: str, k: int, name: str, steps: int, warmup: int, processes: int) -> dict:
+    from exogym import Trainer
+
+    trainer = Trainer((MLP if model == "mlp" else SmallCNN)(), make_data(k * BATCH * (steps + 1)))
+    started = time.perf_counter()
+    trainer.fit(strategy(name), k, batch_size=BATCH, max_steps=steps, device="cpu", progress=False, logger=False,
+                val_size=1, val_interval=10**6, processes=processes)
+    total = time.perf_counter() - started
+    walls = trainer.record.column("wall_time_s")  # seconds since the run started, per step
+    per_step = (walls[-1] - walls[warmup - 1]) / (steps - warmup)
+    return {"step_s": per_step, "startup_s": total - per_step * steps}
+
+
+def _plain_process(rank: int, model: str, k: int, name: str, steps: int, warmup: int, port: int, out) -> None:
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    mine = range(rank * k // 2, (rank + 1) * k // 2)
+    torch.manual_seed(0)
+    base = (MLP if model == "mlp" else SmallCNN)()
+    models = [(MLP if model == "mlp" else SmallCNN)() for _ in mine]
+    for m in models:
+        m.load_state_dict(base.state_dict())
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
+    outer = [p.detach().clone() for p in base.parameters()]
+    outer_opt = torch.optim.SGD([torch.nn.Parameter(p) for p in outer], lr=0.7, momentum=0.9, nesterov=True)
+    data = make_data(k * BATCH * (steps + 1))
+    shards = [torch.as_tensor(list(DistributedSampler(data, num_replicas=k, rank=r, seed=0))) for r in mine]
+    started = None
+    for s in range(steps):
+        if s == warmup:
+            dist.barrier()
+            started = time.perf_counter()
+        for m, o, shard in zip(models, opts, shards):
+            idx = shard[s * BATCH:(s + 1) * BATCH]
+            o.zero_grad()
+            m((data.tensors[0][idx], data.tensors[1][idx])).backward()
+        if name == "ddp":
+            with torch.no_grad():  # the local sum, one all-reduce, the mean into every copy's gradient
+                flat = torch.cat([torch.stack([p.grad for p in ps]).sum(0).flatten()
+                                  for ps in zip(*(m.parameters() for m in models))])
+                dist.all_reduce(flat)
+                flat.div_(k)
+                for m in models:
+                    torch.nn.utils.vector_to_parameters(flat, [p.grad for p in m.parameters()])
+        for o in opts:
+            o.step()
+        if name == "diloco" and (s + 1) % H == 0:
+            with torch.no_grad():
+                mean = torch.stack([torch.nn.utils.parameters_to_vector(m.parameters()) for m in models]).sum(0)
+                dist.all_reduce(mean)
+                mean.div_(k)
+                params = outer_opt.param_groups[0]["params"]
+                start = torch.nn.utils.parameters_to_vector(params)
+                for p, g in zip(params, torch.split(start - mean, [p.numel() for p in params])):
+                    p.grad = g.view_as(p).clone()
+                outer_opt.step()
+                new = torch.nn.utils.parameters_to_vector(params)
+                for m in models:
+                    torch.nn.utils.vector_to_parameters(new, m.parameters())
+    dist.barrier()
+    if rank == 0:
+        out.put((time.perf_counter() - started) / (steps - warmup))
+    dist.destroy_process_group()
+
+
+def run_plain(model: str, k: int, name: str, steps: int, warmup: int) -> dict:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = 29000 + os.getpid() % 1000
+    started = time.perf_counter()
+    mp.start_processes(_plain_process, args=(model, k, name, steps, warmup, port, out), nprocs=2, start_method="spawn")
+    per_step = out.get()
+    return {"step_s": per_step, "startup_s": time.perf_counter() - started - per_step * steps}
+
+
+def child(mode: str, model: str, k: int, name: str, steps: int, warmup: int) -> None:
+    torch.set_num_threads(2 if mode == "1 proc, 2 thr" else 1)
+    if mode == "plain 2 procs":
+        result = run_plain(model, k, name, steps, warmup)
+    else:
+        result = run_exogym(model, k, name, steps, warmup, 2 if mode == "2 procs" else 1)
+    print(json.dumps(result))
+
+
+def measure(mode: str, model: str, k: int, name: str, steps: int, warmup: int) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--child", mode, model, str(k), name, str(steps), str(warmup)],
+                         capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"{mode} {model} K={k} {name} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["mlp", "cnn"], choices=["mlp", "cnn"])
+    parser.add_argument("--nodes", type=int, nargs="+", default=[8, 16, 64])
+    parser.add_argument("--strategies", nargs="+", default=["ddp", "diloco"], choices=["ddp", "diloco"])
+    parser.add_argument("--seconds", type=float, default=10.0, help="aim for runs at least this long (timed part)")
+    parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        mode, model, k, name, steps, warmup = args.child
+        return child(mode, model, int(k), name, int(steps), int(warmup))
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, batch {BATCH}/node, AdamW, DiLoCo H={H}; "
+          "wall seconds per step after the warm-up (start-up apart); each cell its own process")
+    print(f"{'model':>5} {'K':>3} {'strategy':>8} {'steps':>5} " + " ".join(f"{m:>14}" for m in MODES)
+          + f" {'2p/1p1t':>8} {'2p/plain':>8} {'start-up s (1p, 2p, plain)':>28}")
+    for model in args.models:
+        for k in args.nodes:
+            for name in args.strategies:
+                probe = measure("1 proc, 1 thr", model, k, name, 12, 2)  # how many steps make --seconds
+                steps = max(20, int(args.seconds / probe["step_s"]))
+                steps += (-steps) % H
+                cells = {m: measure(m, model, k, name, steps, H) for m in MODES}
+                one, two, plain = cells["1 proc, 1 thr"], cells["2 procs"], cells["plain 2 procs"]
+                print(f"{model:>5} {k:>3} {name:>8} {steps:>5} "
+                      + " ".join(f"{cells[m]['step_s'] * 1e3:>11.1f} ms" for m in MODES)
+                      + f" {two['step_s'] / one['step_s']:>8.2f} {two['step_s'] / plain['step_s']:>8.2f} "
+                      + f"{one['startup_s']:>9.1f} {two['startup_s']:>8.1f} {plain['startup_s']:>8.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
