@@ -87,7 +87,8 @@ class Crossing:
     key: int
     finish: Callable[[list[CollectiveCall], float], None]  # results delivered: (local calls, the last arrival)
     headers: dict[int, torch.Tensor] = field(default_factory=dict)  # leader: holder -> header received
-    parts: dict[int, torch.Tensor | None] = field(default_factory=dict)  # leader: holder -> part received
+    parts: dict[int, torch.Tensor | None] = field(default_factory=dict)  # leader: holder -> its part (None: none)
+    checked: bool = False  # leader: every header is in and agrees
     reply: torch.Tensor | None = None  # non-leader: its reply's header and data buffers
     reply_data: torch.Tensor | None = None
     waiting: int = 0  # receives outstanding
@@ -192,9 +193,7 @@ class Exchange:
             x.waiting -= 1
             kind, holder = into
             if kind == "header":
-                x.headers[holder] = buffer
-            elif kind == "part":
-                x.parts[holder] = buffer
+                x.headers[holder] = buffer  # parts and replies land in their tensors' own bytes
             if self._advance(x):
                 done.append(x.pending)
             try:
@@ -213,36 +212,27 @@ class Exchange:
             raise CollectiveError(f"cross-process message mix-up on group {list(x.group)} (a tag collision); rerun")
         if status:
             raise CollectiveError(pickle.loads(self.store.get(f"{self.run_key}/error/{x.key}")))
-        reply = x.reply_data.view(torch.uint8).view(x.reply_data.dtype) if x.reply_data is not None else None
-        OPS[x.op].deliver(x.calls, reply, 0)
+        OPS[x.op].deliver(x.calls, x.reply_data, 0)
         self._complete(x, _bits_float(start))
         return True
 
     def _advance_leader(self, x: Crossing) -> bool:
-        others = x.holders[1:]
         if len(x.headers) < len(x.holders):
             return False
-        if not x.parts and not x.waiting:  # every header is in: check them, then take the parts
+        if not x.checked:  # every header is in: check them, then take the parts (received in place)
             self._check(x)
-            for h in others:
-                like = OPS[x.op].part_like(x.calls, x.members[h])
-                if like is None:
-                    x.parts[h] = None
-                    continue
-                self._recv(x, _bytes(like), h, phase=1, into=("part", h))
-                x.parts[h] = None  # placeholder until it arrives
-                x.parts[("like", h)] = like
+            x.checked = True
             x.parts[self.me] = OPS[x.op].part(x.calls)
+            for h in x.holders[1:]:
+                x.parts[h] = OPS[x.op].part_like(x.calls, x.members[h])
+                if x.parts[h] is not None:
+                    self._recv(x, _bytes(x.parts[h]), h, phase=1, into=("part", h))
         if x.waiting:
             return False
-        parts = []
-        for h in x.holders:
-            got, like = x.parts.get(h), x.parts.get(("like", h))
-            parts.append(like.copy_(got.view(like.dtype).view(like.shape)) if like is not None and got is not None
-                         else got)
+        parts = [x.parts[h] for h in x.holders]
         counts = [len(x.members[h]) for h in x.holders]
         replies = OPS[x.op].combine(x.calls, parts, counts, x.group)
-        start = max(_bits_float(int(v)) for h in x.holders for v in self._arrivals(x.headers[h]))
+        start = max(_bits_float(v) for h in x.holders for v in self._arrivals(x.headers[h]))
         for h, reply in zip(x.holders[1:], replies[1:]):
             x.sends.append(dist.isend(torch.tensor([x.key, 0, _float_bits(start)]), h, tag=self._tag(x.key, 2)))
             if reply is not None and self._wants_reply(x, h):
@@ -252,7 +242,8 @@ class Exchange:
         return True
 
     def _wants_reply(self, x: Crossing, holder: int) -> bool:
-        # the holder posted a receive for data exactly where the op has a part shape for it (see start)
+        # every holder posted a receive for the reply's data where the op has a part shape for the whole group
+        # (see start): all but the barrier
         return OPS[x.op].part_like(x.calls, x.group) is not None
 
     def _arrivals(self, header: torch.Tensor) -> list[int]:
