@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 import torch
 
 from exogym.backends.sim.baton import CollectiveCall
+from exogym.backends.sim.transport import reduce_into
 from exogym.comm.transport import ReduceOp
 
 __all__ = ["OPS", "CrossingOp"]
@@ -22,15 +23,7 @@ __all__ = ["OPS", "CrossingOp"]
 def _reduce(tensors: Sequence[torch.Tensor], op: ReduceOp) -> torch.Tensor:
     """op over the tensors, left to right, into a new tensor (AVG: the sum; the leader divides once)."""
     acc = tensors[0].clone()
-    for t in tensors[1:]:
-        if op in (ReduceOp.SUM, ReduceOp.AVG):
-            acc.add_(t)
-        elif op is ReduceOp.MAX:
-            torch.maximum(acc, t, out=acc)
-        elif op is ReduceOp.MIN:
-            torch.minimum(acc, t, out=acc)
-        else:
-            acc.mul_(t)
+    reduce_into(acc, tensors[1:], op)
     return acc
 
 

@@ -18,15 +18,16 @@ from exogym.cluster.membership import Membership
 from exogym.cluster.simtime import TimeModel
 
 
-__all__ = ["SimTransport", "SimWork", "CollectiveError"]
+__all__ = ["SimTransport", "SimWork", "CollectiveError", "reduce_into"]
 
 
 def _sig(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), str(t.dtype).removeprefix("torch."))
 
 
-def _reduce_into(acc: torch.Tensor, others: Sequence[torch.Tensor], op: ReduceOp, group_size: int) -> None:
-    """acc <- op(acc, others...), applied left to right (rank order), so the result is deterministic."""
+def reduce_into(acc: torch.Tensor, others: Sequence[torch.Tensor], op: ReduceOp) -> None:
+    """acc <- op(acc, others...), applied left to right (rank order), so the result is deterministic; AVG sums
+    (the caller divides once, by the whole group's size)."""
     for t in others:
         t = t.to(acc.device)
         if op in (ReduceOp.SUM, ReduceOp.AVG):
@@ -37,6 +38,10 @@ def _reduce_into(acc: torch.Tensor, others: Sequence[torch.Tensor], op: ReduceOp
             torch.minimum(acc, t, out=acc)
         else:
             acc.mul_(t)
+
+
+def _reduce_into(acc: torch.Tensor, others: Sequence[torch.Tensor], op: ReduceOp, group_size: int) -> None:
+    reduce_into(acc, others, op)
     if op is ReduceOp.AVG:
         acc.div_(group_size)
 
