@@ -102,18 +102,14 @@ class Crossing:
 class Exchange:
     """This process's crossings; `owner[r]` is node r's process, `me` this one."""
 
-    def __init__(self, owner: Sequence[int], me: int, store: Any, run_key: str, time_model: Any):
+    def __init__(self, owner: Sequence[int], me: int, store: Any, run_key: str):
         self.owner, self.me, self.store, self.run_key = list(owner), me, store, run_key
         self.processes = max(self.owner) + 1
-        self.time_model = time_model
         self._crossings: dict[int, Crossing] = {}
         self._events: queue.Queue = queue.Queue()
         self.completed = 0  # crossings done (progress, for the deadlock check)
 
     # ---- starting ---------------------------------------------------------------------------------------------
-    def crosses(self, group: tuple[int, ...]) -> bool:
-        return any(self.owner[r] != self.me for r in group)
-
     def start(self, pending: Pending, calls: list[CollectiveCall], op: str,
               finish: Callable[[list[CollectiveCall], float], None]) -> None:
         """The last local member arrived: send this process's part (or, as leader, wait for the others')."""
@@ -158,6 +154,9 @@ class Exchange:
         return h
 
     def _tag(self, key: int, phase: int) -> int:
+        # gloo's tags are 32-bit: 28 bits of the key. Two crossings between the same two processes with the same
+        # tag at the same time are matched in posting order; the header's full key check turns a mix-up into an
+        # error, never into wrong data.
         return ((key & ((1 << 28) - 1)) << 2) | phase
 
     def _recv(self, x: Crossing, buffer: torch.Tensor, src: int, *, phase: int, into: tuple) -> None:

@@ -106,7 +106,7 @@ def own_gpu(devices: list[torch.device], p: int) -> list[torch.device]:
 
 def _run_block(plan: "RunPlan", p: int, processes: int, store: Any, run_key: str, start: float) -> list[Any]:
     """This process's nodes, with the exchange to the others' (`start`: the run's start on this machine's clock)."""
-    exchange = Exchange(block_of(plan.num_nodes, processes), p, store, run_key, plan.cfg.time_model)
+    exchange = Exchange(block_of(plan.num_nodes, processes), p, store, run_key)
     results = run_sim(plan, local=blocks(plan.num_nodes, processes)[p], exchange=exchange)
     rss = peak_rss_mb()
     for log, _ in results:
