@@ -10,6 +10,7 @@ Words used throughout:
 from exogym.backends.errors import NodeProcessError, NodeTimeoutError
 from exogym.cluster.membership import RandomFailures
 from exogym.comm.transport import CollectiveError
+from exogym.engine.node import NonFiniteLoss
 from exogym.runs.folder import RunFolderError
 from exogym.runs.record import RunRecord
 from exogym.trainer import LocalTrainer, Trainer
@@ -19,5 +20,5 @@ from exogym import compat  # noqa: E402 - on top of everything above, and instal
 compat.install()
 
 __all__ = ["Trainer", "LocalTrainer", "RunRecord", "CollectiveError", "NodeProcessError", "NodeTimeoutError",
-           "RunFolderError", "RandomFailures"]
+           "RunFolderError", "RandomFailures", "NonFiniteLoss"]
 __version__ = "0.1.0"

@@ -3,6 +3,7 @@
     exogym run --task mnist --strategy ddp --nodes 4 --steps 200
     exogym compare --task synthetic --strategies ddp diloco sparta --nodes 4 --steps 100 --out compare.png
     exogym plot logs/run-a logs/run-b --x bytes --y global_loss --out loss_vs_bytes.png
+    exogym data mnist --torchvision-root data
 """
 
 from __future__ import annotations
@@ -258,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--y", default="global_loss", help="a column of train.csv or val.csv")
     plot.add_argument("--out", default="plot.png", help="the PNG to write")
     plot.set_defaults(func=cmd_plot)
+
+    from exogym.cli_data import add_data_command
+    add_data_command(sub, formatter_class=_HelpFormatter)
     return parser
 
 

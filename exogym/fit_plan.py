@@ -19,7 +19,7 @@ from exogym.data.partition import Partition
 from exogym.data.sharding import NodeBatches
 from exogym.engine.devices import MemoryCap
 from exogym.engine.plan import RunPlan
-from exogym.fit_setup import versions
+from exogym.fit_setup import check_trainable, take_ignored_settings, versions
 from exogym.runs.checkpoint import NodeState, check_resume, find_checkpoint, load_checkpoint, read_manifest
 from exogym.runs.folder import RunClaim
 from exogym.runs.loggers import Logger
@@ -35,7 +35,9 @@ class FitArguments(SimpleNamespace):
 
 
 def check_arguments(o: FitArguments) -> None:
-    """The checks that need nothing but the arguments themselves, in the order fit lists them."""
+    """The checks that need nothing but the arguments themselves, in the order fit lists them. First, the settings
+    an adapter of this call noted as having no effect are taken (o.ignored: config.json lists them apart)."""
+    o.ignored = take_ignored_settings()
     if not isinstance(o.strategy, Strategy):
         raise TypeError(f"strategy must be an exogym Strategy instance, got {o.strategy!r}")
     o.strategy.check_constructed()
@@ -129,17 +131,27 @@ def resume_point(resume_from: Any, fingerprint: dict[str, Any], devices: list[to
 
 def run_config(o: FitArguments, *, model: torch.nn.Module, data: RunData, time_model: Any,
                devices: list[torch.device], loader: dict[str, Any], execution: tuple[str, str]) -> dict[str, Any]:
-    """The run's config.json: every setting that shapes it, given or derived."""
+    """The run's config.json: every setting that shapes it, given or derived; the settings that had no effect are
+    listed apart, under "ignored" (name -> value and why). A model with nothing to train is refused here, before
+    any node starts."""
+    check_trainable(model)
+    ignored = dict(getattr(o, "ignored", {}))
+    ignored.update({f"strategy.{k}": v for k, v in o.strategy.ignored_settings.items()})
+    if o.max_steps is not None and o.num_epochs != 1:  # 1: fit's default, not a setting
+        ignored["num_epochs"] = {"value": o.num_epochs, "reason": f"max_steps={o.max_steps} sets the run's length"}
     config = {"strategy": type(o.strategy).__name__, "strategy_config": o.strategy.config(),
               "num_nodes": o.num_nodes, "max_steps": data.total_steps, "steps_per_epoch": data.steps_per_epoch,
-              "num_epochs": o.num_epochs, "batch_size": o.batch_size,
+              **({} if "num_epochs" in ignored else {"num_epochs": o.num_epochs}), "batch_size": o.batch_size,
               "minibatch_size": o.batch_size if o.minibatch_size is None else o.minibatch_size,
               "global_batch": o.num_nodes * o.batch_size, "shuffle": o.shuffle,
               "val_size": data.val_size if data.val_batches else 0, "val_interval": o.val_interval,
               "log_interval": o.log_interval, "seed": o.seed, "backend": o.backend, "autocast": o.autocast,
               "execution": execution[0], "execution_reason": execution[1], "devices": [str(d) for d in devices],
               "model": type(model).__name__, "parameters": sum(p.numel() for p in model.parameters()),
+              "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
               "versions": versions()}
+    if ignored:
+        config["ignored"] = ignored
     if o.dataloader_kwargs is not None:
         config["dataloader_kwargs"] = {"given": dict(o.dataloader_kwargs), "applied": loader}
     if o.max_memory_usage is not None:

@@ -6,8 +6,9 @@ Each function validates what it builds and raises before any node starts.
 from __future__ import annotations
 
 import os
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -20,9 +21,39 @@ from exogym.runs.folder import RunClaim, check_run_name, claim_run
 from exogym.cluster.simtime import TimeModel
 
 __all__ = ["DEFAULT_DEVICE_FLOPS", "partition_data", "build_node_batches", "build_val_batches", "build_time_model",
-           "resolve_logger", "run_name_of", "claim_run_folders", "announce", "peak_memory_mb", "versions"]
+           "resolve_logger", "run_name_of", "claim_run_folders", "announce", "peak_memory_mb", "versions",
+           "note_ignored_settings", "take_ignored_settings", "check_trainable"]
 
 DEFAULT_DEVICE_FLOPS = 1e12  # a nominal sustained 1 TFLOP/s per node; pass device_flops for your hardware
+
+# Settings of the fit call about to run that had no effect, noted by an argument adapter (exogym.adapters) of
+# Trainer.fit which dropped them; fit takes them as it starts (check_arguments) and config.json lists them apart.
+_IGNORED: ContextVar[dict[str, dict[str, Any]] | None] = ContextVar("exogym_ignored_settings", default=None)
+
+
+def note_ignored_settings(settings: Mapping[str, tuple[Any, str]]) -> None:
+    """Called by an adapter of Trainer.fit, last, for the call it adapts: {name: (value, why it had no effect)}."""
+    _IGNORED.set({k: {"value": v, "reason": why} for k, (v, why) in settings.items()})
+
+
+def take_ignored_settings() -> dict[str, dict[str, Any]]:
+    """The settings noted for the fit call now starting (empty when none), forgotten once taken."""
+    noted = _IGNORED.get() or {}
+    _IGNORED.set(None)
+    return noted
+
+
+def check_trainable(model: torch.nn.Module) -> None:
+    """A run trains something: a model without a parameter that requires a gradient is refused before any node
+    starts."""
+    params = list(model.parameters())
+    if not params:
+        raise ValueError(f"the model {type(model).__name__} has no parameters, so there is nothing to train; pass a "
+                         "model whose forward uses parameters (nn.Linear, ...)")
+    if not any(p.requires_grad for p in params):
+        raise ValueError(f"the model {type(model).__name__} has no trainable parameters: all {len(params)} of them "
+                         f"({sum(p.numel() for p in params):,} values) have requires_grad=False; unfreeze the ones "
+                         "to train (p.requires_grad_(True))")
 
 
 def build_node_batches(data: DatasetOrFactory, split: Partition | None, *, num_nodes: int, batch_size: int,

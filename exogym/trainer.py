@@ -27,8 +27,8 @@ from exogym.engine.plan import RunPlan
 from exogym.engine.rng import GlobalRNGState
 from exogym.fit_plan import (FitArguments, FitRun as _Run, RunData, check_arguments, check_processes,
                              keeps_one_replica, resume_point, run_config)
-from exogym.fit_setup import (announce, build_node_batches, build_time_model, build_val_batches, claim_run_folders,
-                              partition_data, peak_memory_mb, resolve_logger, run_name_of)
+from exogym.fit_setup import (announce, build_node_batches, build_time_model, build_val_batches, check_trainable,
+                              claim_run_folders, partition_data, peak_memory_mb, resolve_logger, run_name_of)
 from exogym.runs.checkpoint import CheckpointPlan
 from exogym.runs.fingerprint import run_fingerprint
 from exogym.runs.folder import check_writable
@@ -190,6 +190,7 @@ class Trainer:
         if o.autocast and any(d.type == "cuda" and not torch.cuda.is_bf16_supported() for d in devices):
             raise ValueError("autocast=True trains in bfloat16, which this GPU does not support; use autocast=False")
         data = self._data(o, loader)
+        check_trainable(self.model)  # before the execution probe, which would build an optimizer of nothing
         cfg = RunConfig(num_nodes=o.num_nodes, max_steps=data.total_steps, batch_size=o.batch_size,
                         minibatch_size=minibatch_size, val_interval=o.val_interval,
                         log_interval=max(o.log_interval, 10),  # the nodes' host syncs of the loss; loggers: below

@@ -1,17 +1,31 @@
 """Trainer.fit as the original EXO Gym called it: fit(num_epochs, strategy, num_nodes, ...) positionally, and its
 keywords correlation_interval, kwargs, gradient_accumulation, save_dir, wandb_project and log_x_axis, mapped to
-fit's own keywords before fit runs (registered on Trainer.fit's argument hook)."""
+fit's own keywords before fit runs (registered on Trainer.fit's argument hook).
+
+A call in the original's spelling (its positional order, or any keyword only the original has) also behaves as the
+original's scripts expect of a rerun and of their run folders:
+- its CSV run folder gets the original's train.csv columns (exogym.compat.run_files; validation.csv is in every
+  run folder);
+- when its run name (the script's run_name=, or the folder save_dir= implies) holds a run that has ended, that run
+  is moved aside to `<name>.<when it started>` (exogym.runs.folder.move_aside) and a warning names both folders: the
+  command can be run again and loses nothing (this library's own spelling keeps refusing a taken run_name);
+- save_dir= is the folder of checkpoints when checkpoint_interval is given, and nothing is written otherwise;
+- log_x_axis without W&B has no effect, said by one warning.
+Settings that had no effect are listed apart in config.json (exogym.fit_setup.note_ignored_settings).
+"""
 
 from __future__ import annotations
 
 import inspect
+import os
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from exogym._validation import check_int, reject_unknown_kwargs
 from exogym.adapters import register_adapter
 
-__all__ = ["FIT_ALIASES", "ORIGINAL_FIT_ORDER", "fit_arguments", "install"]
+__all__ = ["FIT_ALIASES", "ORIGINAL_FIT_ORDER", "ORIGINAL_ONLY", "fit_arguments", "install"]
 
 # fit keywords: original spelling -> canonical keyword.
 FIT_ALIASES: Mapping[str, str] = {
@@ -24,7 +38,10 @@ ORIGINAL_FIT_ORDER = ("num_epochs", "strategy", "num_nodes", "max_steps", "devic
                       "minibatch_size", "shuffle", "val_size", "val_interval", "autocast", "checkpoint_interval",
                       "correlation_interval", "save_dir", "dataloader_kwargs")
 _FIT_ORDER = ("strategy", "num_nodes")
-_ORIGINAL_ONLY = ("save_dir", "wandb_project", "log_x_axis", "gradient_accumulation") + tuple(FIT_ALIASES)
+# The keywords only the original's fit has: passing any of them (even as None, as its scripts do) makes a call one
+# in the original's spelling.
+ORIGINAL_ONLY = ("save_dir", "wandb_project", "log_x_axis", "gradient_accumulation") + tuple(FIT_ALIASES)
+_ISSUED: set[str] = set()  # run names this process generated (two in one second never share one)
 
 
 def fit_arguments(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -33,8 +50,9 @@ def fit_arguments(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
     fit(strategy, num_nodes, **options) is this library's order; fit(num_epochs, strategy, num_nodes, max_steps,
     device, ...) the original's (recognised by an int first). Original-only keywords become canonical ones:
     correlation_interval -> diagnostics_interval, kwargs -> extra_config, gradient_accumulation=n ->
-    minibatch_size=batch_size // n, save_dir -> checkpoint_dir=<save_dir>/<run_name>, wandb_project (+ log_x_axis)
-    -> a WandbLogger next to the other loggers.
+    minibatch_size=batch_size // n, save_dir (with checkpoint_interval) -> checkpoint_dir=<save_dir>/<run_name>,
+    wandb_project (+ log_x_axis) -> a WandbLogger next to the other loggers. A call in the original's spelling also
+    gets the original's train.csv columns, and moves an ended run out of its way (see the module's docstring).
     """
     params = inspect.signature(target).parameters
     canonical_names = [p for p in params if p != "self" and params[p].kind not in (inspect.Parameter.VAR_KEYWORD,
@@ -52,8 +70,9 @@ def fit_arguments(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
             raise TypeError(f"Trainer.fit got multiple values for {name!r} (positionally and by keyword)")
         merged[name] = value
     reject_unknown_kwargs("Trainer.fit", {k: v for k, v in merged.items()
-                                          if k not in canonical_names and k not in _ORIGINAL_ONLY},
-                          canonical_names + list(_ORIGINAL_ONLY))
+                                          if k not in canonical_names and k not in ORIGINAL_ONLY},
+                          canonical_names + list(ORIGINAL_ONLY))
+    spelled_as_original = original or any(k in merged for k in ORIGINAL_ONLY)
     for alias, canonical in FIT_ALIASES.items():
         if alias in merged:
             if canonical in merged:
@@ -63,13 +82,15 @@ def fit_arguments(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
     if merged.get("device") == "":
         merged["device"] = None  # the original's "" (its scripts' default): pick the best device available
     _gradient_accumulation(merged, params)
-    needs_name = merged.get("save_dir") is not None or merged.get("wandb_project") is not None
-    if needs_name and merged.get("run_name") is None and merged.get("strategy") is not None:
-        from exogym.runs.loggers import default_run_name  # one name for logs/, the checkpoints and the W&B run
-        merged["run_name"] = default_run_name({"strategy": type(merged["strategy"]).__name__,
-                                               "num_nodes": merged.get("num_nodes", params["num_nodes"].default)})
-    _save_dir(merged)
-    _wandb(merged)
+    if not spelled_as_original:
+        return merged
+    ignored: dict[str, tuple[Any, str]] = {}
+    checkpoints = _save_dir(merged, params, ignored)
+    _loggers(merged, ignored)
+    if not merged.get("overwrite") and merged.get("resume_from") is None:
+        _keep_earlier_run(merged, checkpoints)
+    from exogym.fit_setup import note_ignored_settings
+    note_ignored_settings(ignored)  # last: nothing here raises after it
     return merged
 
 
@@ -91,44 +112,105 @@ def _gradient_accumulation(merged: dict[str, Any], params: Mapping[str, Any]) ->
     merged["minibatch_size"] = batch_size // steps
 
 
-def _save_dir(merged: dict[str, Any]) -> None:
+def _save_dir(merged: dict[str, Any], params: Mapping[str, Any],
+              ignored: dict[str, tuple[Any, str]]) -> Path | None:
+    """save_dir is where the checkpoints of checkpoint_interval go, <save_dir>/<run_name>/step_*/ (a run name is
+    made when none is given; that folder is returned); without checkpoint_interval the original saved nothing, and
+    nothing is saved."""
     save_dir = merged.pop("save_dir", None)
     if save_dir is None:
-        return
+        return None
     if merged.get("checkpoint_dir") is not None:
         raise TypeError(f"Trainer.fit got both save_dir={save_dir!r} and checkpoint_dir={merged['checkpoint_dir']!r}; "
                         "save_dir is the original EXO Gym's folder of checkpoints, pass one of them")
+    if merged.get("checkpoint_interval") is None:
+        ignored["save_dir"] = (str(save_dir), "no checkpoint_interval: nothing is saved (as the original)")
+        return None
+    if merged.get("run_name") is None:
+        merged["run_name"] = _new_run_name(merged, params, [Path(save_dir), *_log_roots(merged.get("logger"))])
     merged["checkpoint_dir"] = Path(save_dir) / merged["run_name"]  # as the original: one folder per run under it
+    return merged["checkpoint_dir"]
 
 
-def _wandb(merged: dict[str, Any]) -> None:
+def _new_run_name(merged: dict[str, Any], params: Mapping[str, Any], roots: list[Path]) -> str:
+    """A default run name (strategy, nodes, time) free under every root and not made before in this process."""
+    from exogym.runs.loggers import default_run_name
+
+    base = default_run_name({"strategy": type(merged.get("strategy")).__name__,
+                             "num_nodes": merged.get("num_nodes", params["num_nodes"].default)})
+    n = 1
+    while True:
+        name = base if n == 1 else f"{base}-{n}"
+        if name not in _ISSUED and not any((root / name).exists() for root in roots):
+            _ISSUED.add(name)
+            return name
+        n += 1
+
+
+def _log_roots(logger: Any) -> list[Path]:
+    """The folders under which `logger` (fit's logger argument) claims run folders: logs/ by default."""
+    from exogym.runs.loggers import Logger, _FolderLogger
+
+    if logger is None or logger is True:
+        return [Path("logs")]
+    given = [logger] if isinstance(logger, Logger) else list(logger) if isinstance(logger, (list, tuple)) else []
+    return [lg.log_dir for lg in given if isinstance(lg, _FolderLogger)]
+
+
+def _loggers(merged: dict[str, Any], ignored: dict[str, tuple[Any, str]]) -> None:
+    """The CSV run folder (with the original's train.csv columns), and a WandbLogger for wandb_project, which
+    takes log_x_axis (as do the W&B loggers passed in); without W&B, log_x_axis has no effect."""
+    from exogym.compat.run_files import train_columns
+    from exogym.runs.loggers import CSVLogger, Logger, WandbLogger
+
     project = merged.pop("wandb_project", None)
+    given_axis = "log_x_axis" in merged
     x_axis = merged.pop("log_x_axis", "step")
     if x_axis not in ("step", "examples"):
         raise ValueError(f"log_x_axis must be 'step' or 'examples', got {x_axis!r}")
-    from exogym.runs.loggers import CSVLogger, Logger, WandbLogger
-
-    if project is None:
-        given = merged.get("logger")
-        given = [given] if isinstance(given, Logger) else given if isinstance(given, (list, tuple)) else []
-        wandb_loggers = [lg for lg in given if isinstance(lg, WandbLogger)]
-        for lg in wandb_loggers:  # the W&B loggers passed in take the x-axis
-            lg.x_axis = x_axis
-        if x_axis != "step" and not wandb_loggers:
-            raise TypeError("log_x_axis='examples' sets the x-axis of a W&B logger, and this run has none; add "
-                            "wandb_project=..., or pass logger=WandbLogger(project, x_axis='examples')")
-        return
-
-    wandb_logger = WandbLogger(project=project, run_name=merged["run_name"], x_axis=x_axis)
     logger = merged.get("logger")
-    if logger is None or logger is True:
-        merged["logger"] = [CSVLogger(run_name=merged["run_name"]), wandb_logger]  # the CSV run folder stays
-    elif logger is False:
-        merged["logger"] = wandb_logger
-    elif isinstance(logger, Logger):
-        merged["logger"] = [logger, wandb_logger]
-    else:
-        merged["logger"] = [*logger, wandb_logger]
+    given = [logger] if isinstance(logger, Logger) else list(logger) if isinstance(logger, (list, tuple)) else []
+    for lg in given:
+        if isinstance(lg, WandbLogger):  # the W&B loggers passed in take the x-axis
+            lg.x_axis = x_axis
+    if project is None and not any(isinstance(lg, WandbLogger) for lg in given) and given_axis:
+        ignored["log_x_axis"] = (x_axis, "it sets the x-axis of W&B charts, and this run logs to no W&B")
+        if x_axis != "step":
+            from exogym.compat.spellings import caller_level
+            warnings.warn(f"log_x_axis={x_axis!r} has no effect: it sets the x-axis of W&B charts only, and this run "
+                          "logs to no W&B (pass wandb_project=... for charts against examples)", UserWarning,
+                          stacklevel=caller_level())
+    loggers = given
+    if logger is None or logger is True:  # the CSV run folder stays, with the original's train.csv columns too
+        loggers = [CSVLogger(run_name=merged.get("run_name"), views=[train_columns])]
+    if project is not None:
+        loggers = [*loggers, WandbLogger(project=project, run_name=merged.get("run_name"), x_axis=x_axis)]
+    if logger is False and project is None:
+        return
+    merged["logger"] = loggers[0] if len(loggers) == 1 else loggers
+
+
+def _keep_earlier_run(merged: dict[str, Any], checkpoints: Path | None) -> None:
+    """Rerunning a command written for the original: a run name whose folders hold a run that has ended moves that
+    run aside (kept, renamed for when it started), so this run writes where the script reads. A running one is
+    left alone (fit then refuses, naming it). Default names never collide, so there is nothing to do for them."""
+    from exogym.runs.folder import move_aside
+    from exogym.runs.loggers import Logger, _FolderLogger
+
+    if os.environ.get("RANK", "0") != "0":
+        return  # under torchrun the process of rank 0 holds the run folders (the others write none)
+    logger = merged.get("logger")
+    given = [logger] if isinstance(logger, Logger) else list(logger) if isinstance(logger, (list, tuple)) else []
+    folders = [lg.log_dir / (lg.requested_name or merged.get("run_name")) for lg in given
+               if isinstance(lg, _FolderLogger) and (lg.requested_name or merged.get("run_name"))]
+    if checkpoints is not None:  # save_dir's folder for this run's checkpoints
+        folders.append(checkpoints)
+    moved = move_aside(folders)
+    if moved:
+        from exogym.compat.spellings import caller_level
+        old, new = ", ".join(str(a) for a, _ in moved), ", ".join(str(b) for _, b in moved)
+        warnings.warn(f"{old} held an earlier run, which is kept, moved to {new}; this run writes to {old}",
+                      UserWarning, stacklevel=caller_level())
 
 
 def _adapt_fit(fit: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:

@@ -10,15 +10,15 @@ messages only ever see the canonical spelling. docs/coming_from_exogym.md lists 
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from exogym._validation import init_keywords
 from exogym.adapters import register_adapter
 
-__all__ = ["KEYWORD_ALIASES", "IGNORED_STRATEGY_KEYWORDS", "FIT_ALIASES", "ORIGINAL_FIT_ORDER", "canonical_keywords",
-           "install"]
+__all__ = ["KEYWORD_ALIASES", "IGNORED_STRATEGY_KEYWORDS", "canonical_keywords", "caller_level", "install"]
 
 # Constructor keywords: original spelling -> canonical keyword. Applied to a class only when the class
 # takes the canonical keyword and does not itself take the original one.
@@ -32,7 +32,8 @@ KEYWORD_ALIASES: Mapping[str, str] = {
 
 # Keywords the original's base Strategy turned into unused attributes, and its own example/mnist.py passes to
 # every strategy in one loop (H to DDP and SPARTA, p to all three). Accepted with a warning where the strategy has
-# no such knob, so that script runs; any other unknown keyword is still a TypeError.
+# no such knob, so that script runs, and listed apart as ignored in config.json (exogym.strategy.base.Ignored); any
+# other unknown keyword is still a TypeError.
 IGNORED_STRATEGY_KEYWORDS = ("H", "p")
 
 
@@ -104,28 +105,33 @@ def demo_from_torch_spec(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple
 
 
 def pop_ignored_strategy_keywords(cls: type, kwargs: dict[str, Any]) -> None:
-    """Remove (with a warning) the keywords the original accepted on every strategy and ignored, where `cls` has no
-    such knob. Your own composition (CommunicateOptimizeStrategy) rejects them: there H= or p= was meant for a
-    module, a TypeError, not a warning."""
+    """Set apart (with a warning) the keywords the original accepted on every strategy and ignored, where `cls` has
+    no such knob: their values become exogym.strategy.base.Ignored, which the constructor never sees and the run's
+    config.json lists under "ignored". Your own composition (CommunicateOptimizeStrategy) rejects them: there H= or
+    p= was meant for a module, a TypeError, not a warning."""
+    from exogym.strategy.base import Ignored
     from exogym.strategy.communicate_optimize_strategy import CommunicateOptimizeStrategy
 
     if issubclass(cls, CommunicateOptimizeStrategy):
         return
     owner = cls.__name__
     accepted = _accepted(cls)
-    ignored = {k: kwargs.pop(k) for k in IGNORED_STRATEGY_KEYWORDS if k in kwargs and k not in accepted}
+    ignored = {k: kwargs[k] for k in IGNORED_STRATEGY_KEYWORDS
+               if k in kwargs and k not in accepted and not isinstance(kwargs[k], Ignored)}
     if ignored:
+        why = f"{owner} has no {' or '.join(ignored)}"
+        for k, v in ignored.items():
+            kwargs[k] = Ignored(v, f"{owner} has no {k} (the original EXO Gym accepted and ignored it too)")
         shown = ", ".join(f"{k}={v!r}" for k, v in ignored.items())
-        warnings.warn(f"{owner} has no {' or '.join(ignored)}, so {shown} has no effect (the original EXO Gym "
-                      f"accepted and ignored it too); drop it to silence this warning", UserWarning,
-                      stacklevel=_caller_level())
+        warnings.warn(f"{why}, so {shown} has no effect (the original EXO Gym accepted and ignored it too); drop it "
+                      "to silence this warning", UserWarning, stacklevel=caller_level())
 
 
-def _caller_level() -> int:
-    """The stacklevel of the first frame outside this package (the user's constructor call)."""
+def caller_level() -> int:
+    """The stacklevel, for warnings.warn, of the first frame outside the exogym package (the user's call)."""
     import sys
 
-    package = str(Path(__file__).resolve().parent)
+    package = str(Path(__file__).resolve().parents[1]) + os.sep
     frame, level = sys._getframe(1), 1
     while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(package):
         frame, level = frame.f_back, level + 1

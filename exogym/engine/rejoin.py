@@ -20,6 +20,7 @@ import torch
 from exogym.engine.global_model import split_global_state
 from exogym.comm.collectives import broadcast, get_rank
 from exogym.comm.mean import mean_
+from exogym.strategy.base import frozen_state
 
 __all__ = ["hand_over_state"]
 
@@ -36,7 +37,9 @@ def hand_over_state(model: torch.nn.Module, strategy: Any, step: int, survivors:
         state, averaged, _ = split_global_state(model, strategy)
         mean_([state[k] for k in averaged], group=sources)
         if rank == sources[0]:
-            payload = _pack({"model": state, "strategy": strategy.state_dict()})
+            frozen = frozen_state(model)  # the same on every node from the start: never sent
+            payload = _pack({"model": {k: v for k, v in state.items() if k not in frozen},
+                             "strategy": strategy.state_dict()})
     if rank not in joiners and rank != sources[0]:
         return
     group = [sources[0], *joiners]
@@ -46,7 +49,7 @@ def hand_over_state(model: torch.nn.Module, strategy: Any, step: int, survivors:
     broadcast(buffer, src=sources[0], group=group)
     if rank in joiners:
         received = _unpack(buffer)
-        model.load_state_dict(received["model"])
+        model.load_state_dict({**frozen_state(model), **received["model"]})
         strategy.load_state_dict(received["strategy"])
         strategy.joined()
 

@@ -7,6 +7,11 @@ per step / per evaluation, written every `log_interval` steps), summary.json at 
 A run folder belongs to one run (exogym.runs.folder): `fit` claims `<log_dir>/<run_name>/` for the
 CSV and TensorBoard loggers atomically before any node starts; a taken default name gets a -2, -3
 suffix, a taken explicit name is an error unless fit(overwrite=True), or the run resumes itself.
+A run that fails before any training row was written leaves no CSV run folder behind.
+
+Table views (`TableView`): a CSVLogger also writes what its views make of each row: more columns of the same
+table, or rows of other CSV files in the run folder (exogym.compat writes the original EXO Gym's
+validation.csv and train.csv columns this way). `register_table_view` adds a view to every CSVLogger.
 """
 
 from __future__ import annotations
@@ -17,13 +22,25 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from exogym.runs.folder import RunClaim, claim_run
 from exogym.adapters import Adaptable
 
 __all__ = ["Logger", "CSVLogger", "WandbLogger", "TensorBoardLogger", "MultiLogger", "default_run_name",
-           "truncate_rows_after"]
+           "truncate_rows_after", "TableView", "register_table_view"]
+
+# view(table, row) -> {table name: columns}: under the row's own table, columns appended to that row; under another
+# name, a row of <that name>.csv in the run folder (None: an empty cell). Called on every row a CSVLogger writes.
+TableView = Callable[[str, Mapping[str, float]], Mapping[str, Mapping[str, "float | None"]]]
+
+_VIEWS: list[TableView] = []
+
+
+def register_table_view(view: TableView) -> None:
+    """Every CSVLogger (made before or after) writes what `view` makes of each of its rows, after its own views."""
+    if view not in _VIEWS:
+        _VIEWS.append(view)
 
 
 def default_run_name(config: dict[str, Any]) -> str:
@@ -103,15 +120,21 @@ class _FolderLogger(Logger):
 
 
 class CSVLogger(_FolderLogger):
-    """Writes logs/<run_name>/{config.json, train.csv, val.csv, summary.json} (see continue_after to resume)."""
+    """Writes logs/<run_name>/{config.json, train.csv, val.csv, summary.json} (see continue_after to resume), and
+    what its table views (`views=`, then the registered ones) make of each row. A run that fails before its first
+    training row leaves no folder (the claim is given back); once one is written, summary.json says how it ended."""
 
-    def __init__(self, log_dir: str | os.PathLike = "logs", run_name: str | None = None):
+    def __init__(self, log_dir: str | os.PathLike = "logs", run_name: str | None = None, *,
+                 views: Sequence[TableView] = ()):
         super().__init__(log_dir, run_name)
+        self.views = list(views)
         self._files: dict[str, Any] = {}
         self._writers: dict[str, csv.DictWriter] = {}
+        self._trained = False  # a training row was written
 
     def start(self, config: dict[str, Any]) -> None:
         run_dir = self._open_run_dir(config)
+        self._trained = False
         if self.after_step is not None:
             for table in run_dir.glob("*.csv"):
                 truncate_rows_after(table, self.after_step)
@@ -119,6 +142,15 @@ class CSVLogger(_FolderLogger):
         (run_dir / "config.json").write_text(json.dumps(_json_safe(config), indent=2) + "\n")
 
     def log(self, table: str, row: dict[str, float]) -> None:
+        rows = {table: dict(row)}
+        for view in [*self.views, *(v for v in _VIEWS if v not in self.views)]:
+            for name, columns in view(table, row).items():
+                rows.setdefault(name, {}).update(columns)
+        for name, out in rows.items():
+            self._write(name, out)
+        self._trained = self._trained or table == "train"
+
+    def _write(self, table: str, row: dict[str, float]) -> None:
         if table not in self._writers:
             path = self.run_dir / f"{table}.csv"
             header = _csv_header(path) if self.after_step is not None else None
@@ -133,9 +165,16 @@ class CSVLogger(_FolderLogger):
     def finish(self, summary: dict[str, Any]) -> None:
         for f in self._files.values():
             f.close()
+        written = [Path(f.name) for f in self._files.values()]
         self._files.clear()
         self._writers.clear()
-        if self.run_dir is not None:
+        if summary.get("status") == "failed" and not self._trained and self.after_step is None \
+                and self.run_dir is not None and self.claim is not None:
+            # Failed before a training row was written: no training to keep, so the folder is given back.
+            for path in [self.run_dir / "config.json", *written]:
+                path.unlink(missing_ok=True)
+            self.claim.abandon()
+        elif self.run_dir is not None:
             (self.run_dir / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2) + "\n")
         self._release(summary)
 

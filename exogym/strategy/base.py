@@ -19,7 +19,8 @@ from exogym.comm.mean import mean_
 from exogym.adapters import Adaptable
 from exogym.strategy.optim import OptimSpec, ensure_optim_spec
 
-__all__ = ["Strategy", "NodeContext", "parameter_state", "strategy_keywords"]
+__all__ = ["Strategy", "NodeContext", "Ignored", "parameter_state", "frozen_state", "trainable_parameters",
+           "strategy_keywords"]
 
 
 def strategy_keywords(cls: type) -> list[str]:
@@ -28,12 +29,41 @@ def strategy_keywords(cls: type) -> list[str]:
     return init_keywords(cls)
 
 
-class Strategy(metaclass=Adaptable):
+class Ignored:
+    """A constructor keyword's value that has no effect on the strategy being built: an argument adapter
+    (exogym.adapters) wraps a value in it instead of passing it on. The constructor never sees it; the strategy's
+    `ignored_settings` lists it, with the reason, and a run's config.json lists it apart under "ignored"."""
+
+    def __init__(self, value: Any, reason: str):
+        self.value, self.reason = value, reason
+
+    def __repr__(self) -> str:
+        return f"Ignored({self.value!r}, {self.reason!r})"
+
+
+class _SetsIgnoredApart(type):
+    """Keywords whose value is Ignored are kept apart from the constructor call (after the adapters ran)."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        ignored = {k: v for k, v in kwargs.items() if isinstance(v, Ignored)}
+        self = super().__call__(*args, **{k: v for k, v in kwargs.items() if k not in ignored})
+        self._ignored = ignored
+        return self
+
+
+class _StrategyType(Adaptable, _SetsIgnoredApart):
+    """Strategy's metaclass: the registered argument adapters run first (Adaptable), then Ignored values are set
+    apart (_SetsIgnoredApart), then the class is constructed."""
+
+
+class Strategy(metaclass=_StrategyType):
     """Base class: LR schedule, gradient clipping, step counting, the state protocol, and the hooks a node calls.
 
     Subclasses pass `optim_spec=` to this constructor or set `self.optim_spec` in `__init__` (then
     `self.optim`, alias `self.optimizer`, is built for them in `_init_node`) or build their own optimizer
-    in `_init_node`, and implement `step()`, ending with `super().step()`. Helpers for `step()`:
+    in `_init_node` (the LR schedule is then built over it after `_init_node`, or when the subclass calls
+    `build_scheduler()` there), and implement `step()`, ending with `super().step()` (which advances the LR
+    schedule and the step count). Helpers for `step()`:
     `communicate_gradients()` (average the gradients), `communicate_models()` (average the parameters),
     `update_parameters()` (clip, then the optimizer step).
 
@@ -76,6 +106,11 @@ class Strategy(metaclass=Adaptable):
                 out[name] = value
         return out
 
+    @property
+    def ignored_settings(self) -> dict[str, dict[str, Any]]:
+        """The constructor keywords that had no effect (passed as Ignored): {name: {"value", "reason"}}."""
+        return {k: {"value": v.value, "reason": v.reason} for k, v in getattr(self, "_ignored", {}).items()}
+
     def __init__(self, lr_scheduler: str | type | Callable[..., Any] | None = None,
                  lr_scheduler_kwargs: Mapping[str, Any] | None = None, *, warmup_steps: int | None = None,
                  cosine_anneal: bool | None = None, min_lr_factor: float | None = None,
@@ -104,8 +139,17 @@ class Strategy(metaclass=Adaptable):
                 raise TypeError(f"{name} has an lr_scheduler but no self.optim after _init_node; {fix}")
             if type(self).zero_grad is Strategy.zero_grad:  # the default zero_grad and step need one
                 raise TypeError(f"{name} has no optimizer (self.optim) after _init_node; {fix}")
-        if self.lr_schedule is not None and self.scheduler is None:
-            self.scheduler = self.lr_schedule.build(self.optim, max_steps=context.max_steps)
+        self.build_scheduler()
+
+    def build_scheduler(self) -> None:
+        """Build the LR schedule over `self.optim`, once: setup() calls it after _init_node; a subclass that builds
+        its optimizer in _init_node may call it there itself (a later call changes nothing)."""
+        if self.lr_schedule is None or self.scheduler is not None:
+            return
+        if getattr(self, "optim", None) is None:
+            raise TypeError(f"{type(self).__name__} has an lr_scheduler but no self.optim yet; build self.optim "
+                            "before the LR schedule")
+        self.scheduler = self.lr_schedule.build(self.optim, max_steps=self._context().max_steps)
 
     def check_constructed(self) -> None:
         """Trainer.fit asks before any node starts: a subclass that skipped Strategy.__init__ cannot run."""
@@ -192,8 +236,9 @@ class Strategy(metaclass=Adaptable):
     def global_state(self) -> Mapping[str, torch.Tensor] | None:
         """State-dict entries of the global model that are equal on every node by construction (DDP's
         replicated parameters, DiLoCo's outer parameters); the rest of the global model is the average over
-        model_sources(). None (the default): the global model is the average of the nodes' models."""
-        return None
+        model_sources(). The default: the frozen parameters (requires_grad=False, which no strategy changes or
+        sends), so the global model holds them bit for bit; the rest is the average of the nodes' models."""
+        return frozen_state(self.model) or None
 
     def model_sources(self, candidates: list[int], steps_done: int) -> list[int]:
         """Among `candidates` (the nodes up, or those that were up before nodes came up), the ones whose
@@ -223,10 +268,11 @@ class Strategy(metaclass=Adaptable):
 
     @torch.no_grad()
     def communicate_models(self) -> None:
-        """Average the floating-point parameters over the nodes that are up (model averaging, FedAvg's exchange):
-        one all-reduce per dtype, 2 (K-1)/K x the parameters' bytes per node. Call it on every node together."""
+        """Average the trainable floating-point parameters over the nodes that are up (model averaging, FedAvg's
+        exchange): one all-reduce per dtype, 2 (K-1)/K x their bytes per node (frozen parameters, the same on every
+        node, are not sent). Call it on every node together."""
         if self.num_nodes > 1:
-            mean_([p.data for p in self.model.parameters() if p.is_floating_point()])
+            mean_([p.data for p in trainable_parameters(self.model) if p.is_floating_point()])
 
     def update_parameters(self) -> None:
         """Clip the gradients (max_norm) and take the optimizer step: the local update after communicating."""
@@ -237,3 +283,15 @@ class Strategy(metaclass=Adaptable):
 def parameter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's state-dict entries that are parameters (tied weights under each of their names)."""
     return {k: v.detach() for k, v in model.state_dict(keep_vars=True).items() if isinstance(v, torch.nn.Parameter)}
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters a strategy communicates: those with requires_grad. Frozen ones (requires_grad=False) are the
+    same on every node and stay so: no strategy sends them."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def frozen_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state-dict entries that are frozen parameters (requires_grad=False)."""
+    return {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()
+            if isinstance(v, torch.nn.Parameter) and not v.requires_grad}

@@ -24,7 +24,7 @@ from exogym.adapters import Adaptable
 from exogym.comm.collectives import Group, new_group
 from exogym.strategy.context import NodeContext
 from exogym.strategy.optim import OptimSpec, ensure_optim_spec, pop_optimizer_options
-from exogym.strategy.base import Strategy, strategy_keywords
+from exogym.strategy.base import Strategy, frozen_state, strategy_keywords
 
 __all__ = ["CommunicationModule", "CommunicateOptimizeStrategy", "ModularStrategy",
            "round_generator"]
@@ -178,11 +178,12 @@ class ModularStrategy(Strategy):
             m.finish(self.local_step)
 
     def global_state(self) -> Mapping[str, torch.Tensor] | None:
+        frozen = frozen_state(self.model)  # the same on every node: no module sends or changes them
         for m in self.modules:
             state = m.global_state(self.local_step)
             if state is not None:
-                return state
-        return None
+                return {**frozen, **state}
+        return frozen or None
 
     def model_sources(self, candidates: list[int], steps_done: int) -> list[int]:
         for m in self.modules:

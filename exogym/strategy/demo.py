@@ -135,7 +135,7 @@ class DeMo(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:
         if closure is not None:
             raise TypeError("DeMo.step does not take a closure")
-        entries = [(p, g) for g in self.param_groups for p in g["params"]]
+        entries = [(p, g) for g in self.param_groups for p in g["params"] if p.requires_grad]  # frozen: not sent
         sent = [self.extract(p, g) for p, g in entries]
         for p, _ in entries:
             p.grad = None  # in the momentum now: a node waiting in the all-gather holds no gradients (zero_grad's None)

@@ -14,6 +14,7 @@ from exogym.comm.collectives import alive_ranks, all_reduce
 from exogym.strategy.communicate_optimize_strategy import (CommunicationModule, ModularStrategy, compressor_state,
                                                            round_generator)
 from exogym.comm.mean import mean_
+from exogym.strategy.base import trainable_parameters
 from exogym.strategy.optim import OptimSpec, ensure_optim_spec
 from exogym.strategy.outer_model import kept_nodes, outer_model_for
 
@@ -83,7 +84,7 @@ class DiLoCoCommunicator(CommunicationModule):
         kept = [r for r in self.kept_nodes(round_index) if r in up]
         if not kept:
             return  # every pseudo-gradient of the round was lost: nothing to apply, nothing to send
-        params = list(self.model.parameters())
+        params = trainable_parameters(self.model)
         grads = self.outer.pseudo_gradient(params, keep=self.rank in kept)
         self._reduce(grads, kept)
         self.outer.step(grads, sync=round_index)
@@ -125,7 +126,7 @@ class DiLoCoCommunicator(CommunicationModule):
             self.compression.load_state_dict(state["local"]["compression"])
 
     def joined(self) -> None:
-        self.outer.merge(list(self.model.parameters()))  # the joiner's round starts from the global model
+        self.outer.merge(trainable_parameters(self.model))  # the joiner's round starts from the global model
         if self.compression is not None:
             self.compression.load_state_dict({})  # the survivor's unsent error is not the joiner's
 

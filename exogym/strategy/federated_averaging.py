@@ -15,6 +15,7 @@ from exogym.comm.collectives import alive_ranks, broadcast, in_running_node
 from exogym.strategy.communicate_optimize_strategy import (CommunicationModule, ModularStrategy, compressor_state,
                                                            round_generator)
 from exogym.comm.mean import compressed_mean, mean_
+from exogym.strategy.base import trainable_parameters
 from exogym.strategy.optim import OptimSpec
 
 __all__ = ["AveragingCommunicator", "FedAvgStrategy"]
@@ -90,7 +91,7 @@ class AveragingCommunicator(CommunicationModule):
             raise ValueError(f"island_size must divide the {m} nodes taking part in a round (num_nodes={num_nodes}"
                              f", client_sampling={self.client_sampling}), got {self.island_size}; use one of {sizes}")
         if self.compression is not None:  # theta_last: the model every node held after the last average
-            self.last_average = [p.detach().clone() for p in model.parameters()]
+            self.last_average = [p.detach().clone() for p in trainable_parameters(model)]
 
     # ---- rounds: which steps, who takes part, with whom (the same answer on every node) ------------------
     def _round_length(self, round_index: int) -> int:
@@ -179,7 +180,7 @@ class AveragingCommunicator(CommunicationModule):
 
     @torch.no_grad()
     def _average_islands(self, islands: list[list[int]]) -> None:
-        params = [p for p in self.model.parameters()]
+        params = trainable_parameters(self.model)  # frozen parameters are the same everywhere: not sent
         for island in islands:
             group = self._group(island)  # every node makes every island's group, in the same order
             if self.rank not in island:
@@ -207,7 +208,7 @@ class AveragingCommunicator(CommunicationModule):
         members = alive_ranks()
         if len(members) == 1:
             return
-        params = list(self.model.parameters())
+        params = trainable_parameters(self.model)
         share = self._share(members)
         scale = 1.0 if share is None else share * len(members)  # the mean of K share_k change_k is the weighted mean
         changes = [(p.detach() - last) * scale for p, last in zip(params, self.last_average)]
@@ -227,7 +228,7 @@ class AveragingCommunicator(CommunicationModule):
             group = self._group([src, newcomer])
             if self.rank not in (src, newcomer):
                 continue
-            for flat, tensors in flatten_by_dtype(p.data for p in self.model.parameters()):
+            for flat, tensors in flatten_by_dtype(p.data for p in trainable_parameters(self.model)):
                 broadcast(flat, src=src, group=group)
                 if self.rank == newcomer:
                     unflatten_into(flat, tensors)

@@ -20,6 +20,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from exogym.comm.flatten import flat_views
+from exogym.strategy.base import trainable_parameters
 from exogym.strategy.context import kept_once
 from exogym.strategy.optim import OptimSpec
 
@@ -27,15 +28,17 @@ __all__ = ["OuterModel", "outer_model_for", "kept_nodes"]
 
 
 class OuterModel:
-    """theta_g (master parameters, kept on the CPU: touched once per round) and its outer optimizer.
+    """theta_g (master parameters, kept on the CPU: touched once per round) and its outer optimizer, over the
+    model's trainable parameters (`trainable_parameters`: frozen ones are never sent; the lists of parameters its
+    methods take are in that order).
 
     normalize=True rescales the averaged pseudo-gradient to unit L2 norm (over the whole model) before the
     outer step ("sgd_normalized").
     """
 
     def __init__(self, model: torch.nn.Module, spec: OptimSpec, *, normalize: bool = False):
-        self.names = [name for name, _ in model.named_parameters()]
-        self.master = [torch.nn.Parameter(p.detach().to("cpu", copy=True)) for p in model.parameters()]
+        self.names = [name for name, p in model.named_parameters() if p.requires_grad]
+        self.master = [torch.nn.Parameter(p.detach().to("cpu", copy=True)) for p in trainable_parameters(model)]
         self.optim = spec.build(self.master)
         self.normalize = normalize
         self.applied_through = -1  # the last sync whose outer step is in theta_g (syncs count up from 0)

@@ -15,6 +15,7 @@ import torch
 from exogym._validation import check_int, check_number
 from exogym.comm.compression import Quantizer, TopK, compressor_from
 from exogym.comm.collectives import alive_ranks
+from exogym.strategy.base import trainable_parameters
 from exogym.strategy.context import kept_once
 from exogym.strategy.communicate_optimize_strategy import (CommunicationModule, ModularStrategy, compressor_state,
                                                            round_generator)
@@ -95,7 +96,7 @@ class SparseCommunicator(CommunicationModule):
         self._apply_due(local_step)
         if local_step % self.interval or len(alive_ranks()) == 1:
             return  # not an averaging step, or the average of one node is itself
-        params = list(self.model.parameters())
+        params = trainable_parameters(self.model)
         chosen = self.select(local_step // self.interval, [p.numel() for p in params])
         sent = self._gather(params, chosen)
         averaged = [v.clone() for v in sent]
@@ -178,7 +179,7 @@ class SparseCommunicator(CommunicationModule):
         """Apply the averages sent async_delay steps ago, as corrections on top of the local progress since."""
         params = None
         while self.pending and self.pending[0][0] <= local_step:
-            params = params or list(self.model.parameters())
+            params = params or trainable_parameters(self.model)
             for i, idx, correction in self.pending.popleft()[1]:
                 params[i].view(-1).index_add_(0, idx.to(params[i].device), correction)
 
@@ -227,14 +228,14 @@ class TopKSparseCommunicator(CommunicationModule):
     @torch.no_grad()
     def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
         self.model, self.num_nodes = model, num_nodes
-        self.shared = [p.detach().clone() for p in model.parameters()]  # theta_g, identical on every node
+        self.shared = [p.detach().clone() for p in trainable_parameters(model)]  # theta_g, identical on every node
         self.selector = TopK(self.p_sparta, values=self.compression)
 
     @torch.no_grad()
     def communicate(self, model: torch.nn.Module, rank: int, num_nodes: int, local_step: int) -> None:
         if local_step % self.interval or len(alive_ranks()) == 1:
             return
-        params = list(self.model.parameters())
+        params = trainable_parameters(self.model)
         drift = [p.detach() - g for p, g in zip(params, self.shared)]  # what node i has not shared yet
         pending = start_mean(drift, self.selector)
         for p, g, d, sent, mean in zip(params, self.shared, drift, pending.sent(), pending.wait()):
@@ -251,7 +252,7 @@ class TopKSparseCommunicator(CommunicationModule):
 
     @torch.no_grad()
     def joined(self) -> None:
-        for g, p in zip(self.shared, self.model.parameters()):
+        for g, p in zip(self.shared, trainable_parameters(self.model)):
             p.copy_(g)  # the joiner has sent everything: nothing unsent yet
 
 

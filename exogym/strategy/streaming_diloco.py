@@ -17,6 +17,7 @@ from exogym.strategy.communicate_optimize_strategy import (CommunicationModule, 
                                                            round_generator)
 from exogym.strategy.diloco import _one_of, outer_choice, outer_spec
 from exogym.comm.mean import PendingMean, start_mean
+from exogym.strategy.base import trainable_parameters
 from exogym.strategy.optim import OptimSpec
 from exogym.strategy.outer_model import OuterModel, kept_nodes, outer_model_for
 
@@ -165,7 +166,7 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
         kept = self.kept_nodes(sync_index)
         if not kept:
             return  # every pseudo-gradient of this sync was lost: nothing to apply, nothing to send
-        grads = self.outer.pseudo_gradient(list(self.model.parameters()), self.fragments[fragment],
+        grads = self.outer.pseudo_gradient(trainable_parameters(self.model), self.fragments[fragment],
                                            keep=self.rank in kept)
         if self.num_nodes == 1:
             self.in_flight.append((due, fragment, kept, _Arrived(grads), sync_index))
@@ -181,7 +182,7 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
             _, fragment, kept, mean, sync = self.in_flight.popleft()
             self.outer.step(mean.wait(), self.fragments[fragment], sync=sync)
             if self.rank in kept:
-                self.outer.merge(list(self.model.parameters()), self.fragments[fragment], self.alpha)
+                self.outer.merge(trainable_parameters(self.model), self.fragments[fragment], self.alpha)
 
     def global_state(self, local_step: int) -> Mapping[str, torch.Tensor]:
         return self.outer.global_state()
