@@ -1,7 +1,8 @@
 """Scaling K in the DiLoCo scaling-laws setting: DDP against DiLoCo with K = 1, 2, 4, 8 replicas on Shakespeare.
 
-    OMP_NUM_THREADS=1 python examples/shakespeare_scaling.py           # 24 runs, ~30 minutes on one CPU thread
-    OMP_NUM_THREADS=1 python examples/shakespeare_scaling.py --quick   # a smoke test, about a minute
+    OMP_NUM_THREADS=1 python examples/shakespeare_scaling.py             # 24 runs, ~30 minutes on one CPU thread
+    OMP_NUM_THREADS=1 python examples/shakespeare_scaling.py --quick     # a smoke test, about a minute
+    python examples/shakespeare_scaling.py --workers 2                   # two runs at once, one thread each
 
 The setting of Charles et al. 2025, "Communication-Efficient Language Model Training Scales Reliably
 and Robustly: Scaling Laws for DiLoCo" (arXiv 2503.09799), at toy scale: a character-level GPT, the
@@ -12,6 +13,11 @@ batch, so its row is a check as well as the baseline. Every run starts from the 
 the same warmup + cosine schedule. Printed: a markdown table (held-out loss per K and outer lr, the
 best lr, DDP, the gap, MB sent per node) and text from the best models; the plot (held-out loss
 against outer lr, one line per K, DDP dashed) and the table go to --out.
+
+The runs are an exogym sweep (exogym.sweep): DDP at each K, and DiLoCo at each K and outer lr, each a run
+folder under --out/<preset>-seed<seed>/runs/ with the sweep's own table, frontier and heatmap beside them.
+Run the script again and the sweep resumes: finished runs are read, not rerun; a run that was interrupted
+runs again.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from exogym import Trainer
 from exogym.data.shakespeare import CharBlocks, load_shakespeare
 from exogym.models import GPT
 from exogym.strategy import DiLoCoStrategy, OptimSpec, SimpleReduceStrategy
+from exogym.sweep import grid, run_folder, sweep
 
 BLOCK = 64  # characters of context per example
 # "full" is sized for a 2-core CPU: its 24 runs (4 DDP, 20 DiLoCo) in ~30 minutes on one thread.
@@ -37,16 +44,6 @@ PRESETS = {
     "quick": {"steps": 120, "global_batch": 16, "n_layer": 2, "n_head": 4, "n_embd": 64, "ks": [1, 4],
               "outer_lrs": [0.4, 1.0], "val_blocks": 512},
 }
-
-
-@dataclass
-class Result:
-    strategy: str  # "DDP" or "DiLoCo"
-    nodes: int
-    outer_lr: float | None  # None for DDP
-    loss: float  # held-out cross-entropy, nats per character
-    mb_per_node: float
-    seconds: float
 
 
 def parse_args() -> argparse.Namespace:
@@ -64,6 +61,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3, help="inner AdamW peak learning rate")
     parser.add_argument("--seed", type=int, default=0, help="weights, data order and sampling")
     parser.add_argument("--sample", type=int, default=300, help="characters to generate from the best models")
+    parser.add_argument("--workers", type=int, default=1, help="runs at once, each in its own process")
     parser.add_argument("--out", type=Path, default=Path("runs/shakespeare_scaling"))
     args = parser.parse_args()
     for name, value in PRESETS["quick" if args.quick else "full"].items():
@@ -96,22 +94,70 @@ def held_out_loss(model: torch.nn.Module, blocks: tuple[torch.Tensor, torch.Tens
     return total / len(x)  # every block has BLOCK characters, so this is the mean per character
 
 
-def markdown_table(results: list[Result], ks: list[int], lrs: list[float]) -> str:
+@dataclass(frozen=True)
+class ScalingRun:
+    """One run of the study: sweep(ScalingRun(...), ...) calls it with {"strategy", "nodes", "outer_lr", "seed"}.
+    A dataclass at module level, so that --workers N can send it to worker processes."""
+
+    steps: int
+    global_batch: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    H: int
+    lr: float
+    val_blocks: int
+
+    def __call__(self, config: dict) -> tuple:
+        train, blocks = _data(self.val_blocks)
+        torch.manual_seed(config["seed"])  # the same initial weights for every run; no dropout, so DDP on K = 1 node
+        model = GPT(train.vocab.size, BLOCK, n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd)
+        adamw = OptimSpec(torch.optim.AdamW, lr=self.lr, weight_decay=0.1)
+        common = {"max_norm": 1.0, "warmup_steps": max(1, self.steps // 10), "cosine_anneal": True}
+        strategy = (SimpleReduceStrategy(adamw, **common) if config["strategy"] == "ddp" else
+                    DiLoCoStrategy(adamw, H=self.H, outer_lr=config["outer_lr"], outer_momentum=0.9, nesterov=True,
+                                   **common))
+        k = config["nodes"]
+        trainer = Trainer(model, train, None)
+        final = trainer.fit(strategy, k, max_steps=self.steps, batch_size=self.global_batch // k, seed=config["seed"],
+                            device="cpu")
+        folder = run_folder()
+        if folder is not None:  # the model beside the run's record, for the samples below
+            torch.save(final.state_dict(), folder / "model.pt")
+        return trainer.record, {"held_out_loss": held_out_loss(final, blocks)}
+
+
+_DATA: dict[int, tuple] = {}
+
+
+def _data(val_blocks: int) -> tuple[CharBlocks, tuple[torch.Tensor, torch.Tensor]]:
+    """The training blocks and the held-out blocks, loaded once per process."""
+    if val_blocks not in _DATA:
+        train, val = load_shakespeare("train", block_size=BLOCK), load_shakespeare("val", block_size=BLOCK)
+        _DATA[val_blocks] = (train, held_out_blocks(val, val_blocks))
+    return _DATA[val_blocks]
+
+
+def _row(rows: list[dict], strategy: str, k: int, lr: float | None = None) -> dict:
+    return next(r for r in rows if r["strategy"] == strategy and r["nodes"] == k and (lr is None or r["outer_lr"] == lr))
+
+
+def markdown_table(rows: list[dict], ks: list[int], lrs: list[float]) -> str:
     lines = ["| K | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " | best lr | best DiLoCo | DDP | gap | "
              "MB/node DiLoCo | MB/node DDP |",
              "|---|" + "---:|" * (len(lrs) + 6)]
     for k in ks:
-        diloco = {r.outer_lr: r for r in results if r.strategy == "DiLoCo" and r.nodes == k}
-        ddp = next(r for r in results if r.strategy == "DDP" and r.nodes == k)
-        best = min(diloco.values(), key=lambda r: r.loss)
-        gap = 100 * (best.loss - ddp.loss) / ddp.loss
-        lines.append(f"| {k} | " + " | ".join(f"{diloco[lr].loss:.4f}" for lr in lrs) +
-                     f" | {best.outer_lr:g} | {best.loss:.4f} | {ddp.loss:.4f} | {gap:+.2f}% | "
-                     f"{best.mb_per_node:.2f} | {ddp.mb_per_node:.2f} |")
+        diloco = {lr: _row(rows, "diloco", k, lr) for lr in lrs}
+        ddp = _row(rows, "ddp", k)
+        best = min(diloco.values(), key=lambda r: r["objective"])
+        gap = 100 * (best["objective"] - ddp["objective"]) / ddp["objective"]
+        lines.append(f"| {k} | " + " | ".join(f"{diloco[lr]['objective']:.4f}" for lr in lrs) +
+                     f" | {best['outer_lr']:g} | {best['objective']:.4f} | {ddp['objective']:.4f} | {gap:+.2f}% | "
+                     f"{best['wire_bytes_per_node'] / 1e6:.2f} | {ddp['wire_bytes_per_node'] / 1e6:.2f} |")
     return "\n".join(lines)
 
 
-def plot(results: list[Result], ks: list[int], lrs: list[float], out: Path) -> Path | None:
+def plot(rows: list[dict], ks: list[int], lrs: list[float], out: Path) -> Path | None:
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -122,10 +168,10 @@ def plot(results: list[Result], ks: list[int], lrs: list[float], out: Path) -> P
     ax = fig.add_subplot()
     for i, k in enumerate(ks):
         color = f"C{i}"
-        ax.plot(lrs, [next(r.loss for r in results if r.strategy == "DiLoCo" and r.nodes == k and r.outer_lr == lr)
-                      for lr in lrs], marker="o", color=color, label=f"DiLoCo K={k}")
-        ddp = next(r.loss for r in results if r.strategy == "DDP" and r.nodes == k)
-        ax.axhline(ddp, color=color, linestyle="--", linewidth=1, label=f"DDP, {k} node{'s' * (k > 1)}")
+        ax.plot(lrs, [_row(rows, "diloco", k, lr)["objective"] for lr in lrs], marker="o", color=color,
+                label=f"DiLoCo K={k}")
+        ax.axhline(_row(rows, "ddp", k)["objective"], color=color, linestyle="--", linewidth=1,
+                   label=f"DDP, {k} node{'s' * (k > 1)}")
     ax.set_xlabel("outer learning rate (Nesterov SGD, momentum 0.9)")
     ax.set_ylabel("held-out loss (nats per character)")
     ax.set_title("DiLoCo vs DDP on Shakespeare, equal tokens per run")
@@ -138,59 +184,57 @@ def plot(results: list[Result], ks: list[int], lrs: list[float], out: Path) -> P
 
 def main() -> None:
     args = parse_args()
-    train, val = load_shakespeare("train", block_size=BLOCK), load_shakespeare("val", block_size=BLOCK)
-    blocks = held_out_blocks(val, args.val_blocks)
-
-    def new_model() -> GPT:  # the same initial weights for every run; no dropout, so DDP on K nodes = 1 node
-        torch.manual_seed(args.seed)
-        return GPT(train.vocab.size, BLOCK, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
-
-    adamw = OptimSpec(torch.optim.AdamW, lr=args.lr, weight_decay=0.1)
-    common = {"max_norm": 1.0, "warmup_steps": max(1, args.steps // 10), "cosine_anneal": True}
-    params = sum(p.numel() for p in new_model().parameters())
+    run = ScalingRun(args.steps, args.global_batch, args.n_layer, args.n_head, args.n_embd, args.H, args.lr,
+                     args.val_blocks)
+    train, blocks = _data(args.val_blocks)
+    params = sum(p.numel() for p in GPT(train.vocab.size, BLOCK, n_layer=args.n_layer, n_head=args.n_head,
+                                        n_embd=args.n_embd).parameters())
     print(f"GPT {args.n_layer}x{args.n_embd} ({params:,} parameters); {args.steps} steps x {args.global_batch} "
           f"blocks x {BLOCK} characters = {args.steps * args.global_batch * BLOCK:,} training tokens per run; "
           f"H={args.H} ({args.steps // args.H} rounds); held-out: {len(blocks[0]) * BLOCK:,} characters; "
           f"seed {args.seed}\n", flush=True)
 
-    runs = [("DDP", k, None) for k in args.ks] + [("DiLoCo", k, lr) for k in args.ks for lr in args.outer_lrs]
-    results: list[Result] = []
-    best: dict[str, tuple[float, str, GPT]] = {}  # per strategy: the lowest held-out loss, its label and model
+    # DDP at every K, DiLoCo at every K and outer lr: a union of two grids, 4 + 20 runs for "full".
+    space = (grid(strategy="ddp", nodes=args.ks, seed=[args.seed]) +
+             grid(strategy="diloco", nodes=args.ks, outer_lr=args.outer_lrs, seed=[args.seed]))
+    folder = args.out / f"sweep-seed{args.seed}"
     start_all = time.perf_counter()
-    for name, k, outer_lr in runs:
-        strategy = (SimpleReduceStrategy(adamw, **common) if name == "DDP" else
-                    DiLoCoStrategy(adamw, H=args.H, outer_lr=outer_lr, outer_momentum=0.9, nesterov=True, **common))
-        trainer = Trainer(new_model(), train, None)
-        start = time.perf_counter()
-        model = trainer.fit(strategy, k, max_steps=args.steps, batch_size=args.global_batch // k, seed=args.seed,
-                            device="cpu", progress=True, logger=False)
-        loss = held_out_loss(model, blocks)
-        result = Result(name, k, outer_lr, loss, trainer.record.bytes_per_node[0] / 1e6, time.perf_counter() - start)
-        results.append(result)
-        label = f"{name} K={k}" + (f" outer lr {outer_lr:g}" if outer_lr is not None else "")
-        print(f"{label:<26} held-out loss {loss:.4f}  sent/node {result.mb_per_node:8.2f} MB  "
-              f"{result.seconds:5.1f} s", flush=True)
-        if name not in best or loss < best[name][0]:
-            best[name] = (loss, label, model)
+    result = sweep(run, space, out=folder, objective="held_out_loss", extra_metrics=["held_out_loss"],
+                   workers=args.workers, resume=(folder / "sweep.json").exists())
     total = time.perf_counter() - start_all
+    rows = result.table()
+    unfinished = [r for r in rows if r["status"] != "completed"]
+    if unfinished:
+        raise SystemExit(f"{len(unfinished)} runs did not complete (see {folder / 'results.md'}); run the script "
+                         "again to resume")
 
-    table = markdown_table(results, args.ks, args.outer_lrs)
+    table = markdown_table(rows, args.ks, args.outer_lrs)
     prompt = train.vocab.encode("ROMEO:\n").unsqueeze(0)  # [1, T]
     samples = []
-    for loss, label, model in sorted(best.values(), key=lambda b: b[0]):
+    for name in ("ddp", "diloco"):  # text from the best model of each strategy
+        best = min((r for r in rows if r["strategy"] == name), key=lambda r: r["objective"])
+        model = GPT(train.vocab.size, BLOCK, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+        model.load_state_dict(torch.load(Path(best["run_dirs"]) / "model.pt", weights_only=True))
         ids = model.generate(prompt, args.sample, temperature=0.8, top_k=20,
                              generator=torch.Generator().manual_seed(args.seed))[0]
-        samples.append(f"--- {label} (held-out loss {loss:.4f}) ---\n{train.vocab.decode(ids)}")
-    report = f"{table}\n\n{len(runs)} runs in {total:.0f} s\n\n" + "\n\n".join(samples)
+        label = f"{'DDP' if name == 'ddp' else 'DiLoCo'} K={best['nodes']}" + \
+            (f" outer lr {best['outer_lr']:g}" if name == "diloco" else "")
+        samples.append((best["objective"], f"--- {label} (held-out loss {best['objective']:.4f}) ---\n"
+                                           f"{train.vocab.decode(ids)}"))
+    samples = [text for _, text in sorted(samples)]
+    report = f"{table}\n\n{len(rows)} runs; the sweep took {total:.0f} s this time (runs already finished are " \
+             f"read, not rerun)\n\n" + "\n\n".join(samples)
     print(f"\n{report}")
 
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.md").write_text(report + "\n")
     (args.out / "results.json").write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v
                                                                 for k, v in vars(args).items()},
-                                                       "parameters": params, "total_seconds": total,
-                                                       "runs": [vars(r) for r in results]}, indent=1))
-    path = plot(results, args.ks, args.outer_lrs, args.out)
+                                                       "parameters": params, "sweep": str(folder),
+                                                       "runs": [{k: r[k] for k in ("strategy", "nodes", "outer_lr",
+                                                                                   "objective", "wire_bytes_per_node",
+                                                                                   "wall_time_s")} for r in rows]},
+                                                      indent=1))
+    path = plot(rows, args.ks, args.outer_lrs, args.out)
     print(f"\nsaved: {args.out / 'results.md'}, {args.out / 'results.json'}"
           + (f", {path}" if path else " (install matplotlib for the plot: pip install 'exogym[plot]')"))
 
