@@ -26,7 +26,7 @@ import sys
 import time
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
