@@ -178,7 +178,7 @@ class TrainNode:
         # The global random streams are this node's own while it runs (the backend swapped them in).
         self.execution.release(self.rank, self.model)
         state = NodeState(done, self.model.state_dict(), self.strategy.state_dict(),
-                          GlobalRNGState.capture(self.device), comm.stats, self.log, comm.clock)
+                          GlobalRNGState.capture(self.device).to_plain(), comm.stats, self.log, comm.clock)
         save_node_state(self.checkpoints, self.rank, state)
         comm.barrier(comm.world)  # every node's file is on disk before node 0 publishes the checkpoint
         if self.rank == 0:

@@ -14,7 +14,7 @@ from exogym.engine.config import RunConfig
 from exogym.engine.execution import Execution
 from exogym.engine.node import TrainNode
 from exogym.runs.record import LiveLog
-from exogym.engine.rng import NodeRNG, NumpyBaton, node_seed
+from exogym.engine.rng import GlobalRNGState, NodeRNG, NumpyBaton, node_seed
 from exogym.strategy.context import KeepOnce, own_copy
 
 __all__ = ["RunPlan"]
@@ -58,5 +58,5 @@ class RunPlan:
 
     def node_rng(self, rank: int, baton: NumpyBaton | None = None) -> NodeRNG:
         """Node `rank`'s streams; `baton`: shared by the nodes that hand over to one another (the sim)."""
-        state = self.resume[rank].rng if self.resume is not None else None
+        state = GlobalRNGState.from_plain(self.resume[rank].rng) if self.resume is not None else None
         return NodeRNG(node_seed(self.seed, rank), self.devices[rank], state, baton)

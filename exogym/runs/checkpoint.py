@@ -27,7 +27,6 @@ import torch
 from exogym.comm.transport import CommStats
 from exogym.runs.fingerprint import fingerprint_differences
 from exogym.runs.record import NodeLog
-from exogym.engine.rng import GlobalRNGState
 from exogym.cluster.simtime import NodeClock
 
 __all__ = ["NodeState", "CheckpointPlan", "CheckpointError", "save_node_state", "finalize_checkpoint",
@@ -48,19 +47,19 @@ class NodeState:
     step: int  # optimizer steps done
     model: dict[str, torch.Tensor]  # model.state_dict()
     strategy: dict[str, Any]  # strategy.state_dict(): {"global": ..., "local": ...}
-    rng: GlobalRNGState
+    rng: dict[str, Any]  # the node's random streams (exogym.engine.rng.GlobalRNGState.to_plain)
     comm_stats: CommStats
     log: NodeLog
     clock: NodeClock
 
     def to_plain(self, rank: int) -> dict[str, Any]:
         return {"format": FORMAT, "rank": rank, "step": self.step, "model": self.model, "strategy": self.strategy,
-                "rng": self.rng.to_plain(), "comm_stats": asdict(self.comm_stats), "log": asdict(self.log),
+                "rng": self.rng, "comm_stats": asdict(self.comm_stats), "log": asdict(self.log),
                 "clock": asdict(self.clock)}
 
     @classmethod
     def from_plain(cls, d: dict[str, Any]) -> "NodeState":
-        return cls(d["step"], d["model"], d["strategy"], GlobalRNGState.from_plain(d["rng"]),
+        return cls(d["step"], d["model"], d["strategy"], d["rng"],
                    CommStats(**d["comm_stats"]), NodeLog(**d["log"]), NodeClock(**d["clock"]))
 
 
