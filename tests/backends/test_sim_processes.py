@@ -113,6 +113,51 @@ def test_groups_straddling_processes_in_a_ring_complete_exactly():
     # average of six nodes over three processes is the only reassociated sum)
 
 
+class EveryCollective(Strategy):
+    """Each collective of the comm layer, every reduce op, async, on the world and on a group straddling
+    processes, with rank-dependent values; what each node received goes into the model so it is compared."""
+
+    def __init__(self):
+        super().__init__(optim_spec=OptimSpec(torch.optim.SGD, lr=0.1))
+
+    def step(self):
+        from exogym.comm import ReduceOp, all_gather, reduce_scatter
+
+        k, r = get_world_size(), get_rank()
+        x = torch.arange(4, dtype=torch.float32) + r * 1.5 + self.local_step
+        got = []
+        for op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PRODUCT):
+            t = x.clone() / 4
+            all_reduce(t, op=op)
+            got.append(t)
+        middle = new_group([k // 2 - 1, k // 2])  # straddles the first two processes
+        if r in (k // 2 - 1, k // 2):
+            t = x.clone()
+            all_reduce(t, group=middle, async_op=True).wait()
+            got.append(t)
+        outs = [torch.empty(4) for _ in range(k)]
+        all_gather(outs, x)
+        got += outs
+        out = torch.empty(4)
+        reduce_scatter(out, [x * (i + 1) for i in range(k)])
+        got.append(out)
+        src = torch.full((4,), float(r))
+        broadcast(src, src=k - 1)
+        got.append(src)
+        barrier(async_op=True).wait()
+        with torch.no_grad():
+            head = next(self.model.parameters())
+            head.view(-1)[:4].add_(torch.stack(got).sum(0) * 1e-3)
+        self.optim.step()
+        super().step()
+
+
+def test_every_collective_and_reduce_op_across_processes():
+    one = _fit(EveryCollective, 1, nodes=5, steps=3)
+    for processes in (2, 3):
+        _same_as_one_process(one, _fit(EveryCollective, processes, nodes=5, steps=3))
+
+
 class ShapeMismatch(Strategy):
     def __init__(self):
         super().__init__(optim_spec=OptimSpec(torch.optim.SGD, lr=0.1))
