@@ -52,7 +52,9 @@ def run_exogym(model: str, k: int, name: str, steps: int, warmup: int, processes
     total = time.perf_counter() - started
     walls = trainer.record.column("wall_time_s")  # seconds since the run started, per step
     per_step = (walls[-1] - walls[warmup - 1]) / (steps - warmup)
-    return {"step_s": per_step, "startup_s": total - per_step * steps}
+    own = [c["process_peak_rss_mb"] for c in trainer.record.comm_per_node if "process_peak_rss_mb" in c]
+    peak = max(own) if own else trainer.record.peak_memory_mb["process_rss"]  # per simulating process
+    return {"step_s": per_step, "startup_s": total - per_step * steps, "peak_mb": peak}
 
 
 def _plain_process(rank: int, model: str, k: int, name: str, steps: int, warmup: int, port: int, out) -> None:
@@ -141,11 +143,22 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, nargs="+", default=[8, 16, 64])
     parser.add_argument("--strategies", nargs="+", default=["ddp", "diloco"], choices=["ddp", "diloco"])
     parser.add_argument("--seconds", type=float, default=10.0, help="aim for runs at least this long (timed part)")
+    parser.add_argument("--memory", action="store_true",
+                        help="instead: peak resident memory per simulating process, 1 process against 2 (20 steps)")
     parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         mode, model, k, name, steps, warmup = args.child
         return child(mode, model, int(k), name, int(steps), int(warmup))
+    if args.memory:
+        print("peak resident MB per simulating process (the caller apart), 20 steps, one thread each")
+        print(f"{'model':>5} {'K':>3} {'strategy':>8} {'1 process':>10} {'2 processes':>12} {'ratio':>6}")
+        for model in args.models:
+            for k in args.nodes:
+                for name in args.strategies:
+                    one, two = (measure(m, model, k, name, 20, H)["peak_mb"] for m in ("1 proc, 1 thr", "2 procs"))
+                    print(f"{model:>5} {k:>3} {name:>8} {one:>10.0f} {two:>12.0f} {two / one:>6.2f}", flush=True)
+        return
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, batch {BATCH}/node, AdamW, DiLoCo H={H}; "
           "wall seconds per step after the warm-up (start-up apart); each cell its own process")
     print(f"{'model':>5} {'K':>3} {'strategy':>8} {'steps':>5} " + " ".join(f"{m:>14}" for m in MODES)
