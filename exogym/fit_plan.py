@@ -19,7 +19,7 @@ from exogym.data.partition import Partition
 from exogym.data.sharding import NodeBatches
 from exogym.engine.devices import MemoryCap
 from exogym.engine.plan import RunPlan
-from exogym.fit_setup import check_trainable, take_ignored_settings, versions
+from exogym.fit_setup import take_ignored_settings, versions
 from exogym.runs.checkpoint import NodeState, check_resume, find_checkpoint, load_checkpoint, read_manifest
 from exogym.runs.folder import RunClaim
 from exogym.runs.loggers import Logger
@@ -132,9 +132,7 @@ def resume_point(resume_from: Any, fingerprint: dict[str, Any], devices: list[to
 def run_config(o: FitArguments, *, model: torch.nn.Module, data: RunData, time_model: Any,
                devices: list[torch.device], loader: dict[str, Any], execution: tuple[str, str]) -> dict[str, Any]:
     """The run's config.json: every setting that shapes it, given or derived; the settings that had no effect are
-    listed apart, under "ignored" (name -> value and why). A model with nothing to train is refused here, before
-    any node starts."""
-    check_trainable(model)
+    listed apart, under "ignored" (name -> value and why)."""
     ignored = dict(getattr(o, "ignored", {}))
     ignored.update({f"strategy.{k}": v for k, v in o.strategy.ignored_settings.items()})
     if o.max_steps is not None and o.num_epochs != 1:  # 1: fit's default, not a setting

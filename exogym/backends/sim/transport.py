@@ -207,15 +207,16 @@ class SimTransport(TransportBase):
                 for c in calls:
                     c.args["done_at"] = done_at
 
-        def settle(calls: list[CollectiveCall], start: float) -> None:  # a collective across processes
-            if timed:
+        crossing = self.owner is not None and any(self.owner[r] != self.owner[self.rank] for r in group.ranks)
+        settle = None
+        if crossing and timed:  # across processes: the members here leave from the last arrival anywhere
+            def settle(calls: list[CollectiveCall], start: float) -> None:
                 done_at = self.time_model.leave([(c.args["clock"], c.args["arrival"], c.blocking) for c in calls],
                                                 start, name, payload, group.ranks)
                 for c in calls:
                     c.args["done_at"] = done_at
 
-        whole = not self.crosses(group)  # folding into one accumulator needs every member's tensor here
-        fold = (_fold_arrivals if name == "all_reduce" and group.size > 1 and whole
+        fold = (_fold_arrivals if name == "all_reduce" and group.size > 1 and not crossing  # needs every tensor here
                 and args["op"] in (ReduceOp.SUM, ReduceOp.AVG)
                 else _release_gather_outputs if name == "all_gather" and group.size > 1
                 else None)  # alone in the group there is nothing to fold, and no buffer to give back
@@ -255,9 +256,6 @@ class SimTransport(TransportBase):
     def new_group(self, ranks: Sequence[int]) -> Group:
         return make_group(ranks, self.num_nodes)
 
-    def crosses(self, group: Group) -> bool:
-        """Whether some of the group's members run in other processes (processes=P)."""
-        return self.owner is not None and any(self.owner[r] != self.owner[self.rank] for r in group.ranks)
 
 
 class SimWork:
