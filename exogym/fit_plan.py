@@ -19,11 +19,13 @@ from exogym.data.partition import Partition
 from exogym.data.sharding import NodeBatches
 from exogym.engine.devices import MemoryCap
 from exogym.engine.plan import RunPlan
+from exogym.fit_end import ending
 from exogym.fit_setup import take_ignored_settings, versions
 from exogym.runs.checkpoint import NodeState, check_resume, find_checkpoint, load_checkpoint, read_manifest
 from exogym.runs.folder import RunClaim
 from exogym.runs.loggers import Logger
 from exogym.runs.progress import RunProgress
+from exogym.runs.record import RunRecord
 from exogym.strategy.base import Strategy
 
 __all__ = ["FitArguments", "check_arguments", "check_processes", "RunData", "ResumePoint", "resume_point", "run_config", "FitRun",
@@ -192,11 +194,26 @@ class FitRun:
         if self.claim is not None:
             self.claim.abandon()
 
-    def fail(self, error: BaseException) -> None:
-        """The nodes ran and one failed: the loggers and the run folder say so."""
+    def fail(self, error: BaseException) -> RunRecord | None:
+        """The nodes ran and stopped part-way: the record of every step they all completed (also to the loggers),
+        and the loggers and the run folder say how the run ended (exogym.fit_end.ending)."""
+        record = None
+        if self.plan is not None:
+            record = RunRecord.from_nodes(self.plan.live.partial_logs(), config=self.config,
+                                          global_batch=self.config["global_batch"],
+                                          wall_time_s=time.perf_counter() - self.started)
+        end = ending(error, self.plan.checkpoints.root if self.plan is not None and self.plan.checkpoints else None)
         if self.bar is not None:
             self.bar.close()
         if self.logger is not None:
-            self.logger.finish({"status": "failed", "error": f"{type(error).__name__}: {error}"})
+            self.logger.finish({**end, **(record.summary() if record is not None else {})})
         if self.claim is not None:
-            self.claim.release("failed")
+            self.claim.release(end["status"])
+        return record
+
+    @property
+    def folder(self) -> str | None:
+        """The run folder (the first, when the loggers write several), once claimed; None when there is none (a
+        run that failed before its first training row gives its folder back)."""
+        folders = [f for f in self.claim.folders if f.is_dir()] if self.claim is not None else []
+        return str(folders[0]) if folders else None

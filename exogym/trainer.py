@@ -25,6 +25,7 @@ from exogym.engine.config import RunConfig
 from exogym.engine.devices import DeviceLike, memory_fraction, resolve_node_devices
 from exogym.engine.plan import RunPlan
 from exogym.engine.rng import GlobalRNGState
+from exogym.fit_end import ending, interrupt_on_sigterm, trace_non_finite
 from exogym.fit_plan import (FitArguments, FitRun as _Run, RunData, check_arguments, check_processes,
                              keeps_one_replica, resume_point, run_config)
 from exogym.fit_setup import (announce, build_node_batches, build_time_model, build_val_batches, check_trainable,
@@ -284,11 +285,18 @@ class Trainer:
         run.started = time.perf_counter()
         caller_rng = GlobalRNGState.capture()  # the caller's random streams are theirs: put them back after
         try:
-            run.memory_cap.apply()
-            return run.runner(run.plan)
+            with interrupt_on_sigterm():
+                run.memory_cap.apply()
+                return run.runner(run.plan)
         except BaseException as e:
-            run.fail(e)
-            raise
+            error = trace_non_finite(e, run.plan.live.partial_logs())
+            self.record = error.record = run.fail(error)  # what the nodes trained, also after the exception
+            error.run_folder = run.folder
+            if isinstance(error, KeyboardInterrupt):
+                _note_interrupted(error, run, len(self.record.train) if self.record is not None else 0)
+            if error is e:
+                raise
+            raise error from None
         finally:
             caller_rng.restore()
             run.memory_cap.reset()
@@ -309,6 +317,17 @@ class Trainer:
         final_model = copy.deepcopy(self.model).to(run.devices[0])
         final_model.load_state_dict(final_state, strict=True)
         return final_model
+
+
+def _note_interrupted(error: BaseException, run: _Run, steps: int) -> None:
+    """Say where an interrupted run stands and how to continue it."""
+    checkpoints = run.plan.checkpoints if run.plan is not None else None
+    newest = ending(error, checkpoints.root if checkpoints is not None else None)["resume_from"]
+    how = (f"continue it with fit(..., resume_from={newest!r})" if newest is not None else
+           "it had no checkpoint to resume from (fit's checkpoint_interval saves them)")
+    where = f" (run folder {run.folder})" if run.folder else ""
+    if hasattr(error, "add_note"):
+        error.add_note(f"exogym: the run was interrupted after {steps} trained step(s){where}; {how}")
 
 
 def _runner(backend: str, launch: Any, processes: int) -> Callable[[RunPlan], list[Any]]:

@@ -11,7 +11,7 @@ import copy
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -30,13 +30,14 @@ from exogym.engine.rng import GlobalRNGState
 from exogym.strategy.context import KeepOnce, NodeContext, own_copy
 
 
-__all__ = ["TrainNode", "parse_model_output"]
+__all__ = ["TrainNode", "parse_model_output", "NonFiniteLoss", "keep_completed_rows"]
 
 
 @dataclass
 class _StepRecord:
     """One step's measurements until the next flush (losses stay on the device until then)."""
 
+    step: int  # optimizer steps done after it (from 1)
     loss: torch.Tensor | None  # None: the node sat the step out (down, or not sampled)
     metrics: dict[str, torch.Tensor]
     lr: float
@@ -47,7 +48,16 @@ class _StepRecord:
 
 
 class NonFiniteLoss(FloatingPointError):
-    """A node's training loss is nan or inf; the message names the node and the step."""
+    """A loss is nan or inf: a node's training loss, or the validation loss. The message names where it first
+    appeared: `rank`, `step` and `value` (the run's earliest non-finite training loss over all nodes, once the
+    run has gathered them; node 0 for validation) and `table` ("train" or "val")."""
+
+    def __init__(self, message: str, rank: int, step: int, value: float, table: str = "train"):
+        super().__init__(message)
+        self.rank, self.step, self.value, self.table = rank, step, value, table
+
+    def __reduce__(self) -> tuple:  # crosses from a node's process to the caller intact
+        return type(self), (str(self), self.rank, self.step, self.value, self.table)
 
 
 class TrainNode:
@@ -118,7 +128,7 @@ class TrainNode:
 
     def _record_step(self, comm: Transport, loss: torch.Tensor | None, metrics: dict[str, torch.Tensor],
                      lr: float) -> None:
-        self._unflushed.append(_StepRecord(loss, metrics, lr, comm.stats.bytes_sent,
+        self._unflushed.append(_StepRecord(self.step + 1, loss, metrics, lr, comm.stats.bytes_sent,
                                            time.perf_counter() - self.start_time, self._tokens, comm.clock.now))
 
     def _up(self, step: int) -> bool:
@@ -231,25 +241,31 @@ class TrainNode:
         self._call = call
         return out
 
-    def _flush(self) -> None:
-        """Move the losses since the last flush to the host (one sync per log interval, not per step)."""
+    def keep_completed_rows(self) -> None:
+        """The run stopped (another node failed, a signal, a stuck node): the steps this node completed since its
+        last flush go to its log and the live log, whatever their loss (a nan row is what was measured)."""
+        self._flush(check=False)
+
+    def _flush(self, check: bool = True) -> None:
+        """Move the losses since the last flush to the host (one sync per log interval, not per step); a
+        non-finite loss stops the run (check=False: kept as it is)."""
         computed = [u for u in self._unflushed if u.loss is not None]  # steps the node did not sit out
         names = list(computed[0].metrics) if computed else []
         losses = iter(torch.stack([u.loss.float() for u in computed]).tolist() if computed else [])
         metrics = {n: iter(torch.stack([u.metrics[n].float() for u in computed]).tolist()) for n in names}
-        first = self.step + 2 - len(self._unflushed)  # step number (from 1) of the oldest unflushed step
         rows = []
-        for i, u in enumerate(self._unflushed):
-            row: dict[str, float] = {"step": first + i}
+        for u in self._unflushed:
+            row: dict[str, float] = {"step": u.step}
             if u.loss is not None:
                 loss = next(losses)
-                if not math.isfinite(loss):
-                    raise NonFiniteLoss(f"the training loss on node {self.rank} is {loss} at step {first + i}; "
-                                        "lower the learning rate, set max_norm, or check the data")
+                if check and not math.isfinite(loss):
+                    raise NonFiniteLoss(f"the training loss on node {self.rank} is {loss} at step {u.step}; "
+                                        "lower the learning rate, set max_norm, or check the data",
+                                        self.rank, u.step, loss)
                 row.update(loss=loss, **{n: next(metrics[n]) for n in names})
             row["lr"] = u.lr
             if self.cfg.membership is not None:
-                row["up"] = int(self.rank in self.cfg.membership.alive(first + i))
+                row["up"] = int(self.rank in self.cfg.membership.alive(u.step))
             if self._tokens:
                 row["tokens"] = u.tokens
             row.update(bytes=u.bytes_sent, wall_time_s=u.wall_time_s)
@@ -273,6 +289,12 @@ class TrainNode:
                 row[f"{prefix}_{name}"] = value
         self.log.val.append(row)
         self.live.add_row("val", row)
+        bad = [k for k in ("local_loss", "global_loss") if not math.isfinite(row[k])]
+        if bad:  # kept in the record above, then the run stops: a nan validation loss is no result
+            values = ", ".join(f"{k} {row[k]}" for k in ("local_loss", "global_loss"))
+            raise NonFiniteLoss(f"the validation loss is non-finite at step {done} ({values}; local: node 0's "
+                                "model, global: the global model); check the validation data for nan/inf, or the "
+                                "parameters (lower the learning rate, set max_norm)", 0, done, row[bad[0]], table="val")
 
     @torch.no_grad()
     def _evaluate(self, model: torch.nn.Module) -> dict[str, float]:
@@ -291,3 +313,12 @@ class TrainNode:
         model.train(was_training)
         return {k: float(v) / count for k, v in sums.items()}
 
+
+def keep_completed_rows(nodes: Iterable[TrainNode]) -> None:
+    """The run stopped: every node's steps completed since its last flush go to the live log (the record of what
+    was trained). Whatever fails here (a full disk under the logger) must not hide why the run stopped."""
+    for node in nodes:
+        try:
+            node.keep_completed_rows()
+        except Exception:  # noqa: BLE001 - the rows that reached the live log before it are kept
+            pass

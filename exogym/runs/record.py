@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from exogym.runs.loggers import Logger
     from exogym.runs.progress import RunProgress
 
-__all__ = ["RunRecord", "NodeLog", "LiveLog", "merge_step_rows"]
+__all__ = ["RunRecord", "NodeLog", "LiveLog", "merge_step_rows", "first_non_finite"]
 
 
 def merge_step_rows(rows: Sequence[dict[str, float]], *, global_batch: int) -> dict[str, float]:
@@ -35,6 +35,22 @@ def merge_step_rows(rows: Sequence[dict[str, float]], *, global_batch: int) -> d
     return merged
 
 
+def first_non_finite(logs: Sequence["NodeLog"]) -> tuple[int, list[int], float] | None:
+    """Where a non-finite training loss first appeared: (step, the nodes with one at that step, the first of their
+    values), or None."""
+    first: dict[int, tuple[int, float]] = {}  # rank -> its first non-finite step and value
+    for log in logs:
+        for row in log.rows:
+            if "loss" in row and not math.isfinite(row["loss"]):
+                first[log.rank] = row["step"], row["loss"]
+                break
+    if not first:
+        return None
+    step = min(s for s, _ in first.values())
+    ranks = sorted(r for r, (s, _) in first.items() if s == step)
+    return int(step), ranks, first[ranks[0]][1]
+
+
 @dataclass
 class NodeLog:
     """What one node measured (plain Python, so it can cross processes).
@@ -56,16 +72,30 @@ class NodeLog:
 class LiveLog:
     """Feeds a logger and the progress bar while the run trains: a step's merged row (the same row the
     record keeps) goes out once every node it hears from has reported that step (in the sim backend and
-    the spawned torch backend all nodes; in a torchrun process only its own)."""
+    the spawned torch backend all nodes; in a torchrun process only its own).
+
+    It also keeps every row it was given, so that a run that stops part-way (an exception, a signal, a stuck
+    node) still has the record of every step its nodes completed (`partial_logs`)."""
 
     def __init__(self, logger: "Logger | None", ranks: Sequence[int], *, global_batch: int, log_interval: int = 1,
                  last_step: int | None = None, progress: "RunProgress | None" = None):
         self.logger, self.global_batch, self.progress = logger, global_batch, progress
         self.log_interval, self.last_step = log_interval, last_step  # every log_interval-th step's row, and the last
         self._queues: dict[int, deque] = {r: deque() for r in ranks}
+        self._kept = {r: NodeLog(r) for r in ranks}  # every row received, per node (node 0's log: val, diagnostics)
+
+    def resume_from(self, logs: Sequence[NodeLog]) -> None:
+        """The rows a resumed run's nodes had before their checkpoint: part of the run, already logged."""
+        for log in logs:
+            if log.rank in self._kept:
+                kept = self._kept[log.rank]
+                kept.rows, kept.val, kept.diagnostics = list(log.rows), list(log.val), list(log.diagnostics)
 
     def add_rows(self, rank: int, rows: list[dict[str, float]]) -> None:
-        if (self.logger is None and self.progress is None) or rank not in self._queues:
+        if rank not in self._queues:
+            return
+        self._kept[rank].rows.extend(rows)
+        if self.logger is None and self.progress is None:
             return
         self._queues[rank].extend(rows)
         while all(self._queues.values()):
@@ -78,10 +108,17 @@ class LiveLog:
 
     def add_row(self, table: str, row: dict[str, float]) -> None:
         """A row only node 0 measures ("val", "diagnostics")."""
+        first = self._kept[min(self._kept)]
+        (first.val if table == "val" else first.diagnostics).append(row)
         if self.logger is not None:
             self.logger.log(table, row)
         if self.progress is not None and table == "val":
             self.progress.val_row(row)
+
+    def partial_logs(self) -> list[NodeLog]:
+        """Every node's rows as received so far (a record of the steps every node completed: RunRecord.from_nodes
+        keeps the steps all of them reported)."""
+        return [self._kept[r] for r in sorted(self._kept)]
 
 
 @dataclass
@@ -117,10 +154,12 @@ class RunRecord:
     @classmethod
     def from_nodes(cls, logs: list[NodeLog], *, config: dict[str, Any], global_batch: int,
                    wall_time_s: float, peak_memory_mb: dict[str, float] | None = None) -> "RunRecord":
-        train = [merge_step_rows(step_rows, global_batch=global_batch) for step_rows in zip(*(l.rows for l in logs))]
+        steps = min(len(log.rows) for log in logs)  # a run that stopped part-way: the steps every node completed
+        rows = [log.rows[:steps] for log in logs]
+        train = [merge_step_rows(step_rows, global_batch=global_batch) for step_rows in zip(*rows)]
         return cls(config=config, train=train, val=logs[0].val, diagnostics=logs[0].diagnostics,
-                   node_loss=[[row.get("loss", math.nan) for row in log.rows] for log in logs],
-                   bytes_per_node=[int(log.rows[-1]["bytes"]) if log.rows else 0 for log in logs],
+                   node_loss=[[row.get("loss", math.nan) for row in node_rows] for node_rows in rows],
+                   bytes_per_node=[int(node_rows[-1]["bytes"]) if node_rows else 0 for node_rows in rows],
                    comm_per_node=[log.comm for log in logs], wall_time_s=wall_time_s,
                    peak_memory_mb=peak_memory_mb or {})
 

@@ -13,6 +13,7 @@ from exogym.backends.sim.fused.engine import FusedEngine
 from exogym.backends.sim.fused.execution import FusedExecution
 from exogym.backends.sim.transport import SimTransport
 from exogym.engine.execution import SequentialExecution
+from exogym.engine.node import keep_completed_rows
 from exogym.engine.rng import NumpyBaton
 
 if TYPE_CHECKING:
@@ -85,14 +86,19 @@ def run_sim(plan: "RunPlan", *, local: Sequence[int] | None = None, exchange: Ex
         plan.model, len(local), plan.devices[local[0]], minibatch_size=plan.cfg.minibatch_size,
         autocast=plan.cfg.autocast, seed=plan.seed, baton=baton, first_rank=local[0]))
     keep_once = KeptOnce()  # one store for this process's nodes: what every node holds identically is held once
+    nodes: dict[int, Any] = {}
 
     def node_body(r: int) -> Any:
         # The node's model and strategy are copied on its first turn, not all K up front: state a strategy keeps
         # once (DDP's replica) then never exists K times, not even at the start.
-        node = plan.make_node(r, start, execution=execution, keep_once=keep_once)
+        node = nodes[r] = plan.make_node(r, start, execution=execution, keep_once=keep_once)
         return node.run(comms[r])
 
     try:
         return baton.run([lambda r=r: node_body(r) for r in local])
+    except BaseException:
+        keep_completed_rows(nodes.values())
+        raise
     finally:
         caller.apply()
+

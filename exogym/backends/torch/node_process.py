@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from exogym.backends.torch.heartbeat import Heartbeat
 from exogym.backends.torch.transport import TorchTransport
+from exogym.engine.node import keep_completed_rows
 
 if TYPE_CHECKING:
     from exogym.engine.plan import RunPlan
@@ -55,10 +56,14 @@ def run_node(plan: "RunPlan", rank: int, backend: str, start_time: float, timeou
     if store is not None:
         comm.heartbeat = Heartbeat(store, rank, comm.ledger, lambda: comm.step, timeout.total_seconds(),
                                    prefix=f"exogym/heartbeat/{_runs_started}").start()
+    node = None
     try:
         node = plan.make_node(rank, start_time)
         plan.node_rng(rank).activate()  # this process is the node: its streams stay in place for the whole run
         log, state = node.run(comm)
+    except BaseException:
+        keep_completed_rows([node] if node is not None else [])
+        raise
     finally:
         if comm.heartbeat is not None:
             comm.heartbeat.stop()

@@ -1,0 +1,86 @@
+"""Data and models that fail on purpose at a chosen node and step, for the tests of how a run ends (importable by
+the processes a run over several processes starts)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+from toy import make_classification
+
+
+class NanOnNode:
+    """A dataset factory: every node gets its own 64 examples; node `rank`'s examples [first, last) (its training data,
+    or with val=True its validation data) are nan. With shuffle=False and batch_size 16, examples 16-31 are step 2's."""
+
+    def __init__(self, rank: int, first: int = 16, last: int = 32, val: bool = False):
+        self.rank, self.first, self.last, self.val = rank, first, last, val
+
+    def __call__(self, rank: int, num_nodes: int, is_val: bool) -> TensorDataset:
+        x, y = make_classification(64, seed=rank).tensors
+        if rank == self.rank and is_val == self.val:
+            x = x.clone()
+            x[self.first:self.last] = float("nan")
+        return TensorDataset(x, y)
+
+
+class FailAt(Dataset):
+    """256 examples; reading example `index` raises (fail="raise") or sends this process a signal ("SIGTERM",
+    "SIGINT") once. With shuffle=False and one node, example 16 * (s - 1) is step s's first."""
+
+    def __init__(self, index: int, fail: str = "raise"):
+        self.data = make_classification(256)
+        self.index, self.fail, self.sent = index, fail, False
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        if i == self.index and self.fail == "raise":
+            raise RuntimeError(f"example {i} cannot be read")
+        if i == self.index and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), getattr(signal, self.fail))
+        return self.data[i]
+
+
+class SqrtLoss(torch.nn.Module):
+    """loss = sqrt(mean((x @ w)^2)): 0 for a batch of zeros, where its gradient is nan (inf times 0): a nan gradient
+    behind a finite loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.full((8, 1), 0.1))
+
+    def forward(self, batch):
+        x, _ = batch
+        return ((x @ self.w) ** 2).mean().sqrt()
+
+
+class ZeroOnNode(NanOnNode):
+    """As NanOnNode, but the chosen examples are 0 (SqrtLoss is then 0 with a nan gradient)."""
+
+    def __call__(self, rank: int, num_nodes: int, is_val: bool) -> TensorDataset:
+        x, y = make_classification(64, seed=rank).tensors
+        if rank == self.rank and is_val == self.val:
+            x = x.clone()
+            x[self.first:self.last] = 0.0
+        return TensorDataset(x, y)
+
+
+class NanWhenEvaluatedLater(torch.nn.Module):
+    """Training pushes `gate` down by lr x 10 per step (its loss term is 10 x gate, always finite); evaluation adds
+    log(gate), which is nan once gate is negative: with SGD lr 0.05, from step 3 on."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(8, 3)
+        self.gate = torch.nn.Parameter(torch.ones(()))
+
+    def forward(self, batch):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self.net(x), y)
+        return loss + 10 * self.gate if self.training else loss + torch.log(self.gate)

@@ -1,0 +1,167 @@
+"""How a run that stops part-way ends: every completed step's row kept (train.csv and trainer.record, also on the
+exception), a non-finite loss traced to the node and step where it first appeared, and the run folder saying
+"failed" (with the error) or "interrupted" (SIGINT/SIGTERM, with the checkpoint to resume from)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from exogym import NonFiniteLoss, Trainer
+from exogym.strategy import DiLoCoStrategy, SimpleReduceStrategy
+from exogym.strategy.optim import OptimSpec
+
+from faulty import FailAt, NanOnNode, NanWhenEvaluatedLater, SqrtLoss, ZeroOnNode
+from toy import TinyMLP, make_classification
+
+TESTS = Path(__file__).parent
+
+
+def sgd(lr: float = 0.05) -> OptimSpec:
+    return OptimSpec(torch.optim.SGD, lr=lr)
+
+
+def rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def folder_of(error: BaseException) -> Path:
+    assert error.run_folder is not None
+    return Path(error.run_folder)
+
+
+@pytest.mark.parametrize("strategy", [lambda: SimpleReduceStrategy(sgd()), lambda: DiLoCoStrategy(sgd(), H=5)],
+                         ids=["ddp", "diloco"])
+def test_a_nan_names_the_node_and_step_where_it_first_appeared_and_keeps_every_row(strategy):
+    # Node 2's step-2 batch holds nan. Before: DDP named node 0 at step 2 and DiLoCo node 0 at step 6 (after the
+    # average spread it), and the run had no train.csv and no record (rows go out every 10 steps).
+    data = NanOnNode(rank=2)
+    trainer = Trainer(TinyMLP(), data, data)
+    with pytest.raises(NonFiniteLoss) as info:
+        trainer.fit(strategy(), 4, max_steps=30, batch_size=16, shuffle=False, progress=False, val_interval=100)
+    error = info.value
+    assert (error.rank, error.step, error.table) == (2, 2, "train") and math.isnan(error.value)
+    assert "on node 2 is nan at step 2, the run's first" in str(error)
+    record = trainer.record
+    assert record is error.record and len(record.train) >= 9  # every step all four nodes completed before the check
+    assert math.isnan(record.node_loss[2][1]) and all(math.isfinite(record.node_loss[r][0]) for r in range(4))
+    table = rows(folder_of(error) / "train.csv")
+    assert [int(r["step"]) for r in table] == list(range(1, len(record.train) + 1))
+    summary = json.loads((folder_of(error) / "summary.json").read_text())
+    assert summary["status"] == "failed" and "node 2 is nan at step 2" in summary["error"]
+    assert summary["steps"] == len(record.train)
+    assert json.loads((folder_of(error) / ".exogym-run").read_text())["status"] == "failed"
+
+
+def test_a_nan_gradient_behind_a_finite_loss_is_traced_to_the_update_that_spread_it():
+    # Node 1's step-2 batch gives sqrt(0): a finite loss whose gradient is nan. DDP averages it into every node,
+    # whose losses are all nan at step 3: the message says so, rather than naming node 0.
+    trainer = Trainer(SqrtLoss(), ZeroOnNode(rank=1))
+    with pytest.raises(NonFiniteLoss) as info:
+        trainer.fit(SimpleReduceStrategy(sgd()), 3, max_steps=20, batch_size=16, shuffle=False, progress=False,
+                    logger=False)
+    assert info.value.step == 3 and "on every node is nan at step 3" in str(info.value)
+    assert "step 2's update" in str(info.value)
+    assert math.isfinite(trainer.record.node_loss[1][1]) and math.isnan(trainer.record.node_loss[0][2])
+
+
+def test_a_nan_in_one_process_of_several_is_named_too():
+    data = NanOnNode(rank=2)
+    trainer = Trainer(TinyMLP(), data, data)
+    with pytest.raises(NonFiniteLoss) as info:
+        trainer.fit(DiLoCoStrategy(sgd(), H=5), 4, max_steps=30, batch_size=16, shuffle=False, progress=False,
+                    processes=2, val_interval=100)
+    assert (info.value.rank, info.value.step) == (2, 2)
+    assert len(trainer.record.train) >= 9
+
+
+def test_a_nan_on_the_torch_backend_is_named_from_every_node_process():
+    data = NanOnNode(rank=1)
+    trainer = Trainer(TinyMLP(), data, data)
+    with pytest.raises(NonFiniteLoss) as info:
+        trainer.fit(DiLoCoStrategy(sgd(), H=5), 2, max_steps=30, batch_size=16, shuffle=False, progress=False,
+                    backend="torch", val_interval=100, logger=False)
+    assert (info.value.rank, info.value.step) == (1, 2)
+    assert len(trainer.record.train) >= 9
+
+
+def test_a_nan_validation_loss_is_an_error():
+    # Before: status "completed" with a validation loss of nan, and no warning. Here the validation data holds nan,
+    # so the initial model's evaluation (step 0) already fails: nothing was trained, so no run folder is kept.
+    data = NanOnNode(rank=0, first=0, last=64, val=True)
+    trainer = Trainer(TinyMLP(), data, data)
+    with pytest.raises(NonFiniteLoss) as info:
+        trainer.fit(SimpleReduceStrategy(sgd()), 2, max_steps=12, batch_size=16, shuffle=False, progress=False)
+    assert (info.value.table, info.value.step) == ("val", 0) and "validation loss" in str(info.value)
+    assert trainer.record.val and math.isnan(trainer.record.val[0]["global_loss"])
+    assert info.value.run_folder is None and not Path("logs").exists()
+
+
+def test_a_validation_loss_that_turns_nan_after_training_began_fails_the_run_folder():
+    data = NanOnNode(rank=99)  # no nan in the data: the model's evaluation turns nan from step 3
+    trainer = Trainer(NanWhenEvaluatedLater(), data, data)
+    with pytest.raises(NonFiniteLoss) as info:
+        trainer.fit(SimpleReduceStrategy(sgd()), 2, max_steps=12, batch_size=16, shuffle=False, progress=False,
+                    val_interval=4)
+    assert info.value.table == "val" and info.value.step == 4
+    summary = json.loads((folder_of(info.value) / "summary.json").read_text())
+    assert summary["status"] == "failed" and "validation loss" in summary["error"]
+    assert summary["steps"] == len(trainer.record.train) >= 3  # node 1 may not have recorded step 4 yet
+
+
+def test_a_run_that_raises_part_way_keeps_every_completed_row():
+    # Step 7's batch cannot be read: steps 1-6 are in train.csv and the record (log_interval=1, but the nodes hand
+    # their rows over only every 10 steps).
+    trainer = Trainer(TinyMLP(), FailAt(16 * 6))
+    with pytest.raises(RuntimeError, match="example 96 cannot be read") as info:
+        trainer.fit(SimpleReduceStrategy(sgd()), 1, max_steps=30, batch_size=16, shuffle=False, progress=False)
+    assert len(trainer.record.train) == 6 and info.value.record is trainer.record
+    assert [int(r["step"]) for r in rows(folder_of(info.value) / "train.csv")] == [1, 2, 3, 4, 5, 6]
+    summary = json.loads((folder_of(info.value) / "summary.json").read_text())
+    assert summary["status"] == "failed" and "example 96" in summary["error"] and summary["steps"] == 6
+
+
+_INTERRUPTED = """
+import json, sys
+sys.path.insert(0, {tests!r})
+import torch
+from exogym import Trainer
+from exogym.strategy import SimpleReduceStrategy
+from exogym.strategy.optim import OptimSpec
+from faulty import FailAt
+from toy import TinyMLP
+trainer = Trainer(TinyMLP(), FailAt(16 * 6, {signal!r}))
+try:
+    trainer.fit(SimpleReduceStrategy(OptimSpec(torch.optim.SGD, lr=0.05)), 1, max_steps=30, batch_size=16,
+                shuffle=False, progress=False, run_name="r", checkpoint_interval=4)
+except KeyboardInterrupt as e:
+    print(json.dumps({{"type": type(e).__name__, "notes": getattr(e, "__notes__", []),
+                      "steps": len(trainer.record.train)}}))
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_interrupts_the_run_which_says_so_and_resumes_from_its_newest_checkpoint(sig, tmp_path):
+    # Before: SIGTERM left the folder saying "running" with no summary.json; Ctrl-C was recorded as "failed".
+    out = subprocess.run([sys.executable, "-c", _INTERRUPTED.format(tests=str(TESTS), signal=sig)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    said = json.loads(out.stdout.strip().splitlines()[-1])
+    assert said["type"] == ("RunInterrupted" if sig == "SIGTERM" else "KeyboardInterrupt") and said["steps"] == 6
+    run = tmp_path / "logs" / "r"
+    newest = run / "checkpoints" / "step_000000004"
+    assert f"resume_from={str(Path('logs/r/checkpoints/step_000000004'))!r}" in said["notes"][-1]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["signal"] == sig and summary["steps"] == 6
+    assert Path(summary["resume_from"]) == Path("logs/r/checkpoints/step_000000004") and newest.is_dir()
+    assert json.loads((run / ".exogym-run").read_text())["status"] == "interrupted"
+    assert [int(r["step"]) for r in rows(run / "train.csv")] == [1, 2, 3, 4, 5, 6]
