@@ -31,9 +31,10 @@ class FailAt(Dataset):
     """256 examples; reading example `index` raises (fail="raise") or sends this process a signal ("SIGTERM",
     "SIGINT") once. With shuffle=False and one node, example 16 * (s - 1) is step s's first."""
 
-    def __init__(self, index: int, fail: str = "raise"):
+    def __init__(self, index: int, fail: str = "raise", pid: int | None = None):
         self.data = make_classification(256)
         self.index, self.fail, self.sent = index, fail, False
+        self.pid = pid  # whom the signal goes to (default: the process reading the example)
 
     def __len__(self) -> int:
         return len(self.data)
@@ -43,7 +44,7 @@ class FailAt(Dataset):
             raise RuntimeError(f"example {i} cannot be read")
         if i == self.index and not self.sent:
             self.sent = True
-            os.kill(os.getpid(), getattr(signal, self.fail))
+            os.kill(self.pid or os.getpid(), getattr(signal, self.fail))
         return self.data[i]
 
 
@@ -84,3 +85,15 @@ class NanWhenEvaluatedLater(torch.nn.Module):
         x, y = batch
         loss = torch.nn.functional.cross_entropy(self.net(x), y)
         return loss + 10 * self.gate if self.training else loss + torch.log(self.gate)
+
+
+class FailOnNode:
+    """A dataset factory: node `rank` gets FailAt(index, fail, pid), the others 256 plain examples of their own."""
+
+    def __init__(self, rank: int, index: int, fail: str = "raise", pid: int | None = None):
+        self.rank, self.index, self.fail, self.pid = rank, index, fail, pid
+
+    def __call__(self, rank: int, num_nodes: int, is_val: bool) -> Dataset:
+        if rank == self.rank and not is_val:
+            return FailAt(self.index, self.fail, self.pid)
+        return make_classification(256, seed=rank)

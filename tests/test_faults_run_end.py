@@ -19,7 +19,7 @@ from exogym import NonFiniteLoss, Trainer
 from exogym.strategy import DiLoCoStrategy, SimpleReduceStrategy
 from exogym.strategy.optim import OptimSpec
 
-from faulty import FailAt, NanOnNode, NanWhenEvaluatedLater, SqrtLoss, ZeroOnNode
+from faulty import FailAt, FailOnNode, NanOnNode, NanWhenEvaluatedLater, SqrtLoss, ZeroOnNode
 from toy import TinyMLP, make_classification
 
 TESTS = Path(__file__).parent
@@ -130,38 +130,54 @@ def test_a_run_that_raises_part_way_keeps_every_completed_row():
     assert summary["status"] == "failed" and "example 96" in summary["error"] and summary["steps"] == 6
 
 
+@pytest.mark.parametrize("backend, processes", [("sim", 2), ("torch", 1)])
+def test_a_failure_in_one_process_keeps_the_rows_the_other_processes_completed(backend, processes):
+    # Node 3 cannot read its step-7 batch. DiLoCo's nodes meet every 5 steps, so the nodes in other processes are
+    # ahead (waiting at step 10's average) with rows not yet handed over: stopped, they send them before exiting.
+    trainer = Trainer(TinyMLP(), FailOnNode(rank=3, index=16 * 6))
+    with pytest.raises(Exception, match="example 96 cannot be read") as info:
+        trainer.fit(DiLoCoStrategy(sgd(), H=5), 4, max_steps=30, batch_size=16, shuffle=False, progress=False,
+                    backend=backend, processes=processes)
+    assert len(trainer.record.train) == 6 and [len(losses) for losses in trainer.record.node_loss] == [6] * 4
+    assert [int(r["step"]) for r in rows(folder_of(info.value) / "train.csv")] == [1, 2, 3, 4, 5, 6]
+
+
 _INTERRUPTED = """
-import json, sys
+import json, os, sys
 sys.path.insert(0, {tests!r})
 import torch
 from exogym import Trainer
-from exogym.strategy import SimpleReduceStrategy
+from exogym.strategy import DiLoCoStrategy
 from exogym.strategy.optim import OptimSpec
-from faulty import FailAt
+from faulty import FailOnNode
 from toy import TinyMLP
-trainer = Trainer(TinyMLP(), FailAt(16 * 6, {signal!r}))
-try:
-    trainer.fit(SimpleReduceStrategy(OptimSpec(torch.optim.SGD, lr=0.05)), 1, max_steps=30, batch_size=16,
-                shuffle=False, progress=False, run_name="r", checkpoint_interval=4)
-except KeyboardInterrupt as e:
-    print(json.dumps({{"type": type(e).__name__, "notes": getattr(e, "__notes__", []),
-                      "steps": len(trainer.record.train)}}))
+if __name__ == "__main__":
+    # Node {nodes} - 1 reads its step-7 batch and sends {signal} to this process (the one that called fit).
+    trainer = Trainer(TinyMLP(), FailOnNode({nodes} - 1, 16 * 6, {signal!r}, pid=os.getpid()))
+    try:
+        trainer.fit(DiLoCoStrategy(OptimSpec(torch.optim.SGD, lr=0.05), H=2), {nodes}, max_steps=30, batch_size=16,
+                    shuffle=False, progress=False, run_name="r", checkpoint_interval=4, processes={processes})
+    except KeyboardInterrupt as e:
+        print(json.dumps({{"type": type(e).__name__, "notes": getattr(e, "__notes__", []),
+                          "steps": len(trainer.record.train)}}))
 """
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
-def test_a_signal_interrupts_the_run_which_says_so_and_resumes_from_its_newest_checkpoint(sig, tmp_path):
+@pytest.mark.parametrize("sig, nodes, processes", [("SIGTERM", 1, 1), ("SIGINT", 1, 1), ("SIGTERM", 4, 2)])
+def test_a_signal_interrupts_the_run_which_says_so_and_names_its_newest_checkpoint(sig, nodes, processes,
+                                                                                    tmp_path):
     # Before: SIGTERM left the folder saying "running" with no summary.json; Ctrl-C was recorded as "failed".
-    out = subprocess.run([sys.executable, "-c", _INTERRUPTED.format(tests=str(TESTS), signal=sig)], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120)
+    script = tmp_path / "run.py"
+    script.write_text(_INTERRUPTED.format(tests=str(TESTS), signal=sig, nodes=nodes, processes=processes))
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     said = json.loads(out.stdout.strip().splitlines()[-1])
     assert said["type"] == ("RunInterrupted" if sig == "SIGTERM" else "KeyboardInterrupt") and said["steps"] == 6
     run = tmp_path / "logs" / "r"
-    newest = run / "checkpoints" / "step_000000004"
-    assert f"resume_from={str(Path('logs/r/checkpoints/step_000000004'))!r}" in said["notes"][-1]
+    newest = Path("logs/r/checkpoints/step_000000004")
+    assert f"resume_from={str(newest)!r}" in said["notes"][-1] and (tmp_path / newest).is_dir()
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["signal"] == sig and summary["steps"] == 6
-    assert Path(summary["resume_from"]) == Path("logs/r/checkpoints/step_000000004") and newest.is_dir()
+    assert Path(summary["resume_from"]) == newest
     assert json.loads((run / ".exogym-run").read_text())["status"] == "interrupted"
     assert [int(r["step"]) for r in rows(run / "train.csv")] == [1, 2, 3, 4, 5, 6]

@@ -18,6 +18,7 @@ import io
 import pickle
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -29,9 +30,10 @@ import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
 from exogym.backends.errors import NodeProcessError, NodeTimeoutError
+from exogym.backends.sim.watchdog import STUCK_EXIT_CODE
 
-__all__ = ["HOST", "Failure", "process_context", "supervise", "end_processes", "Outbox", "ForwardingLive",
-           "check_picklable"]
+__all__ = ["HOST", "Failure", "process_context", "supervise", "end_processes", "collect_last_rows", "stop_on_sigterm",
+           "Outbox", "ForwardingLive", "check_picklable"]
 
 HOST = "127.0.0.1"  # every process is on this machine: the rendezvous store listens on loopback only
 _FINISH_GRACE_S = 60.0  # after the first process finishes, how long the others may take to finish too
@@ -117,7 +119,10 @@ def supervise(live: Any, procs: list[Any], conns: list[Connection], labels: Sequ
 def _died(rank: int, label: str, proc: Any) -> Failure:
     proc.join(timeout=5)
     code = proc.exitcode
-    if code is not None and code < 0:
+    if code == STUCK_EXIT_CODE:
+        how = (f"exited with code {code}: its watchdog found a node stuck in native code past node_timeout and ended "
+               "the process (its message is in the output above)")
+    elif code is not None and code < 0:
         name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
         how = (f"was killed by signal {name}: out of memory, or a crash in native code (see its output above; with "
                "gloo, SIGABRT often means the nodes called different collectives)")
@@ -165,6 +170,38 @@ def _shorten(text: str, limit: int = 200) -> str:
     return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
+def collect_last_rows(live: Any, procs: list[Any], conns: list[Connection], timeout_s: float = 5.0) -> None:
+    """The run stopped early (a node failed, a signal): ask the processes still running to stop (SIGTERM, on which
+    each sends the rows its nodes completed since their last flush, see stop_on_sigterm), and feed `live` the rows
+    they send until every pipe is closed or timeout_s has passed. A process blocked inside a native call (a gloo
+    collective) cannot answer: its unsent rows are lost when end_processes kills it."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + timeout_s
+    open_ = [c for c in conns if not c.closed]
+    while open_ and time.monotonic() < deadline:
+        for conn in wait(open_, max(0.0, deadline - time.monotonic())):
+            try:
+                kind, *payload = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                open_.remove(conn)
+                continue
+            if kind == "rows":
+                live.add_rows(*payload)
+            elif kind == "row":
+                live.add_row(*payload)
+
+
+def stop_on_sigterm() -> None:
+    """In a run's process: SIGTERM (the caller ending it, or a scheduler) raises KeyboardInterrupt, so that the
+    process reports what its nodes completed before it exits, as on Ctrl-C."""
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt("SIGTERM")
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def end_processes(procs: list[Any], grace_s: float) -> None:
     """Give the node processes grace_s seconds to exit on their own, then stop those still running (they may be
     blocked in a collective), and reap them all."""
@@ -184,10 +221,13 @@ def end_processes(procs: list[Any], grace_s: float) -> None:
 class Outbox:
     def __init__(self, conn: Connection):
         self.conn = conn
+        self._lock = threading.Lock()  # the sim's watchdog thread may report a stuck node while rows go out
 
     def send(self, *message: Any) -> None:
         # Plain pickle, tensors by value: the process may exit right after, so nothing may refer back to it.
-        self.conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            self.conn.send_bytes(data)
 
     def send_error(self, rank: int, e: BaseException) -> None:
         text = "".join(traceback.format_exception(e))

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from exogym.backends.local_processes import (HOST, ForwardingLive, Outbox, check_picklable, end_processes,
-                                             process_context, supervise)
+from exogym.backends.local_processes import (HOST, ForwardingLive, Outbox, check_picklable, collect_last_rows,
+                                             end_processes, process_context, stop_on_sigterm, supervise)
 from exogym.backends.sim.exchange import Exchange, block_of, blocks
 from exogym.backends.sim.run import run_sim
 from exogym.backends.torch.node_process import peak_rss_mb, process_group_timeout
@@ -40,7 +40,8 @@ def run_sim_processes(plan: "RunPlan", processes: int) -> list[Any]:
     """Spawn `processes` local processes, each simulating its block of nodes; feed the plan's live log from their
     rows; return every node's (log, state) in rank order."""
     spans = blocks(plan.num_nodes, processes)
-    worker_plan = dataclasses.replace(plan, live=None)  # each process forwards its rows here instead
+    # Each process forwards its rows here instead, and reports a node stuck in native code before it exits.
+    worker_plan = dataclasses.replace(plan, live=None, on_stuck=None)
     check_picklable(worker_plan, f"processes={processes}", "each simulating process")
     # No message waits out a timeout here: a stuck node is named by its process's watchdog (node_timeout), a
     # collective that never completes by the deadlock check, a dead process by the caller at once.
@@ -65,6 +66,8 @@ def run_sim_processes(plan: "RunPlan", processes: int) -> list[Any]:
         finished = True
         return [result for (results,) in per_process for result in results]
     finally:
+        if not finished:  # the nodes' last rows (since their last flush) are part of the record of what ran
+            collect_last_rows(plan.live, procs, conns)
         end_processes(procs, grace_s=10.0 if finished else 0.0)
         for c in conns:
             c.close()
@@ -76,10 +79,12 @@ def _process_main(p: int, processes: int, plan: "RunPlan", port: int, conn: Conn
     """A simulating process: join the process group, run its block, report; on any exception report it and exit."""
     outbox = Outbox(conn)
     try:
+        stop_on_sigterm()
         torch.set_num_threads(threads)
         store = dist.TCPStore(HOST, port, is_master=False, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=p, world_size=processes, timeout=timeout)
         plan.live = ForwardingLive(outbox)
+        plan.on_stuck = lambda error: outbox.send_error(error.rank, error)  # then the watchdog ends this process
         plan.devices = own_gpu(plan.devices, p)
         results = _run_block(plan, p, processes, store, "exogym/sim", start)
         outbox.send("done", [(log, None if state is None else {k: v.detach().cpu() for k, v in state.items()})

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from exogym.backends.errors import NodeProcessError
-from exogym.backends.local_processes import (HOST, ForwardingLive, Outbox, check_picklable, end_processes,
-                                             process_context, supervise)
+from exogym.backends.local_processes import (HOST, ForwardingLive, Outbox, check_picklable, collect_last_rows,
+                                             end_processes, process_context, stop_on_sigterm, supervise)
 from exogym.backends.torch.node_process import pick_backend, process_group_timeout, run_node
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ __all__ = ["run_spawned", "NodeProcessError"]
 def run_spawned(plan: "RunPlan") -> list[tuple["NodeLog", dict[str, torch.Tensor] | None]]:
     """Start one process per node, feed the plan's live log from their rows, return their results in rank order."""
     k = plan.num_nodes
-    node_plan = dataclasses.replace(plan, live=None)  # each process forwards its rows here instead
+    node_plan = dataclasses.replace(plan, live=None, on_stuck=None)  # each process forwards its rows here instead
     check_picklable(node_plan, "backend='torch'", "each node's process")
     backend = pick_backend(plan.devices)
     # The store is the rendezvous point; listening on port 0 lets the OS pick a free port, with no race.
@@ -70,6 +70,8 @@ def run_spawned(plan: "RunPlan") -> list[tuple["NodeLog", dict[str, torch.Tensor
         finished = True
         return results
     finally:
+        if not finished:  # the nodes' last rows (since their last flush) are part of the record of what ran
+            collect_last_rows(plan.live, procs, conns)
         end_processes(procs, grace_s=10.0 if finished else 0.0)
         for c in conns:
             c.close()
@@ -83,6 +85,7 @@ def _node_main(rank: int, plan: "RunPlan", port: int, backend: str, conn: Connec
     """A node process: join the process group, run the node, report; on any exception report it and exit."""
     outbox = Outbox(conn)
     try:
+        stop_on_sigterm()
         torch.set_num_threads(threads)
         store = dist.TCPStore(HOST, port, is_master=False, timeout=timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=plan.num_nodes, timeout=timeout)
