@@ -1,0 +1,77 @@
+"""Fault injection: a checkpointed run is stopped at random steps (an exception, SIGINT, SIGTERM, SIGKILL) and
+nothing it completed may be lost: train.csv holds whole rows of consecutive steps, every complete checkpoint
+loads, the run folder says how it ended (except after SIGKILL, which nothing can record), and resuming from the
+newest checkpoint gives the uninterrupted run's rows exactly. The steps are drawn from a seeded generator, printed
+on failure, so a failing draw can be replayed."""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fault_run
+from exogym.runs.checkpoint import find_checkpoint, load_checkpoint, read_manifest
+
+SCRIPT = Path(fault_run.__file__)
+KINDS = ("raise", "SIGINT", "SIGTERM", "SIGKILL")
+DRAWS = [(kind, random.Random(kind).randint(2, fault_run.MAX_STEPS // 2)) for kind in KINDS]
+COMPARED = ("step", "loss", "accuracy", "lr", "bytes")  # a row's measured values (not its wall time)
+
+
+def table(run: Path) -> list[dict[str, str]]:
+    if not (run / "train.csv").exists():
+        return []  # killed before its first rows were written
+    with open(run / "train.csv", newline="") as f:
+        rows = list(csv.reader(f))
+    header = rows[0]
+    assert all(len(r) == len(header) for r in rows), "a row of train.csv was cut off"
+    return [dict(zip(header, r)) for r in rows[1:]]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> list[dict[str, str]]:
+    where = tmp_path_factory.mktemp("uninterrupted")
+    subprocess.run([sys.executable, str(SCRIPT), "none", "0"], cwd=where, check=True, timeout=120)
+    return table(where / "logs" / "r")
+
+
+@pytest.mark.parametrize("kind, step", DRAWS, ids=[f"{k}-at-step-{s}" for k, s in DRAWS])
+def test_a_run_stopped_at_a_random_step_loses_nothing_it_completed(kind, step, tmp_path, uninterrupted):
+    out = subprocess.run([sys.executable, str(SCRIPT), kind, str(step)], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode != 0, f"the {kind} at step {step} did not stop the run"
+    run = tmp_path / "logs" / "r"
+    rows = table(run)
+    steps = [int(r["step"]) for r in rows]
+    assert steps == list(range(1, len(steps) + 1))
+    if kind != "SIGKILL":  # every step both nodes completed: node 1 stopped in step `step`
+        assert len(steps) == step - 1, out.stderr[-2000:]
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["status"] == ("failed" if kind == "raise" else "interrupted") and summary["steps"] == step - 1
+    else:  # rows go out every 10 steps and at each checkpoint: those written before the kill are all there
+        assert len(steps) >= (step - 1) // fault_run.CHECKPOINT_INTERVAL * fault_run.CHECKPOINT_INTERVAL
+    for folder in sorted((run / "checkpoints").glob("step_*")):
+        if (folder / "manifest.json").exists():
+            load_checkpoint(folder, read_manifest(folder), devices=[torch.device("cpu")] * 2)
+    for r, expected in zip(rows, uninterrupted):
+        assert [r[k] for k in COMPARED] == [expected[k] for k in COMPARED]
+    if step - 1 < fault_run.CHECKPOINT_INTERVAL:
+        return  # stopped before its first checkpoint: nothing to resume from
+    newest = find_checkpoint(run)
+    assert int(newest.name.removeprefix("step_")) == (step - 1) // fault_run.CHECKPOINT_INTERVAL * \
+        fault_run.CHECKPOINT_INTERVAL
+    resumed = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(SCRIPT.parent)!r}); "
+                              f"import fault_run; fault_run.fit(resume_from={str(run)!r})"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [[r[k] for k in COMPARED] for r in table(run)] == [[r[k] for k in COMPARED] for r in uninterrupted]
+    assert json.loads((run / "summary.json").read_text())["status"] == "completed"
+    shutil.rmtree(run)
