@@ -30,7 +30,7 @@ from exogym.fit_plan import (FitArguments, FitRun as _Run, RunData, check_argume
                              keeps_one_replica, resume_point, run_config)
 from exogym.fit_setup import (announce, build_node_batches, build_time_model, build_val_batches, check_trainable,
                               claim_run_folders, partition_data, peak_memory_mb, resolve_logger, run_name_of)
-from exogym.runs.checkpoint import CheckpointPlan
+from exogym.runs.checkpoint import CheckpointPlan, check_checkpoint_space
 from exogym.runs.fingerprint import run_fingerprint
 from exogym.runs.folder import check_writable
 from exogym.runs.loggers import Logger, default_run_name
@@ -230,7 +230,9 @@ class Trainer:
                 checkpoints = CheckpointPlan(check_writable(root, "checkpoint_dir"),
                                              o.checkpoint_interval or data.total_steps, o.keep_checkpoints, config,
                                              resumed.run_id, fingerprint)
-                checkpoints.check_owner(overwrite=o.overwrite)
+                if is_main:  # the process claiming the run folders holds the checkpoint folder for the run
+                    check_checkpoint_space(checkpoints.root, self.model, o.num_nodes)
+                    run.claim = checkpoints.check_owner(overwrite=o.overwrite, claim=run.claim)
             run.bar = RunProgress(data.total_steps, initial=resumed.step) if o.progress and is_main else None
             live = LiveLog(logger, [launch.rank] if launch is not None and o.backend == "torch" else range(o.num_nodes),
                            global_batch=o.num_nodes * o.batch_size, log_interval=o.log_interval,
@@ -238,7 +240,8 @@ class Trainer:
             run.plan = RunPlan(model=self.model, strategy=o.strategy, node_batches=data.node_batches,
                                val_batches=data.val_batches, devices=devices, cfg=cfg, seed=o.seed, live=live,
                                checkpoints=checkpoints, resume=resumed.states, node_timeout=o.node_timeout,
-                               port=o.port, execution=execution)
+                               port=o.port, execution=execution,
+                               on_stuck=run.fail)  # a node stuck in native code: the folder says so, then exit
             run.runner = _runner(o.backend, launch, o.processes)
             config["processes"] = launch.world_size if launch is not None and o.backend == "sim" else o.processes
             if logger is not None:

@@ -97,3 +97,15 @@ class FailOnNode:
         if rank == self.rank and not is_val:
             return FailAt(self.index, self.fail, self.pid)
         return make_classification(256, seed=rank)
+
+
+class StuckInNativeCode:
+    """A strategy mixin: node `stuck_rank` waits forever in a torch future (a C++ wait that no signal ends) at step
+    `stuck_step`, instead of stepping."""
+
+    stuck_rank, stuck_step = 1, 7
+
+    def step(self):
+        if self.rank == self.stuck_rank and self.local_step + 1 == self.stuck_step:
+            torch.futures.Future().wait()
+        super().step()

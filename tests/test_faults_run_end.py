@@ -181,3 +181,34 @@ def test_a_signal_interrupts_the_run_which_says_so_and_names_its_newest_checkpoi
     assert Path(summary["resume_from"]) == newest
     assert json.loads((run / ".exogym-run").read_text())["status"] == "interrupted"
     assert [int(r["step"]) for r in rows(run / "train.csv")] == [1, 2, 3, 4, 5, 6]
+
+
+_STUCK = """
+import sys
+sys.path.insert(0, {tests!r})
+from exogym import Trainer
+from exogym.strategy import SimpleReduceStrategy
+from faulty import StuckInNativeCode
+from toy import TinyMLP, make_classification
+
+class Stuck(StuckInNativeCode, SimpleReduceStrategy):
+    pass
+
+if __name__ == "__main__":
+    Trainer(TinyMLP(), make_classification(256)).fit(Stuck("sgd", lr=0.05), 2, max_steps=30, batch_size=8,
+                                                     shuffle=False, progress=False, run_name="r", node_timeout=3.0)
+"""
+
+
+def test_a_node_stuck_in_native_code_ends_the_process_with_the_run_folder_saying_so(tmp_path):
+    # No signal reaches it, so the watchdog records the failure (and the rows of steps 1-6) before ending the
+    # process with exit code 124 (exogym.backends.sim.watchdog.STUCK_EXIT_CODE).
+    script = tmp_path / "run.py"
+    script.write_text(_STUCK.format(tests=str(TESTS)))
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 124, out.stderr
+    run = tmp_path / "logs" / "r"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"].startswith("NodeTimeoutError: node 1 ran for")
+    assert summary["steps"] == 6 and [int(r["step"]) for r in rows(run / "train.csv")] == [1, 2, 3, 4, 5, 6]
+    assert json.loads((run / ".exogym-run").read_text())["status"] == "failed"

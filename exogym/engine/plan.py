@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -41,6 +41,10 @@ class RunPlan:
     node_timeout: float | None = None  # seconds a node may run without progress (fit's node_timeout); None: no limit
     port: int | None = None  # backend='torch' spawned by fit: the rendezvous port (None: a free one)
     execution: str = "sequential"  # or "fused" (sim backend: one batched forward/backward, exogym.backends.sim.fused)
+    # Called (from the sim's watchdog thread) with the NodeTimeoutError when a node stays stuck in native code past
+    # node_timeout and a grace period; the process then exits (exogym.backends.sim.watchdog). Not sent to other
+    # processes: a simulating process reports to the caller instead. None: the message goes to stderr only.
+    on_stuck: Callable[[BaseException], None] | None = None
 
     @property
     def num_nodes(self) -> int:

@@ -13,7 +13,8 @@ so no state here needs a lock, and nothing can hang: a collective that cannot co
 (mismatched calls, a member that finished or waits elsewhere) is an error the moment it is
 certain, naming the nodes, their steps and their calls; a node that keeps the baton without
 finishing a step or reaching a collective for node_timeout seconds is stopped by the watchdog
-(exogym.backends.sim.watchdog), which names it, its step and its Python stack.
+(exogym.backends.sim.watchdog), which names it, its step and its Python stack (and ends the process, when the run
+asks for it, if the node is stuck in native code that no signal reaches).
 """
 
 from __future__ import annotations
@@ -71,11 +72,15 @@ class Baton:
 
     def __init__(self, num_nodes: int, *, on_resume: Callable[[int], None], on_pause: Callable[[int], None],
                  node_timeout: float | None = None, step_of: Callable[[int], int | None] = lambda rank: None,
-                 local: Sequence[int] | None = None, exchange: Any = None):
+                 local: Sequence[int] | None = None, exchange: Any = None,
+                 on_stuck: Callable[[BaseException], None] | None = None):
         self.num_nodes = num_nodes
         self.local = list(range(num_nodes)) if local is None else list(local)
         self._exchange = exchange
         self.node_timeout, self._step_of = node_timeout, step_of  # the watchdog's limit; a node's current step
+        self._on_stuck = on_stuck  # the watchdog calls it before ending the process when a node stays stuck
+        self._dog: Watchdog | None = None
+        self._turn: int | str | None = None  # the node that ran last, or what the hub did since: an interrupt's note
         self.running: int | None = None  # the node holding the baton (None: the hub)
         self.arrivals = 0  # collectives entered so far, by any node: progress, for the watchdog
         self._on_resume, self._on_pause = on_resume, on_pause  # swap per-node state (RNG, grad mode)
@@ -92,12 +97,13 @@ class Baton:
 
     def run(self, node_fns: list[Callable[[], Any]]) -> list[Any]:
         """Run node_fns[i] as node local[i]; return their results in that order, or raise the first exception a
-        node raises (a NodeTimeoutError when the watchdog stopped a node)."""
-        dog = Watchdog(self.node_timeout, self._progress)
+        node raises (a NodeTimeoutError when the watchdog stopped a node; a KeyboardInterrupt noting which node
+        ran, and at which step, when the run was interrupted)."""
+        dog = self._dog = Watchdog(self.node_timeout, self._progress, on_stuck=self._on_stuck)
         try:
             with dog:
                 try:
-                    return self._run(node_fns)
+                    results = self._run(node_fns)
                 except WatchdogInterrupt:
                     dog.delivered = True
                     raise
@@ -106,7 +112,28 @@ class Baton:
             waiting = self._describe_waiting()
             if waiting:
                 error.args = (f"{error.args[0]}\nThe others:\n{waiting}",)
+            try:
+                dog.raise_deferred()  # a Ctrl-C that came while the nodes unwound: the user still wants out
+            except BaseException as interrupt:
+                interrupt.add_note(f"(interrupted while the watchdog stopped node {error.rank} at step {error.step}: "
+                                   "it had run past node_timeout; see the error above)")
+                raise interrupt from error
             raise error from None
+        dog.raise_deferred()  # a Ctrl-C held back while a node caught the watchdog's interrupt and carried on
+        return results
+
+    def _interrupted_note(self) -> str:
+        """Where a KeyboardInterrupt found the run: the node that ran, its step, and whether it ran past the timeout."""
+        if self._turn is None:
+            return "(interrupted before any node ran)"
+        if isinstance(self._turn, str):
+            return f"(interrupted while {self._turn})"
+        step = self._step_of(self._turn)
+        at = f"at step {step}" if step is not None else "before its first step"
+        note = f"(interrupted while node {self._turn} ran, {at}"
+        if self._dog is not None and self._dog.error is not None and self._dog.error.rank == self._turn:
+            note += f"; it had run past node_timeout={self._dog.timeout:g} s and the watchdog was stopping it"
+        return note + ")"
 
     def _progress(self) -> tuple:
         """What the watchdog samples (from its thread): who runs, how many collectives so far, its step."""
@@ -127,15 +154,17 @@ class Baton:
             while self._ready or self._parked or crossing and self._exchange.busy:
                 if not self._ready and self._parked:  # the parked nodes' batched step, then they run on
                     parked, self._parked = self._parked, []
+                    self._turn = f"computing the batched step of nodes {parked}"
                     self._on_compute(parked)
                     self._ready.extend(sorted(parked))
                     continue
                 if not self._ready:  # every node here waits on other processes
+                    self._turn = "this process's nodes waited for nodes in other processes"
                     self._wait_for_other_processes()
                     continue
                 rank = self._ready.popleft()
                 self._on_resume(rank)
-                self.running = rank
+                self.running = self._turn = rank
                 try:
                     nodes[rank].switch()  # returns when the node waits in a collective or finishes
                 finally:
@@ -146,7 +175,9 @@ class Baton:
                                       "complete:\n" + self._describe_waiting())
             if crossing:
                 self._exchange.report_finished()
-        except BaseException:
+        except BaseException as e:
+            if isinstance(e, KeyboardInterrupt):
+                e.add_note(self._interrupted_note())
             for g in nodes.values():  # unwind the others so their `finally` blocks run now, not at garbage collection
                 if g and not g.dead:
                     g.throw(greenlet.GreenletExit)

@@ -78,15 +78,20 @@ def run_sim(plan: "RunPlan", *, local: Sequence[int] | None = None, exchange: Ex
         modes[r].capture()
 
     comms: dict[int, SimTransport] = {}
+    nodes: dict[int, Any] = {}
+
+    def on_stuck(error: BaseException) -> None:  # the process is about to end: the nodes' last rows first
+        keep_completed_rows(nodes.values())
+        plan.on_stuck(error)
+
     baton = Baton(k, on_resume=resume, on_pause=pause, node_timeout=plan.node_timeout, step_of=lambda r: comms[r].step,
-                  local=local, exchange=exchange)
+                  local=local, exchange=exchange, on_stuck=on_stuck if plan.on_stuck is not None else None)
     owner = exchange.owner if exchange is not None else None
     comms.update((r, SimTransport(baton, r, k, plan.cfg.time_model, plan.cfg.membership, owner)) for r in local)
     execution = SequentialExecution() if plan.execution == "sequential" else FusedExecution(FusedEngine(
         plan.model, len(local), plan.devices[local[0]], minibatch_size=plan.cfg.minibatch_size,
         autocast=plan.cfg.autocast, seed=plan.seed, baton=baton, first_rank=local[0]))
     keep_once = KeptOnce()  # one store for this process's nodes: what every node holds identically is held once
-    nodes: dict[int, Any] = {}
 
     def node_body(r: int) -> Any:
         # The node's model and strategy are copied on its first turn, not all K up front: state a strategy keeps

@@ -1,12 +1,19 @@
-"""The torch backend's answer to "who never came?": each node's collectives, published through the store.
+"""The torch backend's answer to "who never came?" and "who called what?": each node's collectives, published
+through the store.
 
 A collective that times out on torch.distributed says only that this node waited; the node that never arrived is
-elsewhere, in its own process. So each node keeps a ledger of the collectives it entered (how many per group,
-the last one) and its current step, and a thread publishes it to the run's key-value store (the TCPStore the
-process group rendezvoused through) every min(1 s, timeout / 10), when it changed. The training loop pays one
-dict update per collective; the thread sleeps in between. When a collective times out, the waiting node reads
-every member's ledger and names the members that never entered that collective (fewer calls on the group), with
-the step they are at and the last collective they entered.
+elsewhere, in its own process. Members that call different collectives (another shape, dtype or op) are not named
+at all: gloo aborts the process that receives more bytes than it expects (SIGABRT, "Received data size doesn't
+match expected size") and the others fail with "Connection reset by peer", or they all wait until the timeout; a
+mismatched call can even complete on one side, which then fails in its next call. So each node keeps a ledger of
+the collectives it entered (how many per group; each group's recent calls: op, signature as the sim writes it,
+step, number) and publishes it to the run's key-value store (the TCPStore the process group rendezvoused through)
+as it enters each collective, before launching it, so that its call is on record even if the collective then
+aborts its process; a thread also publishes step changes every min(1 s, timeout / 10). A collective pays one JSON
+dump and one store write (a write needs no reply: about 1 us here). When a collective fails, the node reads every
+member's ledger: a member whose last call differs from this node's call with the same number is a mismatch, named
+call by call as the sim names it; otherwise, on a timeout, the members that never entered that collective (fewer
+calls on the group) are named, with the step they are at and the last collective they entered.
 """
 
 from __future__ import annotations
@@ -14,34 +21,61 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import deque
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
-__all__ = ["CollectiveLedger", "Heartbeat", "missing_members_report", "is_timeout"]
+__all__ = ["CollectiveLedger", "Heartbeat", "missing_members_report", "mismatch_report", "describe_call",
+           "is_timeout"]
+
+_RECENT = 16  # a node's own calls per group kept to compare with the members' (a mismatch is found a few calls on)
 
 
 class CollectiveLedger:
-    """The collectives one node entered: calls per group (ranks tuple -> count) and the last call."""
+    """The collectives one node entered: calls per group (ranks tuple -> count), the last call of all, and each
+    group's recent calls [op, signature, step, number] (the last one is published; the older ones stay here, to
+    compare with a member that stopped at one of them while this node went on: a mismatched collective can
+    complete on one side)."""
 
     def __init__(self) -> None:
         self.counts: dict[tuple[int, ...], int] = {}
         self.last: tuple[str, tuple[int, ...], int | None, int] | None = None  # (op, group, step, its number)
+        self.recent: dict[tuple[int, ...], deque[list]] = {}
 
-    def enter(self, op: str, group: tuple[int, ...], step: int | None) -> int:
-        """Note one call; return its number on `group` (1 for the first)."""
+    def enter(self, op: str, group: tuple[int, ...], step: int | None, signature: tuple = ()) -> int:
+        """Note one call (`signature`: shapes, dtypes, reduce op or src, as the sim's); return its number on `group`
+        (1 for the first)."""
         n = self.counts.get(group, 0) + 1
         self.counts[group] = n
         self.last = (op, group, step, n)
+        self.recent.setdefault(group, deque(maxlen=_RECENT)).append([op, _plain(signature), step, n])
         return n
 
     def snapshot(self, step: int | None) -> dict[str, Any]:
-        return {"step": step, "counts": {_key(g): n for g, n in self.counts.items()},
-                "last": None if self.last is None else list(self.last[:1]) + [list(self.last[1]), *self.last[2:]],
+        # Copied in one call each (atomic under the GIL): the heartbeat's thread reads while the node enters calls.
+        counts, recent, last = list(self.counts.items()), list(self.recent.items()), self.last
+        return {"step": step, "counts": {_key(g): n for g, n in counts},
+                "last": None if last is None else list(last[:1]) + [list(last[1]), *last[2:]],
+                "calls": {_key(g): calls[-1] for g, calls in recent},
                 "time": time.time()}
 
 
 def _key(group: tuple[int, ...]) -> str:
     return ",".join(map(str, group))
+
+
+def _plain(signature: Any) -> Any:
+    """The signature as it reads back from the store (tuples become lists), so that published ones compare equal."""
+    return json.loads(json.dumps(signature))
+
+
+def _tuples(x: Any) -> Any:
+    return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def describe_call(op: str, signature: Any) -> str:
+    """A call as the sim names it: all_reduce((3,), 'float32', 'sum')."""
+    return f"{op}{_tuples(signature)}"
 
 
 class Heartbeat:
@@ -53,10 +87,12 @@ class Heartbeat:
         self.store, self.rank, self.ledger, self.step_of = store, rank, ledger, step_of
         self.prefix, self.period = prefix, min(1.0, timeout_s / 10)
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # publish() from the node's thread, _beat() from the heartbeat's
+        self._published: tuple | None = None  # (step, last call) as last written
         self._thread = threading.Thread(target=self._beat, name=f"exogym-heartbeat-{rank}", daemon=True)
 
     def start(self) -> "Heartbeat":
-        self._publish()
+        self.publish()
         self._thread.start()
         return self
 
@@ -64,20 +100,22 @@ class Heartbeat:
         self._stop.set()
         self._thread.join(timeout=5)
 
-    def _publish(self) -> tuple:
-        state = (self.step_of(), dict(self.ledger.counts), self.ledger.last)
-        self.store.set(f"{self.prefix}/{self.rank}", json.dumps(self.ledger.snapshot(state[0])))
-        return state
+    def publish(self) -> bool:
+        """Write the ledger and the step to the store now (the node calls it on entering each collective); False
+        when the store is gone (the run is ending: nothing left to tell, and no reason to fail a collective)."""
+        with self._lock:
+            state = (self.step_of(), self.ledger.last)
+            try:
+                self.store.set(f"{self.prefix}/{self.rank}", json.dumps(self.ledger.snapshot(state[0])))
+            except Exception:  # noqa: BLE001
+                return False
+            self._published = state
+        return True
 
     def _beat(self) -> None:
-        last = None
         while not self._stop.wait(self.period):
-            state = (self.step_of(), dict(self.ledger.counts), self.ledger.last)
-            if state != last:
-                try:
-                    last = self._publish()
-                except Exception:  # noqa: BLE001 - the store is gone (the run is ending): nothing left to tell
-                    return
+            if (self.step_of(), self.ledger.last) != self._published and not self.publish():
+                return
 
     def read(self, ranks: tuple[int, ...]) -> dict[int, dict[str, Any] | None]:
         """Each rank's latest ledger (None where it never published: its process did not get that far)."""
@@ -127,3 +165,28 @@ def missing_members_report(rank: int, op: str, group: tuple[int, ...], number: i
     fix = ("A node that skips a collective, loops, or waits elsewhere holds the others up: every node must make "
            "the same collectives in the same order. If steps really take this long, raise fit(node_timeout=...).")
     return "\n".join([head, *lines, fix]), missing
+
+
+def mismatch_report(rank: int, group: tuple[int, ...], own: Sequence[list],
+                    ledgers: dict[int, dict[str, Any] | None]) -> str | None:
+    """Node `rank`'s recent calls on `group` (`own`: [op, signature, step, number], CollectiveLedger.recent) against
+    the last call each member published: where one differs from this node's call with the same number, the message
+    naming every member's call with that number, as the sim's (the earliest such number); else None."""
+    mine = {call[3]: call for call in own}
+    theirs = {}
+    for r in group:
+        call = ((ledgers.get(r) or {}).get("calls") or {}).get(_key(group)) if r != rank else None
+        if call is not None and call[3] in mine:
+            theirs[r] = call
+    differing = sorted(c[3] for c in theirs.values() if c[:2] != mine[c[3]][:2])
+    if not differing:
+        return None
+    number = differing[0]
+    calls = {rank: mine[number], **{r: c for r, c in theirs.items() if c[3] == number}}
+    lines = [f"  node {r} (step {c[2]}): {describe_call(c[0], c[1])}" for r, c in sorted(calls.items())]
+    unknown = sorted(set(group) - set(calls))
+    if unknown:
+        lines.append(f"  node(s) {unknown}: not known (their last call on this group has another number)")
+    return "\n".join([f"mismatched collective #{number} on group {list(group)}: the members called different "
+                      "collectives (every node must make the same collectives, with the same shapes and dtypes, in "
+                      "the same order):", *lines])

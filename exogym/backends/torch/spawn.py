@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from exogym.backends.errors import NodeProcessError
+from exogym.comm.transport import CollectiveError
 from exogym.backends.local_processes import (HOST, ForwardingLive, Outbox, check_picklable, collect_last_rows,
                                              end_processes, process_context, stop_on_sigterm, supervise)
 from exogym.backends.torch.node_process import pick_backend, process_group_timeout, run_node
@@ -66,7 +67,7 @@ def run_spawned(plan: "RunPlan") -> list[tuple["NodeLog", dict[str, torch.Tensor
             writer.close()  # the node holds the only writer now: end of file on the reader means it is gone
             procs.append(proc)
             conns.append(reader)
-        results = supervise(plan.live, procs, conns, [f"node {r}" for r in range(k)])
+        results = supervise(plan.live, procs, conns, [f"node {r}" for r in range(k)], passthrough=(CollectiveError,))
         finished = True
         return results
     finally:

@@ -12,6 +12,10 @@ the difference:
 - A group of one node never touches the network.
 - Simulated time: when the run has a time model, each counted collective is followed, on the same group, by an
   all-gather of the members' arrival times (float64), and every member settles its own clock as the sim does.
+- Members that call different collectives: torch.distributed aborts a process or times out without saying what
+  differed; each call's signature (op, shapes, dtypes, reduce op or src, as the sim's) goes to the node's ledger in
+  the run's store before it is launched, and a failed or timed-out collective is explained from the members'
+  ledgers (exogym.backends.torch.heartbeat): a CollectiveError naming each node's call, as on the sim.
 Bytes are counted by exogym.comm.collectives before a call gets here, exactly as on the sim backend.
 """
 
@@ -23,7 +27,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from exogym.backends.torch.heartbeat import CollectiveLedger, Heartbeat, is_timeout, missing_members_report
+from exogym.backends.torch.heartbeat import (CollectiveLedger, Heartbeat, is_timeout, mismatch_report,
+                                             missing_members_report)
 from exogym.backends.errors import NodeTimeoutError
 from exogym.comm.transport import CollectiveError, TransportBase, Group, ReduceOp, make_group, payload_nbytes, tensor_nbytes
 from exogym.cluster.simtime import NodeClock, TimeModel
@@ -115,13 +120,15 @@ class TorchTransport(TransportBase):
             if op is ReduceOp.AVG:
                 buf.div_(group.size)
             _copy_back(tensor, buf)
-        return self._collective("all_reduce", group, tensor_nbytes(tensor), account, async_op, finish,
+        return self._collective("all_reduce", (*_sig(tensor), op.value), group, tensor_nbytes(tensor), account,
+                                async_op, finish,
                                 lambda pg: dist.all_reduce(buf, op=_torch_op(op), group=pg, async_op=True))
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group, *, account: bool = False,
                   async_op: bool = False) -> TorchWork | None:
         buf = self._staged(tensor)
-        return self._collective("broadcast", group, tensor_nbytes(tensor), account, async_op,
+        return self._collective("broadcast", (*_sig(tensor), f"src={src}"), group, tensor_nbytes(tensor), account,
+                                async_op,
                                 lambda: _copy_back(tensor, buf),
                                 lambda pg: dist.broadcast(buf, src=src, group=pg, async_op=True))
 
@@ -134,8 +141,9 @@ class TorchTransport(TransportBase):
                 outs[0].copy_(buf)
             for t, out in zip(tensor_list, outs):
                 _copy_back(t, out)
-        return self._collective("all_gather", group, payload_nbytes("all_gather", tensor, group.size), account,
-                                async_op, finish, lambda pg: dist.all_gather(outs, buf, group=pg, async_op=True))
+        return self._collective("all_gather", _sig(tensor), group, payload_nbytes("all_gather", tensor, group.size),
+                                account, async_op, finish,
+                                lambda pg: dist.all_gather(outs, buf, group=pg, async_op=True))
 
     def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp,
                        group: Group, *, account: bool = False, async_op: bool = False) -> TorchWork | None:
@@ -160,26 +168,30 @@ class TorchTransport(TransportBase):
             if native:
                 return dist.reduce_scatter(out, ins, op=_torch_op(op), group=pg, async_op=True)
             return dist.all_reduce(stacked, op=_torch_op(op), group=pg, async_op=True)
-        return self._collective("reduce_scatter", group, payload_nbytes("reduce_scatter", None, group.size, input_list),
-                                account, async_op, finish, launch)
+        return self._collective("reduce_scatter", (*_sig(output), op.value), group,
+                                payload_nbytes("reduce_scatter", None, group.size, input_list), account, async_op,
+                                finish, launch)
 
     def barrier(self, group: Group, *, account: bool = False, async_op: bool = False) -> TorchWork | None:
         # A one-element all-reduce rather than dist.barrier: the same on gloo and nccl, and it can be async.
         token = torch.zeros(1, device=self.device)
-        return self._collective("barrier", group, 0, account, async_op, lambda: None,
+        return self._collective("barrier", (), group, 0, account, async_op, lambda: None,
                                 lambda pg: dist.all_reduce(token, group=pg, async_op=True))
 
     # ---- the shared path ---------------------------------------------------------------------
-    def _collective(self, op: str, group: Group, payload: int, account: bool, async_op: bool,
+    def _collective(self, op: str, signature: tuple, group: Group, payload: int, account: bool, async_op: bool,
                     finish: Callable[[], None], launch: Callable[[Any], Any]) -> TorchWork | None:
         """Start the collective (and, when timed, the arrival-time exchange right after it on the same group, so
-        every member issues them in the same order); wait now unless async_op."""
+        every member issues them in the same order); wait now unless async_op. `signature` must be equal across
+        members (shapes, dtypes, reduce op or src); it is published before the launch, to name a mismatch."""
         works, timed = [], account and self.time_model is not None
         arrivals: list[Any] = [self.clock.now]  # the members' arrival times on their virtual clocks, in rank order
         number, step = 0, self.step
         if group.size > 1:
             pg = self._process_group(group, op)
-            number = self.ledger.enter(op, group.ranks, step)
+            number = self.ledger.enter(op, group.ranks, step, signature)
+            if self.heartbeat is not None:
+                self.heartbeat.publish()  # on record before launching: a mismatch may abort this process
             works.append(launch(pg))
             if timed:
                 mine = torch.tensor(arrivals, dtype=torch.float64, device=self.device)
@@ -191,18 +203,25 @@ class TorchTransport(TransportBase):
             if timed:
                 self._settle(op, group, payload, [float(a) for a in arrivals], blocking=not async_op)
         work = TorchWork(works, done, f"{op} on group {list(group.ranks)}, called at step {self.step}",
-                         lambda e: self._explain_timeout(e, op, group, number, step))
+                         lambda e: self._explain(e, op, group, number, step))
         if async_op:
             return work
         work.wait()
         return None
 
-    def _explain_timeout(self, e: BaseException, op: str, group: Group, number: int,
-                         step: int | None) -> NodeTimeoutError | None:
-        """On a timeout: the members that never entered this collective, from their heartbeats."""
-        if self.heartbeat is None or not is_timeout(e):
+    def _explain(self, e: BaseException, op: str, group: Group, number: int, step: int | None) -> Exception | None:
+        """A failed collective, from the members' ledgers: a CollectiveError naming each node's call when they
+        differ; else, on a timeout, a NodeTimeoutError naming the members that never entered it; else None."""
+        if self.heartbeat is None:
             return None
         ledgers = self.heartbeat.read(group.ranks)
+        mismatch = mismatch_report(self.rank, group.ranks, self.ledger.recent.get(group.ranks, ()), ledgers)
+        if mismatch is not None:
+            how = (f"waited {self.timeout.total_seconds():g} s (fit's node_timeout) in {op} #{number}" if is_timeout(e)
+                   else f"saw {op} #{number} fail ({type(e).__name__}: a member's process may have been aborted)")
+            return CollectiveError(f"{mismatch}\nNode {self.rank} {how}; the run was stopped.")
+        if not is_timeout(e):
+            return None
         message, missing = missing_members_report(self.rank, op, group.ranks, number, step, self.timeout, ledgers)
         culprit = missing[0] if missing else self.rank
         culprit_step = (ledgers.get(culprit) or {}).get("step", step)
@@ -222,6 +241,11 @@ class TorchTransport(TransportBase):
         if t.device == self.device and t.is_contiguous():
             return t
         return t.detach().to(self.device).contiguous()
+
+
+def _sig(t: torch.Tensor) -> tuple:
+    """A tensor's part of a collective's signature, as the sim writes it (exogym.backends.sim.transport)."""
+    return (tuple(t.shape), str(t.dtype).removeprefix("torch."))
 
 
 def _copy_back(original: torch.Tensor, buf: torch.Tensor) -> None:
