@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import math
 from typing import Any, Iterable
+
+# The largest run seed: torch's generators take seeds up to 2**64 - 1, and epoch e's data order is seeded with
+# seed + e (DistributedSampler), so a seed below 2**63 leaves every epoch a valid seed. numpy's SeedSequence and
+# Python's random take any non-negative int; each node's own seed is mixed down to 63 bits (exogym.engine.rng).
+MAX_SEED = 2**63 - 1
 
 
 def reject_unknown_kwargs(owner: str, unknown: dict[str, Any], accepted: Iterable[str]) -> None:
@@ -39,23 +45,28 @@ def init_keywords(cls: type) -> list[str]:
     return names
 
 
-def check_int(name: str, value: Any, *, minimum: int, allow_none: bool = False) -> None:
+def check_int(name: str, value: Any, *, minimum: int, maximum: int | None = None, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be in {minimum}..{maximum}, got {value!r}")
 
 
 def check_number(name: str, value: Any, *, minimum: float | None = None, positive: bool = False,
-                 maximum: float | None = None, allow_none: bool = False) -> None:
+                 maximum: float | None = None, allow_none: bool = False, finite: bool = False) -> None:
+    """finite=True: inf and -inf are refused too (a learning rate of inf turns every weight into nan at once)."""
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
     if value != value:  # NaN
         raise ValueError(f"{name} must be a number, got nan")
+    if finite and isinstance(value, float) and not math.isfinite(value):  # an int is finite, and may not fit a float
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
     if positive and value <= 0:
         raise ValueError(f"{name} must be > 0, got {value!r}")
     if minimum is not None and value < minimum:

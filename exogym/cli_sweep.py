@@ -17,9 +17,12 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from exogym._validation import MAX_SEED, check_int
 from exogym.cluster.network import PRESETS
+from exogym.fit_setup import check_node_memory
 from exogym.sweep.objective import metric_name, parse_bytes
 from exogym.sweep.space import Choice, Float, Int, Space, space
 from exogym.sweep.sweep import SEARCHES, read_definition, sweep
@@ -261,6 +264,8 @@ def cmd_sweep(args: argparse.Namespace, parser: argparse.ArgumentParser, trainin
         return _start(resumed, training_options, builders, resume=True, argv=stored)
     if args.out is None:
         raise ValueError("--out names the sweep folder (e.g. --out sweeps/h-vs-lr); --resume FOLDER continues one")
+    if not args.out.strip() or Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out names the sweep folder, got {args.out!r}" + (" (a file)" if args.out.strip() else ""))
     if args.retry_failed:
         raise ValueError("--retry-failed goes with --resume FOLDER (a new sweep has nothing failed yet)")
     return _start(args, training_options, builders, resume=False, argv=_argv_of(args, parser))
@@ -285,8 +290,12 @@ def _start(args: argparse.Namespace, training_options: Callable, builders: dict,
     needs_time = args.budget_sim_time is not None or args.max_sim_time is not None or args.objective == "sim_time_s"
     if needs_time and not args.network:
         raise ValueError("the objective reads simulated time: give the runs a network (--network low, home, ...)")
-    for config in (joined.configurations() if joined.is_grid else []):  # every strategy built before any trial
-        builders[config.get("strategy", run.fixed.get("strategy"))](argparse.Namespace(**{**run.fixed, **config}))
+    for seed in joined.seeds:
+        check_int("--seeds: a seed", seed, minimum=0, maximum=MAX_SEED)
+    for config in (joined.configurations() if joined.is_grid else []):  # every run's settings checked before any trial
+        values = argparse.Namespace(**{**run.fixed, **config})
+        builders[config.get("strategy", run.fixed.get("strategy"))](values).check_nodes(values.nodes)
+        check_node_memory(values.nodes)
     _task_data(args.task)  # the data loads (or says why not) before any trial starts
     _check_model_metric(args.task, args.objective)
     swept = joined.names

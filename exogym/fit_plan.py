@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from exogym._validation import check_int, check_number
+from exogym._validation import MAX_SEED, check_int, check_number
 from exogym.backends.sim.fused.choose import EXECUTIONS
 from exogym.cluster.membership import Membership
 from exogym.data.partition import Partition
@@ -20,7 +20,7 @@ from exogym.data.sharding import NodeBatches
 from exogym.engine.devices import MemoryCap
 from exogym.engine.plan import RunPlan
 from exogym.fit_end import ending
-from exogym.fit_setup import take_ignored_settings, versions
+from exogym.fit_setup import check_node_memory, take_ignored_settings, versions
 from exogym.runs.checkpoint import NodeState, check_resume, find_checkpoint, load_checkpoint, read_manifest
 from exogym.runs.folder import RunClaim
 from exogym.runs.loggers import Logger
@@ -46,7 +46,9 @@ def check_arguments(o: FitArguments) -> None:
     for name in ("num_nodes", "num_epochs", "batch_size", "val_size", "val_interval", "log_interval",
                  "keep_checkpoints"):
         check_int(name, getattr(o, name), minimum=1)
-    check_int("seed", o.seed, minimum=0)
+    check_node_memory(o.num_nodes)  # the per-node overhead alone: num_nodes=10**9 is refused here, at once
+    o.strategy.check_nodes(o.num_nodes)
+    check_int("seed", o.seed, minimum=0, maximum=MAX_SEED)
     for name in ("max_steps", "minibatch_size", "checkpoint_interval", "diagnostics_interval", "port"):
         check_int(name, getattr(o, name), minimum=1, allow_none=True)
     if o.port is not None and o.port > 65535:

@@ -28,8 +28,9 @@ from exogym.engine.rng import GlobalRNGState
 from exogym.fit_end import ending, interrupt_on_sigterm, trace_non_finite
 from exogym.fit_plan import (FitArguments, FitRun as _Run, RunData, check_arguments, check_processes,
                              keeps_one_replica, resume_point, run_config)
-from exogym.fit_setup import (announce, build_node_batches, build_time_model, build_val_batches, check_trainable,
-                              claim_run_folders, partition_data, peak_memory_mb, resolve_logger, run_name_of)
+from exogym.fit_setup import (announce, build_node_batches, build_time_model, build_val_batches, check_node_memory,
+                              check_trainable, claim_run_folders, partition_data, peak_memory_mb, resolve_logger,
+                              run_name_of)
 from exogym.runs.checkpoint import CheckpointPlan, check_checkpoint_space
 from exogym.runs.fingerprint import run_fingerprint
 from exogym.runs.folder import check_writable
@@ -186,6 +187,7 @@ class Trainer:
         is_main = launch is None or launch.rank == 0
         logger = logger if is_main else None
         devices = self._node_devices(o, launch)
+        check_node_memory(o.num_nodes, model=self.model, one_replica=keeps_one_replica(o.strategy), devices=devices)
         memory_cap = memory_fraction(o.max_memory_usage, devices)
         loader = loader_options(o.dataloader_kwargs, devices)
         if o.autocast and any(d.type == "cuda" and not torch.cuda.is_bf16_supported() for d in devices):

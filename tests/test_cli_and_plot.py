@@ -97,15 +97,18 @@ def test_compare_never_replaces_a_run_folder(capsys):
     assert main(["run", "--run-name", "c-ddp", "--steps", "2", "--quiet", "--overwrite"]) == 0  # asked for
 
 
-def test_bugs_keep_their_traceback(monkeypatch):
+def test_bugs_are_one_line_with_status_1_and_keep_their_traceback_under_debug(monkeypatch, capsys):
     import exogym.cli as cli
 
     def broken(args):
         raise RuntimeError("a bug")
 
     monkeypatch.setitem(cli.STRATEGY_BUILDERS, "ddp", broken)
+    assert main(["run", "--steps", "1", "--quiet"]) == 1  # never a traceback without --debug (issue 30)
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "internal error: RuntimeError: a bug" in err, err
     with pytest.raises(RuntimeError, match="a bug"):
-        main(["run", "--steps", "1", "--quiet"])
+        main(["--debug", "run", "--steps", "1", "--quiet"])
     with pytest.raises(ValueError, match="unknown optimizer"):  # --debug: the traceback of a user error too
         main(["--debug", "run", "--strategy", "diloco", "--optim", "adamx"])
 

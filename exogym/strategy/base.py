@@ -158,6 +158,11 @@ class Strategy(metaclass=_StrategyType):
             raise TypeError(f"{name} was built without running Strategy.__init__: call super().__init__(...) "
                             f"in {name}.__init__ (it sets up the LR schedule, max_norm and the step count)")
 
+    def check_nodes(self, num_nodes: int) -> None:
+        """Trainer.fit asks before any node starts, with the run's node count: a strategy whose settings must fit
+        it (FedAvg's island_size) overrides this and raises an error naming both numbers, instead of failing in a
+        running node. Nothing to check by default."""
+
     def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
         """Bind to one node (the original ExoGym hook; subclasses extend it and call super())."""
         self.model, self.rank, self.num_nodes = model, rank, num_nodes

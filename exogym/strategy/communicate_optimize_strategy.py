@@ -55,6 +55,9 @@ class CommunicationModule(metaclass=Adaptable):
     def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
         """Bind to one node's model; modules extend this (the run's facts are in self.context)."""
 
+    def check_nodes(self, num_nodes: int) -> None:
+        """Before any node starts: raise if the module's settings cannot work with num_nodes (Strategy.check_nodes)."""
+
     def communicate(self, model: torch.nn.Module, rank: int, num_nodes: int, local_step: int) -> None:
         raise NotImplementedError
 
@@ -152,6 +155,10 @@ class ModularStrategy(Strategy):
                              "the only communication module: the others would need the nodes that sit out")
         self.modules = modules
 
+    def check_nodes(self, num_nodes: int) -> None:
+        for m in self.modules:
+            m.check_nodes(num_nodes)
+
     def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
         super()._init_node(model, rank, num_nodes)
         for m in self.modules:
@@ -233,7 +240,7 @@ def inner_spec(optim_spec: OptimSpec | str | type | None, inner_optim: OptimSpec
     for a name or class, the optimizer's other options (momentum=0.9, betas=...)."""
     if optim_spec is not None and inner_optim is not None:
         raise TypeError(f"got both optim_spec={optim_spec!r} and inner_optim={inner_optim!r}; pass one of them")
-    check_number("lr", lr, positive=True, allow_none=True)
-    check_number("weight_decay", weight_decay, minimum=0.0, allow_none=True)
+    check_number("lr", lr, positive=True, allow_none=True, finite=True)
+    check_number("weight_decay", weight_decay, minimum=0.0, allow_none=True, finite=True)
     return ensure_optim_spec(optim_spec if optim_spec is not None else inner_optim, default,
                              lr=lr, weight_decay=weight_decay, **options)

@@ -47,7 +47,7 @@ class SimpleReduceStrategy(Strategy):
         # The name form's options ("sgd", momentum=0.9) are the optimizer's; the rest are the base class's.
         options = pop_optimizer_options(type(self).__name__, optim_spec, default, kwargs, strategy_keywords(type(self)))
         super().__init__(max_norm=max_norm, **kwargs)
-        check_number("lr", lr, positive=True, allow_none=True)
+        check_number("lr", lr, positive=True, allow_none=True, finite=True)
         self.optim_spec = ensure_optim_spec(optim_spec, default, lr=lr, **options)
         self._replica_key = uuid.uuid4().hex  # every node's copy of this strategy shares it: one replica
 

@@ -75,13 +75,13 @@ class DeMo(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, compression_decay: float = 0.999,
                  compression_topk: int = 32, compression_chunk: int = 64, weight_decay: float = 0.0,
                  lr_scaled_momentum: bool = True):
-        check_number("lr", lr, positive=True)
+        check_number("lr", lr, positive=True, finite=True)
         check_number("compression_decay", compression_decay, minimum=0.0)
         if compression_decay >= 1:
             raise ValueError(f"compression_decay must be in [0, 1) (the momentum's decay), got {compression_decay!r}")
         check_int("compression_topk", compression_topk, minimum=1)
         check_int("compression_chunk", compression_chunk, minimum=1)
-        check_number("weight_decay", weight_decay, minimum=0.0)
+        check_number("weight_decay", weight_decay, minimum=0.0, finite=True)
         if not isinstance(lr_scaled_momentum, bool):
             raise TypeError(f"lr_scaled_momentum must be True (momentum accumulates lr x gradient, as the reference "
                             f"implementation) or False (the raw gradient), got {lr_scaled_momentum!r}")

@@ -61,7 +61,7 @@ class DGCStrategy(Strategy):
         check_number("momentum", momentum, minimum=0.0)
         if momentum >= 1:
             raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
-        check_number("lr", lr, positive=True, allow_none=True)
+        check_number("lr", lr, positive=True, allow_none=True, finite=True)
         self.target_sparsity, self.warmup_steps = float(target_sparsity), warmup_steps
         self.clip_threshold, self.momentum = clip_threshold, float(momentum)
         spec = ensure_optim_spec(optim_spec, OptimSpec(torch.optim.SGD, lr=0.01), lr=lr)

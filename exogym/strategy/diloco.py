@@ -135,7 +135,7 @@ def outer_spec(outer_optim_spec: OptimSpec | str | type | None = None, *, outer_
                outer_momentum: float | None = None, nesterov: bool | None = None) -> OptimSpec:
     """The outer optimizer: by default SGD, lr 0.7, Nesterov momentum 0.9 (the paper's); a name or class
     with outer_lr (SGD also takes outer_momentum and nesterov), or a full OptimSpec alone."""
-    check_number("outer_lr", outer_lr, positive=True, allow_none=True)
+    check_number("outer_lr", outer_lr, positive=True, allow_none=True, finite=True)
     check_number("outer_momentum", outer_momentum, minimum=0.0, allow_none=True)
     if outer_momentum is not None and outer_momentum >= 1:
         raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")

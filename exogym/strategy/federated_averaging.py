@@ -4,6 +4,7 @@ Networks from Decentralized Data", AISTATS 2017), with islands and client sampli
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any, Mapping
 
 import torch
@@ -21,6 +22,11 @@ from exogym.strategy.optim import OptimSpec
 __all__ = ["AveragingCommunicator", "FedAvgStrategy"]
 
 _SAMPLE, _ISLANDS = 1, 2  # salts: independent streams for sampling and for islands
+
+
+def _clients_per_round(client_sampling: float, num_nodes: int) -> int:
+    """How many nodes train and average in a round: a fraction client_sampling of them, at least one."""
+    return max(1, round(client_sampling * num_nodes))
 
 
 class AveragingCommunicator(CommunicationModule):
@@ -85,13 +91,18 @@ class AveragingCommunicator(CommunicationModule):
                 self._local_steps = [self.local_epochs * n for n in ctx.shard_steps]
                 self.H = max(self._local_steps)  # the longest round (what the config shows)
         self._round_ends = [0]  # _round_ends[r]: the last step before round r
-        m = self.clients_per_round
-        if self.island_size is not None and (self.island_size > m or m % self.island_size):
-            sizes = [d for d in range(1, m + 1) if m % d == 0]
-            raise ValueError(f"island_size must divide the {m} nodes taking part in a round (num_nodes={num_nodes}"
-                             f", client_sampling={self.client_sampling}), got {self.island_size}; use one of {sizes}")
+        self.check_nodes(num_nodes)
         if self.compression is not None:  # theta_last: the model every node held after the last average
             self.last_average = [p.detach().clone() for p in trainable_parameters(model)]
+
+    def check_nodes(self, num_nodes: int) -> None:
+        """island_size must divide the nodes taking part in a round (fit checks this before any node starts)."""
+        m = _clients_per_round(self.client_sampling, num_nodes)
+        if self.island_size is not None and (self.island_size > m or m % self.island_size):
+            small = [d for d in range(1, math.isqrt(m) + 1) if m % d == 0]  # sqrt(m) steps, however large m is
+            sizes = small + [m // d for d in reversed(small) if d * d != m]
+            raise ValueError(f"island_size must divide the {m} nodes taking part in a round (num_nodes={num_nodes}"
+                             f", client_sampling={self.client_sampling}), got {self.island_size}; use one of {sizes}")
 
     # ---- rounds: which steps, who takes part, with whom (the same answer on every node) ------------------
     def _round_length(self, round_index: int) -> int:
@@ -123,7 +134,7 @@ class AveragingCommunicator(CommunicationModule):
 
     @property
     def clients_per_round(self) -> int:
-        return max(1, round(self.client_sampling * self.num_nodes))
+        return _clients_per_round(self.client_sampling, self.num_nodes)
 
     def participants(self, round_index: int) -> list[int]:
         """The sorted ranks that train in round `round_index` (rounds count from 0), sampled from the nodes up

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import math
 from typing import Any, Iterable
 
 import torch
@@ -51,6 +52,7 @@ class OptimSpec(metaclass=Adaptable):
         if accepted is not None:
             reject_unknown_kwargs(f"OptimSpec({cls.__name__})", {k: v for k, v in kwargs.items() if k not in accepted},
                                   accepted)
+        _check_hyperparameters(cls, kwargs)
         self.cls = cls
         self.kwargs = dict(kwargs)
 
@@ -77,6 +79,18 @@ class OptimSpec(metaclass=Adaptable):
 
     def to_dict(self) -> dict[str, Any]:
         return {"optimizer": self.cls.__name__, **self.kwargs}
+
+
+def _check_hyperparameters(cls: type, kwargs: dict[str, Any]) -> None:
+    """Numbers an optimizer is given are finite, and lr is >= 0: torch takes lr=inf and turns every weight into nan
+    at the first step. Tensors (a tensor lr) and other values are the optimizer's to check."""
+    for name, value in kwargs.items():
+        numbers = value if isinstance(value, tuple) else (value,)  # betas=(0.9, 0.999)
+        if any(isinstance(v, float) and not math.isfinite(v) for v in numbers):
+            raise ValueError(f"OptimSpec({cls.__name__}) got {name}={value!r}; {name} must be finite")
+    lr = kwargs.get("lr")
+    if isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr < 0:
+        raise ValueError(f"OptimSpec({cls.__name__}) got lr={lr!r}; a learning rate must be >= 0")
 
 
 def _optimizer_class(name: str) -> type[torch.optim.Optimizer]:
