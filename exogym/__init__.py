@@ -12,6 +12,7 @@ from exogym.cluster.membership import RandomFailures
 from exogym.comm.transport import CollectiveError
 from exogym.engine.node import NonFiniteLoss
 from exogym.runs.folder import RunFolderError
+from exogym.runs.disk import DiskFullError
 from exogym.runs.record import RunRecord
 from exogym.trainer import LocalTrainer, Trainer
 
@@ -20,5 +21,5 @@ from exogym import compat  # noqa: E402 - on top of everything above, and instal
 compat.install()
 
 __all__ = ["Trainer", "LocalTrainer", "RunRecord", "CollectiveError", "NodeProcessError", "NodeTimeoutError",
-           "RunFolderError", "RandomFailures", "NonFiniteLoss"]
+           "RunFolderError", "DiskFullError", "RandomFailures", "NonFiniteLoss"]
 __version__ = "0.1.0"

@@ -3,6 +3,7 @@ the run on its way (what must be closed, released or reported however the run en
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import uuid
@@ -201,6 +202,8 @@ class FitRun:
         and the loggers and the run folder say how the run ended (exogym.fit_end.ending)."""
         record = None
         if self.plan is not None:
+            with contextlib.suppress(Exception):  # e.g. a full disk under the logger: the record keeps the row
+                self.plan.live.log_newest_row()
             record = RunRecord.from_nodes(self.plan.live.partial_logs(), config=self.config,
                                           global_batch=self.config["global_batch"],
                                           wall_time_s=time.perf_counter() - self.started)
@@ -210,7 +213,7 @@ class FitRun:
         if self.logger is not None:
             self.logger.finish({**end, **(record.summary() if record is not None else {})})
         if self.claim is not None:
-            self.claim.release(end["status"])
+            self.claim.release(end["status"], end.get("error"))
         return record
 
     @property

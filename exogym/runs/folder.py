@@ -3,7 +3,7 @@
 A folder is claimed by creating its marker file `.exogym-run` with O_CREAT | O_EXCL: of two runs (two `fit`
 calls, or two processes) asking for one folder, exactly one creates the marker, so two runs never share a
 folder, however close in time they start. The marker says who holds the folder (run id, process id, host) and
-whether that run is still running.
+whether that run is still running, and, once it ended, how ("completed", "failed" with the reason).
 
 - A default name (strategy, nodes, time to the second) that is taken gets the suffix -2, -3, ...: the first free
   one is claimed, so a loop of fits in one second, or concurrent processes, each get their own folder.
@@ -11,10 +11,16 @@ whether that run is still running.
   naming the folder, unless `overwrite=True` (its contents are deleted: the old run is replaced) or the run
   resumes from one of its own checkpoints (it continues in the folder, rows after the checkpoint's step are
   dropped). Neither is allowed while the holder is still running.
+- A run name is one folder name (`check_run_name` states the rule); a run folder that is a symbolic link is refused,
+  and deleting a folder's contents unlinks the links in it: nothing outside the log folder is written or deleted.
+- A checkpoint folder is held by the run writing into it while it runs (`hold_folder`: the same marker, with
+  "kind": "checkpoints", removed at release; from then on its checkpoints' manifests say whose they are).
 - `move_aside` renames the folders of a run that has ended to `<name>.<when it started>` beside them, so a new run
   can take the name and the earlier one is kept (what a rerun of an original EXO Gym script needs).
 - Nothing is created before a run is claimed, and a claim given back (a run that never started) removes the
   folders it created, so a run that fails before its first step leaves no folder behind.
+
+This module imports nothing of exogym or torch at load time (racing processes load it alone, in milliseconds).
 """
 
 from __future__ import annotations
@@ -24,16 +30,25 @@ import json
 import os
 import shutil
 import socket
+import sys
 import time
+import unicodedata
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
-__all__ = ["RunFolderError", "RunClaim", "claim_run", "check_run_name", "check_writable", "move_aside", "MARKER"]
+__all__ = ["RunFolderError", "RunClaim", "claim_run", "check_run_name", "check_writable", "move_aside", "hold_folder",
+           "describe_holder", "read_marker", "remove_tree", "MARKER", "RUN_NAME_MAX_CHARS", "RUN_NAME_MAX_BYTES"]
 
 MARKER = ".exogym-run"
 _MAX_SUFFIX = 10_000
+# A folder name holds 255 bytes on common filesystems; a moved-aside copy appends up to 21 (".20260101-120000-9999").
+RUN_NAME_MAX_CHARS, RUN_NAME_MAX_BYTES = 100, 200
+_BAD_CATEGORIES = {"Cc": "a control character", "Zl": "a line separator", "Zp": "a paragraph separator",
+                   "Cs": "an unpaired surrogate"}
+_PROBE_BYTES = 64 * 1024  # what check_writable writes: room for a run's config.json, some hundred rows and summary
+_REASON_CHARS = 1500  # a marker stays within one 4 KB block, so rewriting it in place needs no new block
 
 
 class RunFolderError(ValueError):
@@ -41,18 +56,38 @@ class RunFolderError(ValueError):
 
 
 def check_run_name(name: object) -> str:
-    """A run name is one folder name: not empty, no path separators, not '.' or '..'."""
-    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or (os.sep in name) \
-            or (os.altsep and os.altsep in name) or "\0" in name:
-        raise ValueError(f"run_name must be a folder name (no '/', not empty, not '.' or '..'), got {name!r}; "
-                         "put the parent folder in the logger's log_dir instead")
+    """The one rule for a run name, which is one folder inside the log folder: a string of 1 to 100 characters
+    (200 bytes as UTF-8), not only spaces, not '.' or '..', with no path separator ('/', and the OS's own) and no
+    control character (Unicode categories Cc, Zl, Zp, Cs: newline, tab, NUL, ...)."""
+    rule = (f"a run name is one folder name: 1 to {RUN_NAME_MAX_CHARS} characters ({RUN_NAME_MAX_BYTES} bytes as "
+            "UTF-8), not only spaces, not '.' or '..', with no '/' and no control characters (newline, tab, NUL)")
+    why = None
+    if not isinstance(name, str):
+        why = f"got a {type(name).__name__}"
+    elif not name.strip():
+        why = "it is empty" if not name else "it is only spaces"
+    elif name in (".", ".."):
+        why = f"{name!r} is not a folder of its own"
+    elif any(sep and sep in name for sep in ("/", os.sep, os.altsep)):
+        why = "it holds a path separator"
+    else:
+        bad = next((c for c in name if unicodedata.category(c) in _BAD_CATEGORIES), None)
+        if bad is not None:
+            why = f"it holds {_BAD_CATEGORIES[unicodedata.category(bad)]} ({bad!r})"
+        elif len(name) > RUN_NAME_MAX_CHARS:
+            why = f"it has {len(name)} characters"
+        elif len(name.encode("utf-8")) > RUN_NAME_MAX_BYTES:
+            why = f"it has {len(name.encode('utf-8'))} bytes as UTF-8"
+    if why is not None:
+        raise ValueError(f"run_name must be a folder name: {why}, got {name!r}; {rule}. Put parent folders in the "
+                         "logger's log_dir instead")
     return name
 
 
 def check_writable(folder: str | os.PathLike, what: str) -> Path:
-    """Check that `folder` can be written (a file created in it, or, where it does not exist yet, in the nearest
-    folder above it that does) without creating it; raise RunFolderError saying what to change otherwise. `what`
-    names the folder in the message (e.g. "checkpoint_dir")."""
+    """Check that `folder` can be written (a 64 KB file written in it, or, where it does not exist yet, in the
+    nearest folder above it that does) without creating it; raise RunFolderError saying what to change otherwise,
+    or DiskFullError when its disk is full. `what` names the folder (e.g. "checkpoint_dir")."""
     folder = Path(folder)
     existing = folder
     while not existing.exists() and existing != existing.parent:
@@ -62,12 +97,28 @@ def check_writable(folder: str | os.PathLike, what: str) -> Path:
             raise NotADirectoryError(errno.ENOTDIR, f"{str(existing)!r} is a file, not a folder")
         probe = existing / f".exogym-write-test-{uuid.uuid4().hex}"
         fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        os.close(fd)
-        probe.unlink()
+        # Local filesystems report a full disk at write(), NFS at close(), which raises it too; no fsync, which
+        # would cost a journal commit per check. Random bytes: a compressing filesystem stores zeros in no space.
+        try:
+            _write_all(fd, os.urandom(_PROBE_BYTES))
+        finally:
+            try:
+                os.close(fd)
+            finally:
+                probe.unlink()
     except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            from exogym.runs.disk import disk_full
+            raise disk_full(folder, what, needed=_PROBE_BYTES, at_least=True) from e
         raise RunFolderError(f"{what} {str(folder)!r} is not writable ({type(e).__name__}: {e.strerror or e}); "
                              f"pass a folder this process can create and write files in") from e
     return folder
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _make_folder(folder: Path) -> list[Path]:
@@ -81,9 +132,25 @@ def _make_folder(folder: Path) -> list[Path]:
     return missing
 
 
+def _refuse_link(folder: Path, what: str, fix: str) -> None:
+    if folder.is_symlink():
+        raise RunFolderError(f"{what} {str(folder)!r} is a symbolic link to {os.readlink(folder)!r}; exogym writes and "
+                             f"deletes only inside its own folders and does not follow it: remove the link, or {fix}")
+
+
+def remove_tree(path: Path) -> None:
+    """Delete `path`: a folder with what it holds, a file, or a symbolic link (the link itself, never its target;
+    shutil.rmtree does not follow the links inside a folder either)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
 @dataclass
 class RunClaim:
-    """The folders one run holds (one per log root), all named `name`."""
+    """The folders one run holds: its run folders (one per log root, all named `name`) and the checkpoint folders
+    it writes (`hold_folder`)."""
 
     name: str
     run_id: str
@@ -91,30 +158,53 @@ class RunClaim:
     resumed: bool = False  # continues a run already in these folders
     created: list[Path] = field(default_factory=list)  # folders above the run folders that the claim made
     started: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M:%S"))
+    held: dict[Path, str] = field(default_factory=dict)  # checkpoint folder -> the marker this run wrote there
+    held_made: dict[Path, list[Path]] = field(default_factory=dict)  # checkpoint folder -> the folders made for it
+    earlier: dict[Path, str] = field(default_factory=dict)  # run folder -> the ended marker it replaced (resume)
 
-    def release(self, status: str) -> None:
-        """Mark the folders' run as ended ("completed" or "failed"): it no longer blocks overwrite or resume."""
+    def release(self, status: str, reason: str | None = None) -> None:
+        """Mark the folders' run as ended ("completed", "failed", "interrupted"; `reason`: why, e.g. the error):
+        it no longer blocks overwrite or resume. Needs no free space: on a full disk the marker is rewritten in
+        place. The checkpoint folders are let go (their manifests say whose checkpoints they hold)."""
+        self._let_go()
         for folder in self.folders:
             if not folder.is_dir():
                 continue  # the folder went away (given back): nothing to release
             try:
-                _write_marker(folder, self.run_id, status, replace=True, started=self.started)
-            except OSError:
-                pass
+                _rewrite_marker(folder, _marker_text(self.run_id, status, self.started, reason=reason))
+            except OSError as e:
+                print(f"exogym: could not record that the run in {str(folder)!r} {status} ({e})", file=sys.stderr,
+                      flush=True)
 
     def abandon(self, *, parents: bool = True) -> None:
         """Undo the claim of a run that never started: remove the markers, the folders left empty, and (parents)
-        the folders above them that the claim created, if empty."""
-        if self.resumed:  # the folder holds the earlier part of the run: keep it, marked as not running
-            self.release("failed")
-            return
+        the folders above them that the claim created, if empty. A folder the run resumed in gets its earlier
+        marker back."""
+        self._let_go()
         for folder in self.folders:
-            if _read_marker(folder).get("run_id") == self.run_id:
-                (folder / MARKER).unlink(missing_ok=True)
-            _remove_if_empty(folder)
-        if parents:
+            if folder in self.earlier:  # the folder of the run it resumed: as it was
+                _rewrite_marker(folder, self.earlier[folder])
+            elif self.resumed:  # it holds the earlier part of the run (no marker before): kept, not running
+                _rewrite_marker(folder, _marker_text(self.run_id, "failed", self.started,
+                                                     reason="the resumed run stopped before its first step"))
+            else:
+                if read_marker(folder).get("run_id") == self.run_id:
+                    (folder / MARKER).unlink(missing_ok=True)
+                _remove_if_empty(folder)
+        if parents and not self.resumed:
             for folder in self.created:
                 _remove_if_empty(folder)
+
+    def let_go(self, folder: Path) -> None:
+        """Stop holding checkpoint folder `folder`: this run's marker goes, and the folders made for it if empty."""
+        if _marker_raw(folder) == self.held.pop(folder, None):
+            (folder / MARKER).unlink(missing_ok=True)
+        for made in self.held_made.pop(folder, []):
+            _remove_if_empty(made)
+
+    def _let_go(self) -> None:
+        for folder in list(self.held):
+            self.let_go(folder)
 
 
 def _remove_if_empty(folder: Path) -> None:
@@ -132,11 +222,12 @@ def claim_run(roots: Iterable[str | os.PathLike], name: str | None, default_name
     Otherwise `name` exactly: taken is an error, unless overwrite (replace that run) or resume (continue it).
     """
     roots = list(dict.fromkeys(Path(r) for r in roots))
+    if name is not None:
+        check_run_name(name)
     for root in roots:
         check_writable(root, "the log folder")
     run_id = uuid.uuid4().hex
     if name is not None:
-        check_run_name(name)
         claim = RunClaim(name, run_id, resumed=resume)
         for root in roots:
             try:
@@ -169,35 +260,73 @@ def claim_run(roots: Iterable[str | os.PathLike], name: str | None, default_name
 
 
 def _claim_one(folder: Path, claim: RunClaim, *, overwrite: bool = False, resume: bool = False) -> str | None:
-    """Claim `folder` for `claim` (appended to claim.folders); None when claimed, else why it is taken."""
+    """Claim `folder` for `claim` (appended to claim.folders); None when claimed, else why it is taken. The marker
+    is taken first, and only then (overwrite) the old contents deleted: a racer that lost deletes nothing."""
+    _refuse_link(folder, "the run folder", "choose another run_name")
     try:
         made = _make_folder(folder)
     except OSError as e:
         raise RunFolderError(f"cannot create the run folder {str(folder)!r} ({type(e).__name__}: "
                              f"{e.strerror or e}); pass a log_dir this process can write in") from e
     claim.created.extend(m for m in made[1:] if m not in claim.created)  # made[0] is the run folder itself
-    held = _read_marker(folder)
-    if overwrite or resume:
-        if held:
-            _refuse_if_running(folder, held, "overwrite=True" if overwrite else "resume")
-        if overwrite:
-            for entry in folder.iterdir():  # the old run is replaced, as asked; the marker goes last
-                if entry.name != MARKER:
-                    shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
-        (folder / MARKER).unlink(missing_ok=True)  # then claimed like a fresh folder: one of two racers wins
-    others = sorted(p.name for p in folder.iterdir() if p.name != MARKER)
-    if not held and others and not (overwrite or resume):
-        return (f"the run folder {str(folder)!r} already holds files ({', '.join(others[:5])}"
-                f"{', ...' if len(others) > 5 else ''}); choose another run_name, or pass overwrite=True to "
-                "replace its contents")
-    try:
-        _write_marker(folder, claim.run_id, "running", replace=False, started=claim.started)
-    except FileExistsError:
-        held = _read_marker(folder)
-        return (f"the run folder {str(folder)!r} already holds a run ({_describe(held)}); choose another "
-                "run_name, pass overwrite=True to replace it, or resume_from= one of its checkpoints to continue it")
+    text = _marker_raw(folder)
+    held = _parse_marker(text)
+    mine = _marker_text(claim.run_id, "running", claim.started)
+    if held and (overwrite or resume):
+        _refuse_if_running(folder, held, "overwrite=True" if overwrite else "resume")
+        if not _take_over(folder, text, mine):
+            return f"the run folder {str(folder)!r} was claimed a moment ago by another run ({_describe(read_marker(folder))})"
+        if resume:
+            claim.earlier[folder] = text
+    else:
+        others = sorted(p.name for p in folder.iterdir() if p.name != MARKER)
+        if not held and others and not (overwrite or resume):
+            return (f"the run folder {str(folder)!r} already holds files ({', '.join(others[:5])}"
+                    f"{', ...' if len(others) > 5 else ''}); choose another run_name, or pass overwrite=True to "
+                    "replace its contents")
+        if not _create_marker(folder, mine):
+            return (f"the run folder {str(folder)!r} already holds a run ({_describe(read_marker(folder))}); choose "
+                    "another run_name, pass overwrite=True to replace it, or resume_from= one of its checkpoints to "
+                    "continue it")
     claim.folders.append(folder)
+    if overwrite:
+        for entry in folder.iterdir():  # the old run is replaced, as asked; links are unlinked, not followed
+            if entry.name != MARKER:
+                remove_tree(entry)
     return None
+
+
+def hold_folder(folder: Path, claim: RunClaim, *, run_id: str, run_name: str | None = None,
+                note: dict | None = None) -> dict | None:
+    """Hold the checkpoint folder `folder` for the run of `claim` (whose checkpoints carry `run_id`) while it runs:
+    its marker is created atomically (mkdir -p first), and removed when the claim is released or given back.
+    None when held (or it is one of the claim's own run folders); otherwise the marker of who holds it: a run that
+    has not ended, or another run whose run folder it is. The marker of a run that ended without letting the
+    folder go (its process was killed) is replaced. `note`: more fields for the marker (see `read_marker`)."""
+    if folder in claim.folders or folder in claim.held:
+        return None
+    made = _make_folder(folder)
+    text = _marker_raw(folder)
+    held = _parse_marker(text)
+    mine = _marker_text(run_id, "running", claim.started, kind="checkpoints", run_name=run_name, note=note)
+    refused = None
+    if held and (held.get("kind") != "checkpoints" or _running(held)):  # another run's run folder, or a live run
+        refused = held
+    elif not (_take_over(folder, text, mine) if held else _create_marker(folder, mine)):
+        refused = read_marker(folder)  # a racer holds it now
+    if refused is not None:
+        for m in made:
+            _remove_if_empty(m)
+        return refused
+    claim.held[folder], claim.held_made[folder] = mine, made
+    return None
+
+
+def describe_holder(held: dict) -> str:
+    """Who holds a folder, from its marker: run name and id, status, process and host."""
+    name = f"run {held['run_name']!r}, " if isinstance(held.get("run_name"), str) else ""
+    ident = f"run id {held['run_id']}, " if held.get("run_id") and held.get("status") != "unreadable" else ""
+    return f"{name}{ident}{_describe(held)}"
 
 
 def move_aside(folders: Sequence[str | os.PathLike]) -> list[tuple[Path, Path]]:
@@ -212,7 +341,7 @@ def move_aside(folders: Sequence[str | os.PathLike]) -> list[tuple[Path, Path]]:
     present = [f for f in folders if f.is_dir() and any(f.iterdir())]
     if not present:
         return []
-    markers = [m for m in (_read_marker(f) for f in present) if m]
+    markers = [m for m in (read_marker(f) for f in present) if m]
     if any(_running(m) for m in markers):
         return []
     stamp = _started(markers, present)
@@ -243,29 +372,104 @@ def _started(markers: list[dict], folders: list[Path]) -> str:
     return time.strftime("%Y%m%d-%H%M%S", time.localtime(min(times)))
 
 
-def _write_marker(folder: Path, run_id: str, status: str, *, replace: bool, started: str | None = None) -> None:
-    """replace=False: create the marker only if there is none (the atomic claim); True: swap it in atomically."""
+def _marker_text(run_id: str, status: str, started: str | None = None, *, reason: str | None = None,
+                 kind: str | None = None, run_name: str | None = None, note: dict | None = None) -> str:
     now = time.strftime("%Y-%m-%d %H:%M:%S")
-    text = json.dumps({"run_id": run_id, "status": status, "pid": os.getpid(), "host": socket.gethostname(),
-                       "time": now, "started": started or now}) + "\n"
-    if not replace:
-        fd = os.open(folder / MARKER, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        return
-    tmp = folder / f"{MARKER}.{uuid.uuid4().hex}.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, folder / MARKER)
+    if reason is not None and len(reason) > _REASON_CHARS:
+        reason = reason[:_REASON_CHARS] + " ..."
+    optional = {"reason": reason, "kind": kind, "run_name": run_name}
+    return json.dumps({**(note or {}), "run_id": run_id, "status": status, "pid": os.getpid(),
+                       "host": socket.gethostname(), "time": now, "started": started or now,
+                       **{k: v for k, v in optional.items() if v is not None}}) + "\n"
 
 
-def _read_marker(folder: Path) -> dict:
+def _create_marker(folder: Path, text: str) -> bool:
+    """The atomic claim: create the marker only if there is none (False otherwise). A write that fails (a full
+    disk) removes the empty marker it created, which would otherwise hold the folder for good."""
     try:
-        held = json.loads((folder / MARKER).read_text())
-        return held if isinstance(held, dict) else {"status": "unreadable"}
+        fd = os.open(folder / MARKER, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    try:
+        _write_all(fd, text.encode())
+    except OSError as e:
+        os.close(fd)
+        (folder / MARKER).unlink(missing_ok=True)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            from exogym.runs.disk import disk_full
+            raise disk_full(folder / MARKER, "the run folder's marker", needed=len(text)) from e
+        raise
+    os.close(fd)
+    return True
+
+
+def _rewrite_marker(folder: Path, text: str) -> None:
+    """Swap the marker atomically; where that cannot be done (a full disk has no block for the new file), rewrite
+    the existing one in place: it is one block, which it keeps."""
+    tmp = folder / f"{MARKER}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, folder / MARKER)
+        return
+    except OSError:
+        tmp.unlink(missing_ok=True)
+    with open(folder / MARKER, "r+b") as f:
+        f.write(text.encode())
+        f.truncate()
+
+
+def _take_over(folder: Path, held_text: str | None, text: str) -> bool:
+    """Replace the marker read as `held_text` (a run that ended) by `text`, atomically against racers: it is moved
+    aside first, and when what was moved is not what was read (a racer claimed the folder meanwhile) it is put back
+    and False returned."""
+    aside = folder / f"{MARKER}.{uuid.uuid4().hex[:8]}.old"
+    try:
+        os.rename(folder / MARKER, aside)
     except FileNotFoundError:
-        return {}
+        return _create_marker(folder, text)  # gone meanwhile: a fresh claim
+    if aside.read_text() != held_text:
+        _put_back(aside, folder)
+        return False
+    try:
+        created = _create_marker(folder, text)  # False: a racer's fresh claim came in between; it holds the folder
+    except BaseException:
+        _put_back(aside, folder)
+        raise
+    aside.unlink(missing_ok=True)
+    return created
+
+
+def _put_back(aside: Path, folder: Path) -> None:
+    try:
+        os.link(aside, folder / MARKER)  # only where no marker is: never over a racer's
+    except OSError:
+        pass
+    aside.unlink(missing_ok=True)
+
+
+def _marker_raw(folder: Path) -> str | None:
+    try:
+        return (folder / MARKER).read_text()
+    except FileNotFoundError:
+        return None
     except (OSError, ValueError):
+        return ""
+
+
+def _parse_marker(text: str | None) -> dict:
+    if text is None:
+        return {}
+    try:
+        held = json.loads(text)
+    except ValueError:
         return {"status": "unreadable"}  # being written this instant, or damaged: held by someone
+    return held if isinstance(held, dict) else {"status": "unreadable"}
+
+
+def read_marker(folder: Path) -> dict:
+    """The marker of `folder`: {} where there is none, {"status": "unreadable"} where it cannot be read."""
+    return _parse_marker(_marker_raw(folder))
+
 
 
 def _running(held: dict) -> bool:
@@ -280,7 +484,7 @@ def _running(held: dict) -> bool:
         os.kill(int(pid), 0)
     except ProcessLookupError:
         return False
-    except (PermissionError, TypeError, ValueError):
+    except (PermissionError, TypeError, ValueError, OverflowError):
         return True
     return True
 
@@ -295,5 +499,6 @@ def _refuse_if_running(folder: Path, held: dict, what: str) -> None:
 def _describe(held: dict) -> str:
     if held.get("status") == "unreadable":
         return "its marker is being written or is damaged"
-    return f"{held.get('status', 'unknown')}, started {held.get('time', '?')} by process {held.get('pid', '?')} " \
+    ended = f" ({held['reason']})" if isinstance(held.get("reason"), str) else ""
+    return f"{held.get('status', 'unknown')}{ended}, started {held.get('time', '?')} by process {held.get('pid', '?')} " \
            f"on {held.get('host', '?')}"

@@ -9,6 +9,10 @@ CSV and TensorBoard loggers atomically before any node starts; a taken default n
 suffix, a taken explicit name is an error unless fit(overwrite=True), or the run resumes itself.
 A run that fails before any training row was written leaves no CSV run folder behind.
 
+On a full disk nothing is left half-written (exogym.runs.disk): config.json and summary.json appear whole or not
+at all, a CSV table ends on a whole row, and a CSVLogger whose start fails leaves no file that would block the
+name. `finish` never raises over the run's own error: a summary that cannot be written is one line on stderr.
+
 Table views (`TableView`): a CSVLogger also writes what its views make of each row: more columns of the same
 table, or rows of other CSV files in the run folder (exogym.compat writes the original EXO Gym's
 validation.csv and train.csv columns this way). `register_table_view` adds a view to every CSVLogger.
@@ -18,13 +22,15 @@ from __future__ import annotations
 
 import csv
 import inspect
+import io
 import json
 import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from exogym.runs.folder import RunClaim, claim_run
+from exogym.runs.disk import AppendFile, warn, write_text
+from exogym.runs.folder import RunClaim, check_run_name, claim_run
 from exogym.adapters import Adaptable
 
 __all__ = ["Logger", "CSVLogger", "WandbLogger", "TensorBoardLogger", "MultiLogger", "default_run_name",
@@ -79,6 +85,8 @@ class _FolderLogger(Logger):
     """A logger writing into <log_dir>/<run_name>/, a folder it holds for one run (see exogym.runs.folder)."""
 
     def __init__(self, log_dir: str | os.PathLike, run_name: str | None):
+        if run_name is not None:
+            check_run_name(run_name)
         self.log_dir, self.run_name = Path(log_dir), run_name
         self.requested_name = run_name  # what the user asked for; run_name becomes the claimed name of each run
         self.run_dir: Path | None = None
@@ -114,7 +122,8 @@ class _FolderLogger(Logger):
 
     def _release(self, summary: dict[str, Any]) -> None:
         if self._own_claim and self.claim is not None:
-            self.claim.release(str(summary.get("status", "completed")))
+            error = summary.get("error")
+            self.claim.release(str(summary.get("status", "completed")), error if isinstance(error, str) else None)
         # Ready for another run (a logger passed to several fits): each claims its own folder.
         self.claim, self._own_claim, self.after_step, self._running = None, False, None, False
 
@@ -128,18 +137,24 @@ class CSVLogger(_FolderLogger):
                  views: Sequence[TableView] = ()):
         super().__init__(log_dir, run_name)
         self.views = list(views)
-        self._files: dict[str, Any] = {}
-        self._writers: dict[str, csv.DictWriter] = {}
+        self._files: dict[str, AppendFile] = {}
+        self._columns: dict[str, list[str]] = {}
         self._trained = False  # a training row was written
 
     def start(self, config: dict[str, Any]) -> None:
         run_dir = self._open_run_dir(config)
         self._trained = False
-        if self.after_step is not None:
-            for table in run_dir.glob("*.csv"):
-                truncate_rows_after(table, self.after_step)
-            (run_dir / "summary.json").unlink(missing_ok=True)  # written again when the run ends
-        (run_dir / "config.json").write_text(json.dumps(_json_safe(config), indent=2) + "\n")
+        try:
+            if self.after_step is not None:
+                for table in run_dir.glob("*.csv"):
+                    truncate_rows_after(table, self.after_step)
+                (run_dir / "summary.json").unlink(missing_ok=True)  # written again when the run ends
+            write_text(run_dir / "config.json", json.dumps(_json_safe(config), indent=2) + "\n", "the run's config")
+        except BaseException:  # config.json is written whole or not at all: nothing of it is left to block the name
+            if self._own_claim and self.claim is not None:
+                self.claim.abandon()  # (fit gives back the claim it made itself)
+            self.claim, self._own_claim, self._running = None, False, False
+            raise
 
     def log(self, table: str, row: dict[str, float]) -> None:
         rows = {table: dict(row)}
@@ -151,23 +166,24 @@ class CSVLogger(_FolderLogger):
         self._trained = self._trained or table == "train"
 
     def _write(self, table: str, row: dict[str, float]) -> None:
-        if table not in self._writers:
+        """One row, appended as one write: the file ends on a whole row even when the disk fills up."""
+        if table not in self._files:
             path = self.run_dir / f"{table}.csv"
             header = _csv_header(path) if self.after_step is not None else None
-            f = open(path, "a" if header else "w", newline="")  # a resumed run appends under the header it has
-            self._files[table] = f
-            self._writers[table] = csv.DictWriter(f, fieldnames=header or list(row), extrasaction="ignore")
+            # A resumed run appends under the header it has.
+            self._files[table] = AppendFile(path, f"the {table} table", fresh=not header)
+            self._columns[table] = header or list(row)
             if not header:
-                self._writers[table].writeheader()
-        self._writers[table].writerow(row)
-        self._files[table].flush()
+                self._files[table].append(_csv_line(self._columns[table]))
+        columns = self._columns[table]
+        self._files[table].append(_csv_line([row.get(c, "") for c in columns]))
 
     def finish(self, summary: dict[str, Any]) -> None:
         for f in self._files.values():
             f.close()
-        written = [Path(f.name) for f in self._files.values()]
+        written = [f.path for f in self._files.values()]
         self._files.clear()
-        self._writers.clear()
+        self._columns.clear()
         if summary.get("status") == "failed" and not self._trained and self.after_step is None \
                 and self.run_dir is not None and self.claim is not None:
             # Failed before a training row was written: no training to keep, so the folder is given back.
@@ -175,8 +191,19 @@ class CSVLogger(_FolderLogger):
                 path.unlink(missing_ok=True)
             self.claim.abandon()
         elif self.run_dir is not None:
-            (self.run_dir / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2) + "\n")
+            try:
+                write_text(self.run_dir / "summary.json", json.dumps(_json_safe(summary), indent=2) + "\n",
+                           "the run's summary")
+            except OSError as e:  # never over the run's own error; the run folder's marker still says how it ended
+                warn(f"the run's summary was not written: {e}")
         self._release(summary)
+
+
+def _csv_line(cells: Sequence[Any]) -> str:
+    """One CSV row, as csv.writer writes it (quoted where needed, \\r\\n at the end)."""
+    out = io.StringIO()
+    csv.writer(out).writerow(cells)
+    return out.getvalue()
 
 
 def _csv_header(path: Path) -> list[str] | None:
@@ -205,10 +232,7 @@ def truncate_rows_after(path: str | os.PathLike, step: int) -> int:
                 kept.append(row)
         except ValueError:
             continue
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="") as f:
-        csv.writer(f).writerows([header, *kept])
-    os.replace(tmp, path)
+    write_text(path, "".join(_csv_line(r) for r in [header, *kept]), f"the table {path.name}")
     return len(kept)
 
 
@@ -311,7 +335,10 @@ class TensorBoardLogger(_FolderLogger):
 
     def finish(self, summary: dict[str, Any]) -> None:
         if self.writer is not None:
-            self.writer.close()
+            try:
+                self.writer.close()
+            except (OSError, RuntimeError) as e:  # never over the run's own error
+                warn(f"the TensorBoard events in {str(self.run_dir)!r} may be incomplete: {e}")
         self._release(summary)
 
 
@@ -330,5 +357,15 @@ class MultiLogger(Logger):
             lg.log(table, row)
 
     def finish(self, summary: dict[str, Any]) -> None:
+        """Every logger is finished, even after one fails; that failure is raised after them for a completed run,
+        and only said on stderr for a run that did not complete (its own error is the one that matters)."""
+        failed = None
         for lg in self.loggers:
-            lg.finish(summary)
+            try:
+                lg.finish(summary)
+            except Exception as e:  # noqa: BLE001 - reported below, after the other loggers
+                failed = failed or e
+                if summary.get("status") != "completed":
+                    warn(f"{type(lg).__name__} could not finish: {type(e).__name__}: {e}")
+        if failed is not None and summary.get("status") == "completed":
+            raise failed

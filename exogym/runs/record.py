@@ -83,6 +83,8 @@ class LiveLog:
         self.log_interval, self.last_step = log_interval, last_step  # every log_interval-th step's row, and the last
         self._queues: dict[int, deque] = {r: deque() for r in ranks}
         self._kept = {r: NodeLog(r) for r in ranks}  # every row received, per node (node 0's log: val, diagnostics)
+        self._newest: dict[str, float] | None = None  # the newest merged row, and whether the logger got it
+        self._newest_logged = False
 
     def resume_from(self, logs: Sequence[NodeLog]) -> None:
         """The rows a resumed run's nodes had before their checkpoint: part of the run, already logged."""
@@ -101,7 +103,9 @@ class LiveLog:
         while all(self._queues.values()):
             row = merge_step_rows([q.popleft() for q in self._queues.values()], global_batch=self.global_batch)
             step = int(row["step"])
+            self._newest, self._newest_logged = row, False
             if self.logger is not None and (step % self.log_interval == 0 or step == self.last_step):
+                self._newest_logged = True
                 self.logger.log("train", row)
             if self.progress is not None:
                 self.progress.train_row(row)
@@ -114,6 +118,13 @@ class LiveLog:
             self.logger.log(table, row)
         if self.progress is not None and table == "val":
             self.progress.val_row(row)
+
+    def log_newest_row(self) -> None:
+        """The run stopped part-way: the newest step's row goes to the logger too, when log_interval skipped it (a
+        completed run's last row always goes)."""
+        if self.logger is not None and self._newest is not None and not self._newest_logged:
+            self._newest_logged = True
+            self.logger.log("train", self._newest)
 
     def partial_logs(self) -> list[NodeLog]:
         """Every node's rows as received so far (a record of the steps every node completed: RunRecord.from_nodes

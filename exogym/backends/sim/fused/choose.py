@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import os
 import time
 import warnings
@@ -106,14 +105,11 @@ def _explain(e: Exception) -> str:
 
 
 def _checkpointed_execution(path: str | os.PathLike) -> str | None:
-    """The execution recorded in a checkpoint's manifest (None: unreadable or older than the option)."""
-    from exogym.runs.checkpoint import find_checkpoint
+    """The execution recorded in a checkpoint's manifest (None: older than the option). A missing or corrupt
+    checkpoint is a CheckpointError here already, before "auto" would spend a probe on a run that cannot start."""
+    from exogym.runs.checkpoint import find_checkpoint, read_manifest
 
-    try:
-        manifest = json.loads((find_checkpoint(path) / "manifest.json").read_text())
-    except (OSError, ValueError, RuntimeError):
-        return None  # load_checkpoint reports what is wrong with it
-    found = manifest.get("config", {}).get("execution")
+    found = read_manifest(find_checkpoint(path))["config"].get("execution")
     return found if found in ("sequential", "fused") else None
 
 
