@@ -1,5 +1,5 @@
-"""Fault injection: a checkpointed run is stopped at random steps (an exception, SIGINT, SIGTERM, SIGKILL) and
-nothing it completed may be lost: train.csv holds whole rows of consecutive steps, every complete checkpoint
+"""Fault injection: a checkpointed run is stopped at random steps (an exception, SIGINT, SIGTERM, SIGKILL) or by a
+disk of a random size filling up, and nothing it completed may be lost: train.csv holds whole rows of consecutive steps, every complete checkpoint
 loads, the run folder says how it ended (except after SIGKILL, which nothing can record), and resuming from the
 newest checkpoint gives the uninterrupted run's rows exactly. The steps are drawn from a seeded generator, printed
 on failure, so a failing draw can be replayed."""
@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import fault_run
+from small_disk import small_disk_unavailable
 from exogym.runs.checkpoint import find_checkpoint, load_checkpoint, read_manifest
 
 SCRIPT = Path(fault_run.__file__)
@@ -75,3 +76,35 @@ def test_a_run_stopped_at_a_random_step_loses_nothing_it_completed(kind, step, t
     assert [[r[k] for k in COMPARED] for r in table(run)] == [[r[k] for k in COMPARED] for r in uninterrupted]
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"
     shutil.rmtree(run)
+
+
+DISK_KB = random.Random("disk").randint(100, 260)  # a whole run needs about 300 KB at its peak: it fills mid-run
+
+
+def test_a_run_whose_disk_fills_up_at_a_random_point_loses_nothing_it_completed(tmp_path, uninterrupted):
+    why = small_disk_unavailable()
+    if why is not None:
+        pytest.skip(why)
+    disk, out = tmp_path / "disk", tmp_path / "out"
+    disk.mkdir(), out.mkdir()
+    # The run's folder is a DISK_KB tmpfs of its own (in a private mount namespace, gone with the command): what the
+    # run left there is copied out for the checks.
+    command = (f"mount -t tmpfs -o size={DISK_KB}k tmpfs '{disk}' && cd '{disk}' && "
+               f"'{sys.executable}' '{SCRIPT}' none 0; echo $? > '{out}/rc'; cp -a logs '{out}/'")
+    ran = subprocess.run(["unshare", "-rm", "sh", "-c", command], capture_output=True, text=True, timeout=180)
+    assert (out / "rc").read_text().strip() == "1", f"a {DISK_KB} KB disk did not stop the run:\n{ran.stderr[-3000:]}"
+    assert "DiskFullError" in ran.stderr and "disk" in ran.stderr.lower(), ran.stderr[-3000:]
+    run = out / "logs" / "r"
+    rows = table(run)
+    assert [int(r["step"]) for r in rows] == list(range(1, len(rows) + 1))
+    for r, expected in zip(rows, uninterrupted):
+        assert [r[k] for k in COMPARED] == [expected[k] for k in COMPARED]
+    marker = json.loads((run / ".exogym-run").read_text())
+    assert marker["status"] == "failed", marker
+    newest = find_checkpoint(run)
+    load_checkpoint(newest, read_manifest(newest), devices=[torch.device("cpu")] * 2)
+    resumed = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(SCRIPT.parent)!r}); "
+                              "import fault_run; fault_run.fit(resume_from='logs/r')"], cwd=out,
+                             capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [[r[k] for k in COMPARED] for r in table(run)] == [[r[k] for k in COMPARED] for r in uninterrupted]
