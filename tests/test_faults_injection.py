@@ -19,6 +19,7 @@ import torch
 
 import fault_run
 from small_disk import small_disk_unavailable
+from exogym import RunFolderError
 from exogym.runs.checkpoint import find_checkpoint, load_checkpoint, read_manifest
 
 SCRIPT = Path(fault_run.__file__)
@@ -59,6 +60,8 @@ def test_a_run_stopped_at_a_random_step_loses_nothing_it_completed(kind, step, t
         assert summary["status"] == ("failed" if kind == "raise" else "interrupted") and summary["steps"] == step - 1
     else:  # rows go out every 10 steps and at each checkpoint: those written before the kill are all there
         assert len(steps) >= (step - 1) // fault_run.CHECKPOINT_INTERVAL * fault_run.CHECKPOINT_INTERVAL
+        with pytest.raises(RunFolderError, match="its process ended without recording how"):
+            fault_run.fit()  # the name is still the killed run's (here: the working folder is tmp_path)
     for folder in sorted((run / "checkpoints").glob("step_*")):
         if (folder / "manifest.json").exists():
             load_checkpoint(folder, read_manifest(folder), devices=[torch.device("cpu")] * 2)

@@ -500,5 +500,7 @@ def _describe(held: dict) -> str:
     if held.get("status") == "unreadable":
         return "its marker is being written or is damaged"
     ended = f" ({held['reason']})" if isinstance(held.get("reason"), str) else ""
+    if held.get("status") == "running" and not _running(held):  # SIGKILL, out of memory: nothing could say so
+        ended = " when its process ended without recording how (killed, or out of memory)"
     return f"{held.get('status', 'unknown')}{ended}, started {held.get('time', '?')} by process {held.get('pid', '?')} " \
            f"on {held.get('host', '?')}"
