@@ -20,7 +20,6 @@ from exogym.runs.folder import MARKER, RunFolderError, check_writable, claim_run
 from exogym.strategy import OptimSpec, SimpleReduceStrategy
 
 FIT = dict(batch_size=8, val_interval=3, progress=False, device="cpu")
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _trainer(model=None):
@@ -151,13 +150,9 @@ def test_unwritable_checkpoint_and_log_folders_fail_before_any_node_starts():
 
 
 _RACER = textwrap.dedent("""
-    import importlib.util, sys, time
+    import sys, time
     from pathlib import Path
-    # exogym/runs/folder.py alone (it imports nothing of exogym or torch): the racers start in milliseconds
-    spec = importlib.util.spec_from_file_location("run_folder", sys.argv[3])
-    run_folder = sys.modules["run_folder"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run_folder)
-    RunFolderError, claim_run = run_folder.RunFolderError, run_folder.claim_run
+    from exogym.runs.folder import RunFolderError, claim_run
     me, root = sys.argv[1], Path(sys.argv[2])
     Path(root.parent / f"ready-{me}").touch()
     while not (root.parent / "go").exists():
@@ -176,9 +171,8 @@ _RACER = textwrap.dedent("""
 
 def test_processes_racing_for_the_same_names_never_share_a_folder(tmp_path):
     root, racers = tmp_path / "logs", 3
-    module = str(REPO / "exogym" / "runs" / "folder.py")
-    procs = [subprocess.Popen([sys.executable, "-c", _RACER, str(i), str(root), module], stdout=subprocess.PIPE,
-                              text=True) for i in range(racers)]
+    procs = [subprocess.Popen([sys.executable, "-c", _RACER, str(i), str(root)], stdout=subprocess.PIPE, text=True)
+             for i in range(racers)]
     deadline = time.monotonic() + 120
     while not all((tmp_path / f"ready-{i}").exists() for i in range(racers)) and time.monotonic() < deadline \
             and all(p.poll() is None for p in procs):

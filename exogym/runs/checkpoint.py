@@ -34,7 +34,8 @@ import torch
 from exogym.comm.transport import CommStats
 from exogym.runs.disk import DiskFullError, disk_full, drop_frames, format_bytes, free_bytes, is_disk_full
 from exogym.runs.fingerprint import fingerprint_differences
-from exogym.runs.folder import MARKER, RunClaim, describe_holder, hold_folder, read_marker, remove_tree
+from exogym.runs.folder import RunClaim, hold_folder, remove_tree
+from exogym.runs.marker import MARKER, describe_holder, read_marker
 from exogym.runs.record import NodeLog
 from exogym.cluster.simtime import NodeClock
 

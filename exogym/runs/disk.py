@@ -8,7 +8,7 @@ What is written here ends whole or not at all, so a full disk leaves nothing hal
 written beside its name and renamed into place (`write_text`); a row appended to a table is one write, cut back to
 the table's size before it when the write fails (`AppendFile`).
 
-This module imports nothing of exogym or torch: exogym.runs.folder, which must load on its own, uses it.
+This module imports nothing of exogym or torch (the run folder's marker, exogym.runs.marker, writes with it).
 """
 
 from __future__ import annotations

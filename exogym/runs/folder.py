@@ -1,9 +1,8 @@
 """Run folders: each run claims its own `<log_dir>/<run_name>/` atomically, before any node starts.
 
-A folder is claimed by creating its marker file `.exogym-run` with O_CREAT | O_EXCL: of two runs (two `fit`
-calls, or two processes) asking for one folder, exactly one creates the marker, so two runs never share a
-folder, however close in time they start. The marker says who holds the folder (run id, process id, host) and
-whether that run is still running, and, once it ended, how ("completed", "failed" with the reason).
+A folder is claimed by creating its marker file `.exogym-run` (exogym.runs.marker: what it says, how it is written
+and read) with O_CREAT | O_EXCL: of two runs (two `fit` calls, or two processes) asking for one folder, exactly one
+creates the marker, so two runs never share a folder, however close in time they start.
 
 - A default name (strategy, nodes, time to the second) that is taken gets the suffix -2, -3, ...: the first free
   one is claimed, so a loop of fits in one second, or concurrent processes, each get their own folder.
@@ -19,17 +18,13 @@ whether that run is still running, and, once it ended, how ("completed", "failed
   can take the name and the earlier one is kept (what a rerun of an original EXO Gym script needs).
 - Nothing is created before a run is claimed, and a claim given back (a run that never started) removes the
   folders it created, so a run that fails before its first step leaves no folder behind.
-
-This module imports nothing of exogym or torch at load time (racing processes load it alone, in milliseconds).
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
-import socket
 import sys
 import time
 import unicodedata
@@ -38,17 +33,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
-__all__ = ["RunFolderError", "RunClaim", "claim_run", "check_run_name", "check_writable", "move_aside", "hold_folder",
-           "describe_holder", "read_marker", "remove_tree", "MARKER", "RUN_NAME_MAX_CHARS", "RUN_NAME_MAX_BYTES"]
+from exogym.runs.disk import disk_full
+# MARKER is also this module's: the marker is what makes a folder a run folder (the tests import it here)
+from exogym.runs.marker import (MARKER, create_marker, describe_marker, holder_running, marker_text, parse_marker,
+                                read_marker, read_marker_text, rewrite_marker, take_over, write_all)
 
-MARKER = ".exogym-run"
+__all__ = ["RunFolderError", "RunClaim", "claim_run", "check_run_name", "check_writable", "move_aside", "hold_folder",
+           "remove_tree", "MARKER", "RUN_NAME_MAX_CHARS", "RUN_NAME_MAX_BYTES"]
+
 _MAX_SUFFIX = 10_000
 # A folder name holds 255 bytes on common filesystems; a moved-aside copy appends up to 21 (".20260101-120000-9999").
 RUN_NAME_MAX_CHARS, RUN_NAME_MAX_BYTES = 100, 200
 _BAD_CATEGORIES = {"Cc": "a control character", "Zl": "a line separator", "Zp": "a paragraph separator",
                    "Cs": "an unpaired surrogate"}
 _PROBE_BYTES = 64 * 1024  # what check_writable writes: room for a run's config.json, some hundred rows and summary
-_REASON_CHARS = 1500  # a marker stays within one 4 KB block, so rewriting it in place needs no new block
 
 
 class RunFolderError(ValueError):
@@ -100,7 +98,7 @@ def check_writable(folder: str | os.PathLike, what: str) -> Path:
         # Local filesystems report a full disk at write(), NFS at close(), which raises it too; no fsync, which
         # would cost a journal commit per check. Random bytes: a compressing filesystem stores zeros in no space.
         try:
-            _write_all(fd, os.urandom(_PROBE_BYTES))
+            write_all(fd, os.urandom(_PROBE_BYTES))
         finally:
             try:
                 os.close(fd)
@@ -108,17 +106,10 @@ def check_writable(folder: str | os.PathLike, what: str) -> Path:
                 probe.unlink()
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            from exogym.runs.disk import disk_full
             raise disk_full(folder, what, needed=_PROBE_BYTES, at_least=True) from e
         raise RunFolderError(f"{what} {str(folder)!r} is not writable ({type(e).__name__}: {e.strerror or e}); "
                              f"pass a folder this process can create and write files in") from e
     return folder
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
 
 
 def _make_folder(folder: Path) -> list[Path]:
@@ -171,7 +162,7 @@ class RunClaim:
             if not folder.is_dir():
                 continue  # the folder went away (given back): nothing to release
             try:
-                _rewrite_marker(folder, _marker_text(self.run_id, status, self.started, reason=reason))
+                rewrite_marker(folder, marker_text(self.run_id, status, self.started, reason=reason))
             except OSError as e:
                 print(f"exogym: could not record that the run in {str(folder)!r} {status} ({e})", file=sys.stderr,
                       flush=True)
@@ -183,10 +174,10 @@ class RunClaim:
         self._let_go()
         for folder in self.folders:
             if folder in self.earlier:  # the folder of the run it resumed: as it was
-                _rewrite_marker(folder, self.earlier[folder])
+                rewrite_marker(folder, self.earlier[folder])
             elif self.resumed:  # it holds the earlier part of the run (no marker before): kept, not running
-                _rewrite_marker(folder, _marker_text(self.run_id, "failed", self.started,
-                                                     reason="the resumed run stopped before its first step"))
+                rewrite_marker(folder, marker_text(self.run_id, "failed", self.started,
+                                                   reason="the resumed run stopped before its first step"))
             else:
                 if read_marker(folder).get("run_id") == self.run_id:
                     (folder / MARKER).unlink(missing_ok=True)
@@ -197,7 +188,7 @@ class RunClaim:
 
     def let_go(self, folder: Path) -> None:
         """Stop holding checkpoint folder `folder`: this run's marker goes, and the folders made for it if empty."""
-        if _marker_raw(folder) == self.held.pop(folder, None):
+        if read_marker_text(folder) == self.held.pop(folder, None):
             (folder / MARKER).unlink(missing_ok=True)
         for made in self.held_made.pop(folder, []):
             _remove_if_empty(made)
@@ -269,13 +260,14 @@ def _claim_one(folder: Path, claim: RunClaim, *, overwrite: bool = False, resume
         raise RunFolderError(f"cannot create the run folder {str(folder)!r} ({type(e).__name__}: "
                              f"{e.strerror or e}); pass a log_dir this process can write in") from e
     claim.created.extend(m for m in made[1:] if m not in claim.created)  # made[0] is the run folder itself
-    text = _marker_raw(folder)
-    held = _parse_marker(text)
-    mine = _marker_text(claim.run_id, "running", claim.started)
+    text = read_marker_text(folder)
+    held = parse_marker(text)
+    mine = marker_text(claim.run_id, "running", claim.started)
     if held and (overwrite or resume):
         _refuse_if_running(folder, held, "overwrite=True" if overwrite else "resume")
-        if not _take_over(folder, text, mine):
-            return f"the run folder {str(folder)!r} was claimed a moment ago by another run ({_describe(read_marker(folder))})"
+        if not take_over(folder, text, mine):
+            return (f"the run folder {str(folder)!r} was claimed a moment ago by another run "
+                    f"({describe_marker(read_marker(folder))})")
         if resume:
             claim.earlier[folder] = text
     else:
@@ -284,10 +276,10 @@ def _claim_one(folder: Path, claim: RunClaim, *, overwrite: bool = False, resume
             return (f"the run folder {str(folder)!r} already holds files ({', '.join(others[:5])}"
                     f"{', ...' if len(others) > 5 else ''}); choose another run_name, or pass overwrite=True to "
                     "replace its contents")
-        if not _create_marker(folder, mine):
-            return (f"the run folder {str(folder)!r} already holds a run ({_describe(read_marker(folder))}); choose "
-                    "another run_name, pass overwrite=True to replace it, or resume_from= one of its checkpoints to "
-                    "continue it")
+        if not create_marker(folder, mine):
+            return (f"the run folder {str(folder)!r} already holds a run ({describe_marker(read_marker(folder))}); "
+                    "choose another run_name, pass overwrite=True to replace it, or resume_from= one of its "
+                    "checkpoints to continue it")
     claim.folders.append(folder)
     if overwrite:
         for entry in folder.iterdir():  # the old run is replaced, as asked; links are unlinked, not followed
@@ -306,13 +298,13 @@ def hold_folder(folder: Path, claim: RunClaim, *, run_id: str, run_name: str | N
     if folder in claim.folders or folder in claim.held:
         return None
     made = _make_folder(folder)
-    text = _marker_raw(folder)
-    held = _parse_marker(text)
-    mine = _marker_text(run_id, "running", claim.started, kind="checkpoints", run_name=run_name, note=note)
+    text = read_marker_text(folder)
+    held = parse_marker(text)
+    mine = marker_text(run_id, "running", claim.started, kind="checkpoints", run_name=run_name, note=note)
     refused = None
-    if held and (held.get("kind") != "checkpoints" or _running(held)):  # another run's run folder, or a live run
+    if held and (held.get("kind") != "checkpoints" or holder_running(held)):  # another run's run folder, or a live run
         refused = held
-    elif not (_take_over(folder, text, mine) if held else _create_marker(folder, mine)):
+    elif not (take_over(folder, text, mine) if held else create_marker(folder, mine)):
         refused = read_marker(folder)  # a racer holds it now
     if refused is not None:
         for m in made:
@@ -320,13 +312,6 @@ def hold_folder(folder: Path, claim: RunClaim, *, run_id: str, run_name: str | N
         return refused
     claim.held[folder], claim.held_made[folder] = mine, made
     return None
-
-
-def describe_holder(held: dict) -> str:
-    """Who holds a folder, from its marker: run name and id, status, process and host."""
-    name = f"run {held['run_name']!r}, " if isinstance(held.get("run_name"), str) else ""
-    ident = f"run id {held['run_id']}, " if held.get("run_id") and held.get("status") != "unreadable" else ""
-    return f"{name}{ident}{_describe(held)}"
 
 
 def move_aside(folders: Sequence[str | os.PathLike]) -> list[tuple[Path, Path]]:
@@ -342,7 +327,7 @@ def move_aside(folders: Sequence[str | os.PathLike]) -> list[tuple[Path, Path]]:
     if not present:
         return []
     markers = [m for m in (read_marker(f) for f in present) if m]
-    if any(_running(m) for m in markers):
+    if any(holder_running(m) for m in markers):
         return []
     stamp = _started(markers, present)
     for n in range(1, _MAX_SUFFIX):
@@ -372,135 +357,8 @@ def _started(markers: list[dict], folders: list[Path]) -> str:
     return time.strftime("%Y%m%d-%H%M%S", time.localtime(min(times)))
 
 
-def _marker_text(run_id: str, status: str, started: str | None = None, *, reason: str | None = None,
-                 kind: str | None = None, run_name: str | None = None, note: dict | None = None) -> str:
-    now = time.strftime("%Y-%m-%d %H:%M:%S")
-    if reason is not None and len(reason) > _REASON_CHARS:
-        reason = reason[:_REASON_CHARS] + " ..."
-    optional = {"reason": reason, "kind": kind, "run_name": run_name}
-    return json.dumps({**(note or {}), "run_id": run_id, "status": status, "pid": os.getpid(),
-                       "host": socket.gethostname(), "time": now, "started": started or now,
-                       **{k: v for k, v in optional.items() if v is not None}}) + "\n"
-
-
-def _create_marker(folder: Path, text: str) -> bool:
-    """The atomic claim: create the marker only if there is none (False otherwise). A write that fails (a full
-    disk) removes the empty marker it created, which would otherwise hold the folder for good."""
-    try:
-        fd = os.open(folder / MARKER, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        return False
-    try:
-        _write_all(fd, text.encode())
-    except OSError as e:
-        os.close(fd)
-        (folder / MARKER).unlink(missing_ok=True)
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            from exogym.runs.disk import disk_full
-            raise disk_full(folder / MARKER, "the run folder's marker", needed=len(text)) from e
-        raise
-    os.close(fd)
-    return True
-
-
-def _rewrite_marker(folder: Path, text: str) -> None:
-    """Swap the marker atomically; where that cannot be done (a full disk has no block for the new file), rewrite
-    the existing one in place: it is one block, which it keeps."""
-    tmp = folder / f"{MARKER}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, folder / MARKER)
-        return
-    except OSError:
-        tmp.unlink(missing_ok=True)
-    with open(folder / MARKER, "r+b") as f:
-        f.write(text.encode())
-        f.truncate()
-
-
-def _take_over(folder: Path, held_text: str | None, text: str) -> bool:
-    """Replace the marker read as `held_text` (a run that ended) by `text`, atomically against racers: it is moved
-    aside first, and when what was moved is not what was read (a racer claimed the folder meanwhile) it is put back
-    and False returned."""
-    aside = folder / f"{MARKER}.{uuid.uuid4().hex[:8]}.old"
-    try:
-        os.rename(folder / MARKER, aside)
-    except FileNotFoundError:
-        return _create_marker(folder, text)  # gone meanwhile: a fresh claim
-    if aside.read_text() != held_text:
-        _put_back(aside, folder)
-        return False
-    try:
-        created = _create_marker(folder, text)  # False: a racer's fresh claim came in between; it holds the folder
-    except BaseException:
-        _put_back(aside, folder)
-        raise
-    aside.unlink(missing_ok=True)
-    return created
-
-
-def _put_back(aside: Path, folder: Path) -> None:
-    try:
-        os.link(aside, folder / MARKER)  # only where no marker is: never over a racer's
-    except OSError:
-        pass
-    aside.unlink(missing_ok=True)
-
-
-def _marker_raw(folder: Path) -> str | None:
-    try:
-        return (folder / MARKER).read_text()
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
-        return ""
-
-
-def _parse_marker(text: str | None) -> dict:
-    if text is None:
-        return {}
-    try:
-        held = json.loads(text)
-    except ValueError:
-        return {"status": "unreadable"}  # being written this instant, or damaged: held by someone
-    return held if isinstance(held, dict) else {"status": "unreadable"}
-
-
-def read_marker(folder: Path) -> dict:
-    """The marker of `folder`: {} where there is none, {"status": "unreadable"} where it cannot be read."""
-    return _parse_marker(_marker_raw(folder))
-
-
-
-def _running(held: dict) -> bool:
-    if held.get("status") != "running":
-        return held.get("status") == "unreadable"
-    if held.get("host") != socket.gethostname():
-        return True  # another machine's process: cannot tell, so assume it runs
-    pid = held.get("pid")
-    if pid == os.getpid():
-        return True  # this process holds it: a run that has not ended (e.g. one that crashed the caller's loop)
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, TypeError, ValueError, OverflowError):
-        return True
-    return True
-
-
 def _refuse_if_running(folder: Path, held: dict, what: str) -> None:
-    if _running(held):
+    if holder_running(held):
         raise RunFolderError(f"the run folder {str(folder)!r} is in use by a run that has not ended "
-                             f"({_describe(held)}); {what} is refused while it runs. If that run is gone, delete "
+                             f"({describe_marker(held)}); {what} is refused while it runs. If that run is gone, delete "
                              f"{str(folder / MARKER)!r}")
-
-
-def _describe(held: dict) -> str:
-    if held.get("status") == "unreadable":
-        return "its marker is being written or is damaged"
-    ended = f" ({held['reason']})" if isinstance(held.get("reason"), str) else ""
-    if held.get("status") == "running" and not _running(held):  # SIGKILL, out of memory: nothing could say so
-        ended = " when its process ended without recording how (killed, or out of memory)"
-    return f"{held.get('status', 'unknown')}{ended}, started {held.get('time', '?')} by process {held.get('pid', '?')} " \
-           f"on {held.get('host', '?')}"
