@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import torch
 from torch.utils.data import Dataset, TensorDataset
@@ -45,6 +46,8 @@ class FailAt(Dataset):
         if i == self.index and not self.sent:
             self.sent = True
             os.kill(self.pid or os.getpid(), getattr(signal, self.fail))
+            if self.pid is not None:  # signalled another process: wait here until it stops this one, so that no
+                time.sleep(60)        # node can get past the step this one is in
         return self.data[i]
 
 

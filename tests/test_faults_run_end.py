@@ -138,8 +138,13 @@ def test_a_failure_in_one_process_keeps_the_rows_the_other_processes_completed(b
     with pytest.raises(Exception, match="example 96 cannot be read") as info:
         trainer.fit(DiLoCoStrategy(sgd(), H=5), 4, max_steps=30, batch_size=16, shuffle=False, progress=False,
                     backend=backend, processes=processes)
-    assert len(trainer.record.train) == 6 and [len(losses) for losses in trainer.record.node_loss] == [6] * 4
-    assert [int(r["step"]) for r in rows(folder_of(info.value) / "train.csv")] == [1, 2, 3, 4, 5, 6]
+    # Every node completed step 6, unless the average of step 5 had not yet reached another process (a window of
+    # the time node 3 takes for step 6): its nodes had then completed step 4. Without the rows the stopped
+    # processes send, the record would hold no step at all (rows go out every 10 steps).
+    steps = len(trainer.record.train)
+    assert steps in (4, 6)
+    assert [len(losses) for losses in trainer.record.node_loss] == [steps] * 4
+    assert [int(r["step"]) for r in rows(folder_of(info.value) / "train.csv")] == list(range(1, steps + 1))
 
 
 _INTERRUPTED = """
@@ -172,10 +177,11 @@ def test_a_signal_interrupts_the_run_which_says_so_and_names_its_newest_checkpoi
     out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     said = json.loads(out.stdout.strip().splitlines()[-1])
-    # Node 3 goes on after sending the signal: with two processes it may complete step 7 before the stop reaches it.
-    steps = said["steps"]
     assert said["type"] == ("RunInterrupted" if sig == "SIGTERM" else "KeyboardInterrupt")
-    assert steps == 6 if processes == 1 else steps in (6, 7)
+    # Node 3 waits in its step 7 until it is stopped. With two processes, the other process may not have received
+    # step 6's average yet when the stop reaches it: its nodes have then completed step 5.
+    steps = said["steps"]
+    assert steps == 6 if processes == 1 else steps in (5, 6)
     run = tmp_path / "logs" / "r"
     newest = Path("logs/r/checkpoints/step_000000004")
     assert f"resume_from={str(newest)!r}" in said["notes"][-1] and (tmp_path / newest).is_dir()
