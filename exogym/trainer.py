@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import time
@@ -295,8 +296,9 @@ class Trainer:
                 return run.runner(run.plan)
         except BaseException as e:
             error = trace_non_finite(e, run.plan.live.partial_logs())
-            self.record = error.record = run.fail(error)  # what the nodes trained, also after the exception
-            error.run_folder = run.folder
+            self.record = run.fail(error)  # what the nodes trained, also on the exception
+            with contextlib.suppress(AttributeError):  # an exception type without a __dict__ keeps its own form
+                error.record, error.run_folder = self.record, run.folder
             if isinstance(error, KeyboardInterrupt):
                 _note_interrupted(error, run, len(self.record.train) if self.record is not None else 0)
             if error is e:
