@@ -240,6 +240,8 @@ class Trainer:
             live = LiveLog(logger, [launch.rank] if launch is not None and o.backend == "torch" else range(o.num_nodes),
                            global_batch=o.num_nodes * o.batch_size, log_interval=o.log_interval,
                            last_step=data.total_steps, progress=run.bar)
+            if resumed.states is not None:
+                live.add_resumed([state.log for state in resumed.states])  # the run's steps before its checkpoint
             run.plan = RunPlan(model=self.model, strategy=o.strategy, node_batches=data.node_batches,
                                val_batches=data.val_batches, devices=devices, cfg=cfg, seed=o.seed, live=live,
                                checkpoints=checkpoints, resume=resumed.states, node_timeout=o.node_timeout,

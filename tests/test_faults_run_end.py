@@ -232,3 +232,19 @@ def test_with_a_log_interval_the_newest_completed_row_still_reaches_train_csv():
                     log_interval=5)
     assert [int(r["step"]) for r in rows(folder_of(info.value) / "train.csv")] == [5, 6]
     assert len(trainer.record.train) == 6
+
+
+def test_a_resumed_run_that_fails_keeps_the_steps_from_before_its_checkpoint_too():
+    # The first attempt fails reading step 12's batch, after its checkpoint at step 8; the resumed run fails reading
+    # step 11's: its record and train.csv hold steps 1-10, not only the steps trained since the checkpoint.
+    def fit(data, **resume):
+        trainer = Trainer(TinyMLP(), data)
+        with pytest.raises(RuntimeError, match="cannot be read") as info:
+            trainer.fit(SimpleReduceStrategy(sgd()), 1, max_steps=12, batch_size=16, shuffle=False, progress=False,
+                        run_name="r", checkpoint_interval=8, **resume)
+        return trainer, info.value
+
+    fit(FailAt(16 * 11))
+    trainer, error = fit(FailAt(16 * 10), resume_from="logs/r")
+    assert [row["step"] for row in trainer.record.train] == list(range(1, 11))
+    assert [int(r["step"]) for r in rows(folder_of(error) / "train.csv")] == list(range(1, 11))

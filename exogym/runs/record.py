@@ -86,7 +86,7 @@ class LiveLog:
         self._newest: dict[str, float] | None = None  # the newest merged row, and whether the logger got it
         self._newest_logged = False
 
-    def resume_from(self, logs: Sequence[NodeLog]) -> None:
+    def add_resumed(self, logs: Sequence[NodeLog]) -> None:
         """The rows a resumed run's nodes had before their checkpoint: part of the run, already logged."""
         for log in logs:
             if log.rank in self._kept:
