@@ -14,6 +14,7 @@ file, which is checked before any process starts.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
 import signal
@@ -33,7 +34,7 @@ from exogym.backends.errors import NodeProcessError, NodeTimeoutError
 from exogym.backends.sim.watchdog import STUCK_EXIT_CODE
 
 __all__ = ["HOST", "Failure", "process_context", "supervise", "end_processes", "collect_last_rows", "stop_on_sigterm",
-           "Outbox", "ForwardingLive", "check_picklable"]
+           "Outbox", "ForwardingLive", "check_picklable", "without_rows", "with_rows"]
 
 HOST = "127.0.0.1"  # every process is on this machine: the rendezvous store listens on loopback only
 _FINISH_GRACE_S = 60.0  # after the first process finishes, how long the others may take to finish too
@@ -238,6 +239,18 @@ class Outbox:
             sendable = None
         from_peer = isinstance(e, getattr(dist, "DistError", ())) or "gloo" in str(e).lower()
         self.send("error", Failure(rank, time.monotonic(), summary, text, sendable, from_peer))
+
+
+def without_rows(log: Any) -> Any:
+    """A node's log for its "done" message: its rows reached the caller as they were flushed (ForwardingLive), so
+    they are not sent (nor held by the caller) twice; the caller puts them back from its live log (with_rows)."""
+    return dataclasses.replace(log, rows=[])
+
+
+def with_rows(log: Any, live: Any) -> Any:
+    """The log of a node whose rows came through `live` (the run's LiveLog), whole again."""
+    log.rows = live.rows_of(log.rank)
+    return log
 
 
 class ForwardingLive:

@@ -126,6 +126,10 @@ class LiveLog:
             self._newest_logged = True
             self.logger.log("train", self._newest)
 
+    def rows_of(self, rank: int) -> list[dict[str, float]]:
+        """Every row node `rank` reported (the rows of a node in another process, which sends them only here)."""
+        return self._kept[rank].rows
+
     def partial_logs(self) -> list[NodeLog]:
         """Every node's rows as received so far (a record of the steps every node completed: RunRecord.from_nodes
         keeps the steps all of them reported)."""

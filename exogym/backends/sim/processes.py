@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from exogym.backends.local_processes import (HOST, ForwardingLive, Outbox, check_picklable, collect_last_rows,
-                                             end_processes, process_context, stop_on_sigterm, supervise)
+                                             end_processes, process_context, stop_on_sigterm, supervise,
+                                             with_rows, without_rows)
 from exogym.backends.sim.exchange import Exchange, block_of, blocks
 from exogym.backends.sim.run import run_sim
 from exogym.backends.torch.node_process import peak_rss_mb, process_group_timeout
@@ -64,7 +65,7 @@ def run_sim_processes(plan: "RunPlan", processes: int) -> list[Any]:
         per_process = supervise(plan.live, procs, conns, labels, [b.start for b in spans],
                                 passthrough=(CollectiveError, NodeTimeoutError))
         finished = True
-        return [result for (results,) in per_process for result in results]
+        return [(with_rows(log, plan.live), state) for (results,) in per_process for log, state in results]
     finally:
         if not finished:  # the nodes' last rows (since their last flush) are part of the record of what ran
             collect_last_rows(plan.live, procs, conns)
@@ -87,8 +88,7 @@ def _process_main(p: int, processes: int, plan: "RunPlan", port: int, conn: Conn
         plan.on_stuck = lambda error: outbox.send_error(error.rank, error)  # then the watchdog ends this process
         plan.devices = own_gpu(plan.devices, p)
         results = _run_block(plan, p, processes, store, "exogym/sim", start)
-        outbox.send("done", [(log, None if state is None else {k: v.detach().cpu() for k, v in state.items()})
-                             for log, state in results])
+        outbox.send("done", [(without_rows(log), _on_cpu(state)) for log, state in results])
     except BaseException as e:  # noqa: BLE001 - everything goes back to the caller, even KeyboardInterrupt
         try:
             outbox.send_error(getattr(e, "exogym_node", blocks(plan.num_nodes, processes)[p].start), e)
@@ -98,6 +98,10 @@ def _process_main(p: int, processes: int, plan: "RunPlan", port: int, conn: Conn
             os._exit(1)  # now: skip interpreter teardown, which could block on a process group mid-message
     dist.destroy_process_group()
     conn.close()
+
+
+def _on_cpu(state: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+    return None if state is None else {k: v.detach().cpu() for k, v in state.items()}
 
 
 def own_gpu(devices: list[torch.device], p: int) -> list[torch.device]:

@@ -34,7 +34,8 @@ import torch.distributed as dist
 from exogym.backends.errors import NodeProcessError
 from exogym.comm.transport import CollectiveError
 from exogym.backends.local_processes import (HOST, ForwardingLive, Outbox, check_picklable, collect_last_rows,
-                                             end_processes, process_context, stop_on_sigterm, supervise)
+                                             end_processes, process_context, stop_on_sigterm, supervise,
+                                             with_rows, without_rows)
 from exogym.backends.torch.node_process import pick_backend, process_group_timeout, run_node
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ def run_spawned(plan: "RunPlan") -> list[tuple["NodeLog", dict[str, torch.Tensor
             conns.append(reader)
         results = supervise(plan.live, procs, conns, [f"node {r}" for r in range(k)], passthrough=(CollectiveError,))
         finished = True
-        return results
+        return [(with_rows(log, plan.live), state) for log, state in results]
     finally:
         if not finished:  # the nodes' last rows (since their last flush) are part of the record of what ran
             collect_last_rows(plan.live, procs, conns)
@@ -93,7 +94,8 @@ def _node_main(rank: int, plan: "RunPlan", port: int, backend: str, conn: Connec
         plan.live = ForwardingLive(outbox)
         heartbeat_store = dist.TCPStore(HOST, port, is_master=False, timeout=timedelta(seconds=30))
         _, _, log, state = run_node(plan, rank, backend, start, timeout, heartbeat_store)
-        outbox.send("done", log, None if state is None else {k: v.detach().cpu() for k, v in state.items()})
+        state = None if state is None else {k: v.detach().cpu() for k, v in state.items()}
+        outbox.send("done", without_rows(log), state)
     except BaseException as e:  # noqa: BLE001 - everything goes back to the caller, even KeyboardInterrupt
         try:
             outbox.send_error(rank, e)
