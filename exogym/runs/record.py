@@ -148,7 +148,9 @@ class RunRecord:
     val: one row per evaluation (at step 0, every val_interval steps and at the end): step, local_loss (node 0's model), global_loss (the global model),
         and local_/global_ versions of every extra metric.
     diagnostics: rows of step, param_correlation, param_variance (fit's diagnostics_interval).
-    node_loss: `node_loss[r][s]` is node r's training loss at step s+1 (nan where it sat out the step).
+    node_loss: `node_loss[r][s]` is node r's training loss at step s+1 (nan where it sat out the step); in the
+        record of a run that stopped part-way, each node's list holds the steps it completed, which `train` (the
+        steps every node completed) may not all hold.
     bytes_per_node: `bytes_per_node[r]` is the wire bytes node r sent in total (ring algorithms: an all-reduce of N bytes costs
         2 N (R-1)/R, an all-gathered chunk n costs n (R-1)); also as wire_bytes_per_node.
     payload_bytes_per_node: `payload_bytes_per_node[r]` is node r's own data put on the wire, each byte counted once (the papers'
@@ -169,12 +171,11 @@ class RunRecord:
     @classmethod
     def from_nodes(cls, logs: list[NodeLog], *, config: dict[str, Any], global_batch: int,
                    wall_time_s: float, peak_memory_mb: dict[str, float] | None = None) -> "RunRecord":
-        steps = min(len(log.rows) for log in logs)  # a run that stopped part-way: the steps every node completed
-        rows = [log.rows[:steps] for log in logs]
-        train = [merge_step_rows(step_rows, global_batch=global_batch) for step_rows in zip(*rows)]
+        # zip: a run that stopped part-way has the steps every node completed; node_loss keeps each node's own
+        train = [merge_step_rows(step_rows, global_batch=global_batch) for step_rows in zip(*(l.rows for l in logs))]
         return cls(config=config, train=train, val=logs[0].val, diagnostics=logs[0].diagnostics,
-                   node_loss=[[row.get("loss", math.nan) for row in node_rows] for node_rows in rows],
-                   bytes_per_node=[int(node_rows[-1]["bytes"]) if node_rows else 0 for node_rows in rows],
+                   node_loss=[[row.get("loss", math.nan) for row in log.rows] for log in logs],
+                   bytes_per_node=[int(log.rows[-1]["bytes"]) if log.rows else 0 for log in logs],
                    comm_per_node=[log.comm for log in logs], wall_time_s=wall_time_s,
                    peak_memory_mb=peak_memory_mb or {})
 
