@@ -11,6 +11,7 @@ from exogym.backends.errors import NodeProcessError, NodeTimeoutError
 from exogym.cluster.membership import RandomFailures
 from exogym.comm.transport import CollectiveError
 from exogym.engine.node import NonFiniteLoss
+from exogym.fit_end import RunInterrupted
 from exogym.runs.folder import RunFolderError
 from exogym.runs.disk import DiskFullError
 from exogym.runs.record import RunRecord
@@ -21,5 +22,5 @@ from exogym import compat  # noqa: E402 - on top of everything above, and instal
 compat.install()
 
 __all__ = ["Trainer", "LocalTrainer", "RunRecord", "CollectiveError", "NodeProcessError", "NodeTimeoutError",
-           "RunFolderError", "DiskFullError", "RandomFailures", "NonFiniteLoss"]
+           "RunFolderError", "DiskFullError", "RandomFailures", "NonFiniteLoss", "RunInterrupted"]
 __version__ = "0.1.0"

@@ -15,7 +15,7 @@ from exogym.engine.node import NonFiniteLoss
 from exogym.runs.checkpoint import CheckpointError, find_checkpoint
 from exogym.runs.record import NodeLog, first_non_finite
 
-__all__ = ["RunInterrupted", "interrupt_on_sigterm", "trace_non_finite", "ending"]
+__all__ = ["RunInterrupted", "interrupt_on_sigterm", "trace_non_finite", "ending", "signal_of"]
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -81,4 +81,11 @@ def ending(error: BaseException, checkpoint_root: Path | None) -> dict[str, Any]
     if checkpoint_root is not None:
         with contextlib.suppress(CheckpointError, OSError):
             newest = str(find_checkpoint(checkpoint_root))
-    return {"status": "interrupted", "signal": getattr(error, "signal_name", "SIGINT"), "resume_from": newest}
+    return {"status": "interrupted", "signal": signal_of(error), "resume_from": newest}
+
+
+def signal_of(interrupt: BaseException) -> str:
+    """Which signal a KeyboardInterrupt stands for: RunInterrupted's, a handler's that raised
+    KeyboardInterrupt("SIGTERM") (a sweep worker, a simulating process), else Ctrl-C's SIGINT."""
+    name = getattr(interrupt, "signal_name", None) or str(interrupt)
+    return name if name in signal.Signals.__members__ else "SIGINT"

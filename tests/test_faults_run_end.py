@@ -260,3 +260,27 @@ def test_a_node_that_fails_before_the_others_ran_keeps_its_own_rows_in_node_loss
         trainer.fit(DiLoCoStrategy(sgd(), H=10), 4, max_steps=30, batch_size=16, shuffle=False, progress=False)
     assert trainer.record.train == [] and [len(losses) for losses in trainer.record.node_loss] == [3, 0, 0, 0]
     assert info.value.run_folder is None
+
+
+class _StoppedBySigterm(torch.utils.data.Dataset):
+    """Reading example 96 (step 7's first) raises what a SIGTERM handler of the caller's own raises (a sweep
+    worker's, a simulating process's): KeyboardInterrupt("SIGTERM")."""
+
+    def __init__(self):
+        self.data = make_classification(256)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        if i == 96:
+            raise KeyboardInterrupt("SIGTERM")
+        return self.data[i]
+
+
+def test_an_interrupt_raised_by_the_callers_own_sigterm_handler_is_recorded_as_sigterm():
+    trainer = Trainer(TinyMLP(), _StoppedBySigterm())
+    with pytest.raises(KeyboardInterrupt) as info:
+        trainer.fit(SimpleReduceStrategy(sgd()), 1, max_steps=30, batch_size=16, shuffle=False, progress=False)
+    summary = json.loads((folder_of(info.value) / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["signal"] == "SIGTERM" and summary["steps"] == 6
