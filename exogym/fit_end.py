@@ -61,7 +61,8 @@ def trace_non_finite(error: BaseException, logs: Sequence[NodeLog]) -> BaseExcep
     if len(ranks) == len(logs) > 1 and step > 1:
         where = (f"on every node is {value} at step {step}, the run's first non-finite loss: the parameters they "
                  f"share became non-finite in step {step - 1}'s update (a non-finite gradient on some node, or a "
-                 "learning rate too large)")
+                 "learning rate too large; to name the node, run again under torch.autograd.detect_anomaly(): the "
+                 "backward that makes a nan then raises, naming its node and step)")
     else:
         nodes = f"node {ranks[0]}" if len(ranks) == 1 else f"nodes {', '.join(map(str, ranks))}"
         where = (f"on {nodes} is {value} at step {step}, the run's first non-finite loss"

@@ -62,6 +62,7 @@ def test_a_nan_names_the_node_and_step_where_it_first_appeared_and_keeps_every_r
     assert json.loads((folder_of(error) / ".exogym-run").read_text())["status"] == "failed"
 
 
+@pytest.mark.filterwarnings("ignore:Anomaly Detection has been enabled", "ignore:Error detected in")
 def test_a_nan_gradient_behind_a_finite_loss_is_traced_to_the_update_that_spread_it():
     # Node 1's step-2 batch gives sqrt(0): a finite loss whose gradient is nan. DDP averages it into every node,
     # whose losses are all nan at step 3: the message says so, rather than naming node 0.
@@ -72,6 +73,12 @@ def test_a_nan_gradient_behind_a_finite_loss_is_traced_to_the_update_that_spread
     assert info.value.step == 3 and "on every node is nan at step 3" in str(info.value)
     assert "step 2's update" in str(info.value)
     assert math.isfinite(trainer.record.node_loss[1][1]) and math.isnan(trainer.record.node_loss[0][2])
+    assert "torch.autograd.detect_anomaly()" in str(info.value)
+    # The hint holds: under anomaly detection the backward that makes the nan raises, in node 1 at step 2.
+    with torch.autograd.detect_anomaly(), pytest.raises(RuntimeError, match="returned nan values") as anomaly:
+        Trainer(SqrtLoss(), ZeroOnNode(rank=1)).fit(SimpleReduceStrategy(sgd()), 3, max_steps=20, batch_size=16,
+                                                    shuffle=False, progress=False, logger=False)
+    assert "(raised in node 1 at step 2)" in anomaly.value.__notes__
 
 
 def test_a_nan_in_one_process_of_several_is_named_too():
