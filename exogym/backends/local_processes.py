@@ -171,11 +171,11 @@ def _shorten(text: str, limit: int = 200) -> str:
     return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
-def collect_last_rows(live: Any, procs: list[Any], conns: list[Connection], timeout_s: float = 5.0) -> None:
+def collect_last_rows(live: Any, procs: list[Any], conns: list[Connection], timeout_s: float = 3.0) -> None:
     """The run stopped early (a node failed, a signal): ask the processes still running to stop (SIGTERM, on which
     each sends the rows its nodes completed since their last flush, see stop_on_sigterm), and feed `live` the rows
     they send until every pipe is closed or timeout_s has passed. A process blocked inside a native call (a gloo
-    collective) cannot answer: its unsent rows are lost when end_processes kills it."""
+    collective) cannot answer: it is killed then, and its unsent rows are lost."""
     for p in procs:
         if p.is_alive():
             p.terminate()
@@ -192,6 +192,9 @@ def collect_last_rows(live: Any, procs: list[Any], conns: list[Connection], time
                 live.add_rows(*payload)
             elif kind == "row":
                 live.add_row(*payload)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
 
 
 def stop_on_sigterm() -> None:
