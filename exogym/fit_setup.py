@@ -17,6 +17,7 @@ from exogym.data.partition import Partition, dirichlet_partition, shards_partiti
 from exogym.data.sharding import DatasetOrFactory, NodeBatches, fixed_batches, is_factory, node_dataset
 from exogym.runs.loggers import CSVLogger, Logger, MultiLogger, WandbLogger, _FolderLogger
 from exogym.cluster.network import Network
+from exogym.runs.disk import format_bytes
 from exogym.runs.folder import RunClaim, check_run_name, claim_run
 from exogym.cluster.simtime import TimeModel
 
@@ -135,14 +136,14 @@ def check_node_memory(num_nodes: int, *, model: torch.nn.Module | None = None, o
     need = here * NODE_OVERHEAD_BYTES + on_cpu * copy + shared
     if need <= available:
         return
-    parts = [f"{here} node(s) x {_size(NODE_OVERHEAD_BYTES)} of exogym's per-node state"]
+    parts = [f"{here} node(s) x {format_bytes(NODE_OVERHEAD_BYTES)} of exogym's per-node state"]
     if on_cpu and copy:
-        parts.append(f"{on_cpu} node(s) on the CPU x their model copy of {_size(copy)}")
+        parts.append(f"{on_cpu} node(s) on the CPU x their model copy of {format_bytes(copy)}")
     if shared:
-        parts.append(f"the parameters shared by the nodes, {_size(shared)}")
+        parts.append(f"the parameters shared by the nodes, {format_bytes(shared)}")
     fits = max(0, (available - shared) // (NODE_OVERHEAD_BYTES + (copy if on_cpu else 0)))
-    raise ValueError(f"num_nodes={num_nodes} needs at least {_size(need)} of memory on this machine "
-                     f"({' + '.join(parts)}), but {_size(available)} is available; use at most {fits} nodes"
+    raise ValueError(f"num_nodes={num_nodes} needs at least {format_bytes(need)} of memory on this machine "
+                     f"({' + '.join(parts)}), but {format_bytes(available)} is available; use at most {fits} nodes"
                      f"{', a smaller model' if len(parts) > 1 else ''}, or free some memory")
 
 
@@ -152,15 +153,6 @@ def _nodes_on_this_machine(num_nodes: int) -> int:
     if world.isdigit() and local.isdigit() and 0 < int(local) <= int(world):
         return -(-num_nodes * int(local) // int(world))
     return num_nodes
-
-
-def _size(n: float) -> str:
-    """A byte count for a message: 131.1 KB, 24.3 GB."""
-    units = ("B", "KB", "MB", "GB", "TB", "PB", "EB")
-    unit = 0
-    while n >= 1000 and unit < len(units) - 1:
-        n, unit = n / 1000, unit + 1
-    return f"{n:.0f} B" if unit == 0 else f"{n:.1f} {units[unit]}"
 
 
 def build_val_batches(data: DatasetOrFactory | None, *, num_nodes: int, val_size: int, batch_size: int,

@@ -304,9 +304,9 @@ class _Untouchable(torch.utils.data.Dataset):
 def test_a_billion_nodes_are_refused_from_the_arguments_alone(monkeypatch):
     monkeypatch.setattr(fit_setup, "available_memory_bytes", lambda: 10 * 10**9)
     monkeypatch.setattr(fit_setup, "NodeBatches", lambda *a, **k: pytest.fail("built a node's batches"))
-    with pytest.raises(ValueError, match=r"num_nodes=1000000000 needs at least 131.1 TB of memory on this machine "
-                                         r"\(1000000000 node\(s\) x 131.1 KB of exogym's per-node state\), but "
-                                         r"10.0 GB is available; use at most 76293 nodes, or free some memory"):
+    with pytest.raises(ValueError, match=r"num_nodes=1000000000 needs at least 119.2 TB of memory on this machine "
+                                         r"\(1000000000 node\(s\) x 128.0 KB of exogym's per-node state\), but "
+                                         r"9.3 GB is available; use at most 76293 nodes, or free some memory"):
         Trainer(toy.TinyMLP(), _Untouchable()).fit(SimpleReduceStrategy(), 10**9, batch_size=1, **FIT)
 
 
@@ -317,7 +317,7 @@ def test_node_memory_estimate_counts_model_copies_once_per_node_on_a_cpu(monkeyp
     monkeypatch.setattr(fit_setup, "available_memory_bytes", lambda: 10 * per_node)
     check_node_memory(10, model=model)  # the boundary: exactly what is available
     with pytest.raises(ValueError, match=r"num_nodes=11 needs at least .* \+ 11 node\(s\) on the CPU x their model "
-                                         r"copy of 4.0 MB\), but .* use at most 10 nodes, a smaller model"):
+                                         r"copy of 3.8 MB\), but .* use at most 10 nodes, a smaller model"):
         check_node_memory(11, model=model)
     # DDP keeps one replica: the parameters once, whatever the node count.
     check_node_memory(60, model=model, one_replica=True)

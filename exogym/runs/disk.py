@@ -64,7 +64,7 @@ def free_bytes(path: str | os.PathLike) -> int | None:
 def format_bytes(n: int | None) -> str:
     if n is None:
         return "an unknown amount"
-    for unit, size in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+    for unit, size in (("PB", 1 << 50), ("TB", 1 << 40), ("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n} bytes"
