@@ -2,6 +2,8 @@
 gloo aborts one process (or the collective times out) without saying what differed, so each node's calls go to
 the run's store before they are launched, and the node that sees the collective fail compares them."""
 
+import json
+
 import pytest
 import torch
 
@@ -9,7 +11,7 @@ import toy
 from exogym import Trainer
 from exogym.backends.errors import NodeProcessError
 from exogym.backends.sim.baton import CollectiveCall
-from exogym.backends.torch.heartbeat import CollectiveLedger, describe_call, mismatch_report
+from exogym.backends.torch.heartbeat import CollectiveLedger, _with_last_call, describe_call, mismatch_report
 from exogym.comm.transport import CollectiveError
 from exogym.strategy import SimpleReduceStrategy, communicate
 
@@ -91,3 +93,27 @@ def test_calls_are_named_as_the_sim_names_them():
     sim = CollectiveCall("broadcast", ("broadcast", (2, 3), "bfloat16", "src=1"), {}).describe()
     published = _ledger(("broadcast", ((2, 3), "bfloat16", "src=1"))).snapshot(step=0)["calls"]["0,1,2"]
     assert describe_call(published[0], published[1]) == sim == "broadcast((2, 3), 'bfloat16', 'src=1')"
+
+
+def test_what_a_node_publishes_per_call_stays_small_however_many_groups_it_used():
+    # FedAvg's random islands give a new group nearly every round: the call published before each collective is
+    # of constant size, and the ledger keeps the recent calls of the latest 64 groups only.
+    ledger = CollectiveLedger()
+    sizes = []
+    for i in range(1000):
+        ledger.enter("all_reduce", (i, i + 1), step=i, signature=((3,), "float32", "sum"))
+        sizes.append(len(json.dumps(ledger.last_call())))
+    assert max(sizes) - min(sizes) <= 12  # the digits of the ranks and the step only
+    assert len(ledger.recent) == 64 and (999, 1000) in ledger.recent and (0, 1) not in ledger.recent
+    assert ledger.counts[(0, 1)] == 1  # counts of every group stay: who never came is counted on them
+
+
+def test_a_members_ledger_is_brought_up_to_the_call_it_published_last():
+    published = {"step": 3, "counts": {"0,1": 4}, "calls": {"0,1": ["all_reduce", [[3], "float32", "sum"], 3, 4]},
+                 "last": ["all_reduce", [0, 1], 3, 4]}
+    last = {"group": "0,1", "call": ["broadcast", [[4], "float32", 0], 4, 5]}
+    merged = _with_last_call(published, last)
+    assert merged["counts"]["0,1"] == 5 and merged["calls"]["0,1"] == last["call"] and merged["step"] == 4
+    assert merged["last"] == ["broadcast", [0, 1], 4, 5]
+    assert _with_last_call(None, last)["calls"] == {"0,1": last["call"]}  # its ledger not yet published
+    assert _with_last_call(published, None) is published

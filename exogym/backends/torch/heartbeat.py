@@ -7,11 +7,12 @@ at all: gloo aborts the process that receives more bytes than it expects (SIGABR
 match expected size") and the others fail with "Connection reset by peer", or they all wait until the timeout; a
 mismatched call can even complete on one side, which then fails in its next call. So each node keeps a ledger of
 the collectives it entered (how many per group; each group's recent calls: op, signature as the sim writes it,
-step, number) and publishes it to the run's key-value store (the TCPStore the process group rendezvoused through)
-as it enters each collective, before launching it, so that its call is on record even if the collective then
-aborts its process; a thread also publishes step changes every min(1 s, timeout / 10). A collective pays one JSON
-dump and one store write (a write needs no reply: about 1 us here). When a collective fails, the node reads every
-member's ledger: a member whose last call differs from this node's call with the same number is a mismatch, named
+step, number). A thread publishes it to the run's key-value store (the TCPStore the process group rendezvoused
+through) when it changed, at most every min(1 s, timeout / 10); and as the node enters each collective, before
+launching it, it publishes that call alone (a record of constant size, whatever the ledger holds), so that the call
+is on record even if the collective then aborts its process. A collective pays one small JSON dump and one store
+write (a write needs no reply: about 1 us here). When a collective fails, the node reads every member's ledger,
+brought up to its last call: a member whose last call differs from this node's call with the same number is a mismatch, named
 call by call as the sim names it; otherwise, on a timeout, the members that never entered that collective (fewer
 calls on the group) are named, with the step they are at and the last collective they entered.
 """
@@ -29,6 +30,9 @@ __all__ = ["CollectiveLedger", "Heartbeat", "missing_members_report", "mismatch_
            "is_timeout"]
 
 _RECENT = 16  # a node's own calls per group kept to compare with the members' (a mismatch is found a few calls on)
+# Groups whose recent calls are kept: the latest used. A strategy that draws new groups every round (FedAvg's
+# random islands) would otherwise grow the ledger, and so each publication, with every round.
+_RECENT_GROUPS = 64
 
 
 class CollectiveLedger:
@@ -48,8 +52,19 @@ class CollectiveLedger:
         n = self.counts.get(group, 0) + 1
         self.counts[group] = n
         self.last = (op, group, step, n)
-        self.recent.setdefault(group, deque(maxlen=_RECENT)).append([op, _plain(signature), step, n])
+        calls = self.recent.pop(group, None) or deque(maxlen=_RECENT)  # re-inserted: the latest used come last
+        calls.append([op, _plain(signature), step, n])
+        self.recent[group] = calls
+        if len(self.recent) > _RECENT_GROUPS:
+            del self.recent[next(iter(self.recent))]
         return n
+
+    def last_call(self) -> dict[str, Any] | None:
+        """The call entered last, as published before each collective: its group and [op, signature, step, number]."""
+        if self.last is None:
+            return None
+        group = self.last[1]
+        return {"group": _key(group), "call": self.recent[group][-1]}
 
     def snapshot(self, step: int | None) -> dict[str, Any]:
         # Copied in one call each (atomic under the GIL): the heartbeat's thread reads while the node enters calls.
@@ -80,7 +95,8 @@ def describe_call(op: str, signature: Any) -> str:
 
 class Heartbeat:
     """Publishes node `rank`'s ledger (and its current step, from `step_of`) to `store` from a daemon thread, under
-    keys prefix/<rank>; `read` fetches the members' latest ledgers."""
+    key prefix/<rank>, at most every `period`; the node publishes each call it enters (`publish_call`, a record of
+    constant size) under prefix/<rank>/call. `read` fetches the members' latest ledgers, with their last calls."""
 
     def __init__(self, store: Any, rank: int, ledger: CollectiveLedger, step_of: Callable[[], int | None],
                  timeout_s: float, prefix: str):
@@ -101,8 +117,8 @@ class Heartbeat:
         self._thread.join(timeout=5)
 
     def publish(self) -> bool:
-        """Write the ledger and the step to the store now (the node calls it on entering each collective); False
-        when the store is gone (the run is ending: nothing left to tell, and no reason to fail a collective)."""
+        """Write the ledger and the step to the store now; False when the store is gone (the run is ending:
+        nothing left to tell, and no reason to fail a collective)."""
         with self._lock:
             state = (self.step_of(), self.ledger.last)
             try:
@@ -112,21 +128,47 @@ class Heartbeat:
             self._published = state
         return True
 
+    def publish_call(self) -> bool:
+        """Write the call just entered (the node calls it before launching each collective, which may abort this
+        process); False when the store is gone."""
+        try:
+            self.store.set(f"{self.prefix}/{self.rank}/call", json.dumps(self.ledger.last_call()))
+        except Exception:  # noqa: BLE001
+            return False
+        return True
+
     def _beat(self) -> None:
         while not self._stop.wait(self.period):
             if (self.step_of(), self.ledger.last) != self._published and not self.publish():
                 return
 
     def read(self, ranks: tuple[int, ...]) -> dict[int, dict[str, Any] | None]:
-        """Each rank's latest ledger (None where it never published: its process did not get that far)."""
-        out: dict[int, dict[str, Any] | None] = {}
-        for r in ranks:
-            key = f"{self.prefix}/{r}"
-            try:
-                out[r] = json.loads(self.store.get(key)) if self.store.check([key]) else None
-            except Exception:  # noqa: BLE001 - the store went away: say what is known
-                out[r] = None
-        return out
+        """Each rank's latest ledger, brought up to its last call (None where it never published: its process did
+        not get that far)."""
+        return {r: _with_last_call(self._get(f"{self.prefix}/{r}"), self._get(f"{self.prefix}/{r}/call"))
+                for r in ranks}
+
+    def _get(self, key: str) -> Any:
+        try:
+            return json.loads(self.store.get(key)) if self.store.check([key]) else None
+        except Exception:  # noqa: BLE001 - the store went away: say what is known
+            return None
+
+
+def _with_last_call(ledger: dict[str, Any] | None, last: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A published ledger (at most a heartbeat period old) with the call published since: the group's count, the
+    last call, and that group's latest call."""
+    if not isinstance(last, dict):
+        return ledger
+    ledger = dict(ledger or {"step": None, "counts": {}, "calls": {}})
+    group, (op, signature, step, number) = last["group"], last["call"]
+    if number >= ledger.get("counts", {}).get(group, 0):
+        ledger["counts"] = {**ledger.get("counts", {}), group: number}
+        ledger["calls"] = {**ledger.get("calls", {}), group: last["call"]}
+        ledger["last"] = [op, [int(r) for r in group.split(",")], step, number]
+        if step is not None and (ledger.get("step") is None or step > ledger["step"]):
+            ledger["step"] = step
+    return ledger
 
 
 def is_timeout(e: BaseException) -> bool:

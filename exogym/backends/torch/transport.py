@@ -191,7 +191,7 @@ class TorchTransport(TransportBase):
             pg = self._process_group(group, op)
             number = self.ledger.enter(op, group.ranks, step, signature)
             if self.heartbeat is not None:
-                self.heartbeat.publish()  # on record before launching: a mismatch may abort this process
+                self.heartbeat.publish_call()  # on record before launching: a mismatch may abort this process
             works.append(launch(pg))
             if timed:
                 mine = torch.tensor(arrivals, dtype=torch.float64, device=self.device)
