@@ -33,8 +33,8 @@ import torch.multiprocessing as torch_mp
 from exogym.backends.errors import NodeProcessError, NodeTimeoutError
 from exogym.backends.sim.watchdog import STUCK_EXIT_CODE
 
-__all__ = ["HOST", "Failure", "process_context", "supervise", "end_processes", "collect_last_rows", "stop_on_sigterm",
-           "Outbox", "ForwardingLive", "check_picklable", "without_rows", "with_rows"]
+__all__ = ["HOST", "Failure", "process_context", "supervise", "wind_down", "end_processes", "collect_last_rows",
+           "stop_on_sigterm", "Outbox", "ForwardingLive", "check_picklable", "without_rows", "with_rows"]
 
 HOST = "127.0.0.1"  # every process is on this machine: the rendezvous store listens on loopback only
 _FINISH_GRACE_S = 60.0  # after the first process finishes, how long the others may take to finish too
@@ -195,6 +195,17 @@ def collect_last_rows(live: Any, procs: list[Any], conns: list[Connection], time
     for p in procs:
         if p.is_alive():
             p.kill()
+
+
+def wind_down(live: Any, procs: list[Any], conns: list[Connection], *, finished: bool) -> None:
+    """After supervise: a run that finished gives its processes 10 s to exit on their own; one that stopped early
+    first collects the rows they completed since their last flush (collect_last_rows). Then every process is
+    reaped and every pipe closed."""
+    if not finished:
+        collect_last_rows(live, procs, conns)
+    end_processes(procs, grace_s=10.0 if finished else 0.0)
+    for c in conns:
+        c.close()
 
 
 def stop_on_sigterm() -> None:

@@ -17,9 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from exogym.backends.local_processes import (HOST, ForwardingLive, Outbox, check_picklable, collect_last_rows,
-                                             end_processes, process_context, stop_on_sigterm, supervise,
-                                             with_rows, without_rows)
+from exogym.backends.local_processes import (HOST, ForwardingLive, Outbox, check_picklable, process_context,
+                                             stop_on_sigterm, supervise, wind_down, with_rows, without_rows)
 from exogym.backends.sim.exchange import Exchange, block_of, blocks
 from exogym.backends.sim.run import run_sim
 from exogym.backends.torch.node_process import peak_rss_mb, process_group_timeout
@@ -67,11 +66,7 @@ def run_sim_processes(plan: "RunPlan", processes: int) -> list[Any]:
         finished = True
         return [(with_rows(log, plan.live), state) for (results,) in per_process for log, state in results]
     finally:
-        if not finished:  # the nodes' last rows (since their last flush) are part of the record of what ran
-            collect_last_rows(plan.live, procs, conns)
-        end_processes(procs, grace_s=10.0 if finished else 0.0)
-        for c in conns:
-            c.close()
+        wind_down(plan.live, procs, conns, finished=finished)
         del store
 
 

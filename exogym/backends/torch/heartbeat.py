@@ -81,7 +81,7 @@ def _key(group: tuple[int, ...]) -> str:
 
 def _plain(signature: Any) -> Any:
     """The signature as it reads back from the store (tuples become lists), so that published ones compare equal."""
-    return json.loads(json.dumps(signature))
+    return [_plain(v) for v in signature] if isinstance(signature, (list, tuple)) else signature
 
 
 def _tuples(x: Any) -> Any:

@@ -33,9 +33,8 @@ import torch.distributed as dist
 
 from exogym.backends.errors import NodeProcessError
 from exogym.comm.transport import CollectiveError
-from exogym.backends.local_processes import (HOST, ForwardingLive, Outbox, check_picklable, collect_last_rows,
-                                             end_processes, process_context, stop_on_sigterm, supervise,
-                                             with_rows, without_rows)
+from exogym.backends.local_processes import (HOST, ForwardingLive, Outbox, check_picklable, process_context,
+                                             stop_on_sigterm, supervise, wind_down, with_rows, without_rows)
 from exogym.backends.torch.node_process import pick_backend, process_group_timeout, run_node
 
 if TYPE_CHECKING:
@@ -72,11 +71,7 @@ def run_spawned(plan: "RunPlan") -> list[tuple["NodeLog", dict[str, torch.Tensor
         finished = True
         return [(with_rows(log, plan.live), state) for log, state in results]
     finally:
-        if not finished:  # the nodes' last rows (since their last flush) are part of the record of what ran
-            collect_last_rows(plan.live, procs, conns)
-        end_processes(procs, grace_s=10.0 if finished else 0.0)
-        for c in conns:
-            c.close()
+        wind_down(plan.live, procs, conns, finished=finished)
         del store
 
 
