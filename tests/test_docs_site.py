@@ -1,11 +1,18 @@
 """The README a newcomer reads and the documentation site: the README's quick start runs as pasted, the README stays
-short, and `mkdocs build --strict` (every page, every link, every API reference generated from the docstrings) passes."""
+short, `mkdocs build --strict` (every page, every link, every API reference generated from the docstrings) passes,
+and the API reference reads: every public class and function of the documented modules has a Google-style docstring
+with an Args entry for each of its arguments, and no docstring leaks raw HTML or a stray admonition into a page.
+
+The API checks walk the objects themselves (griffe, the loader mkdocstrings uses), not a list kept here: every
+`::: path` directive of docs/api/*.md, the `__all__` of each module those directives name objects through, and the
+public methods of every such class. A class or function added to one of those `__all__` is checked the day it lands."""
 
 import importlib.util
 import os
 import re
 import subprocess
 import sys
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -44,15 +51,198 @@ def test_the_readme_quick_start_runs_as_pasted(tmp_path):
     assert done.returncode == 0, f"the README's quick start failed:\n{done.stdout}\n{done.stderr}"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("mkdocstrings") is None,
-                    reason='the documentation site needs mkdocs and mkdocstrings: pip install -e ".[docs]"')
-def test_the_documentation_site_builds_strictly(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+_HAS_MKDOCS = importlib.util.find_spec("mkdocs") is not None and importlib.util.find_spec("mkdocstrings") is not None
+_needs_mkdocs = pytest.mark.skipif(not _HAS_MKDOCS,
+                                   reason='the documentation site needs mkdocs and mkdocstrings: pip install -e ".[docs]"')
+API_PAGES = ROOT / "docs" / "api"
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """The site, built once for this module's tests (a few seconds)."""
+    out = tmp_path_factory.mktemp("site") / "site"
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out)],
                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stdout}\n{done.stderr}"
-    site = tmp_path / "site"
+    return out
+
+
+@_needs_mkdocs
+def test_the_documentation_site_builds_strictly(site):
     for page in ("index.html", "guide/index.html", "design/index.html", "api/trainer/index.html"):
         assert (site / page).is_file(), page
     # The API reference is generated from the docstrings, not left as ::: directives.
     api = (site / "api" / "trainer" / "index.html").read_text()
     assert "exogym.Trainer" in api and ":::" not in api
+
+
+# --- The API reference reads -------------------------------------------------------------------------------------
+
+# What Markdown and mkdocstrings write inside an object's documentation. Any other tag there is raw HTML that a
+# docstring let through: `<run_name>` becomes an unknown element and shows as nothing, `<a checkpoint, ...>` an
+# open link that swallows the rest of the page.
+_RENDERED_TAGS = {"p", "a", "code", "pre", "span", "div", "em", "strong", "ul", "ol", "li", "table", "thead", "tbody",
+                  "tr", "th", "td", "h2", "h3", "h4", "h5", "h6", "details", "summary", "br", "hr", "blockquote",
+                  "small", "sup", "sub", "img", "kbd", "b", "i", "abbr", "autoref"}
+_VOID_TAGS = {"br", "hr", "img", "input", "meta", "link", "wbr", "col", "source"}
+# Google-style admonitions a docstring may mean ("Note:", "Warning:", ...). Any other `Word:` line followed by an
+# indented block is read as an admonition titled Word (DiLoCo's "H:" became a note box).
+_ADMONITIONS = {"note", "notes", "warning", "warnings", "tip", "tips", "important", "caution", "danger", "attention",
+                "hint", "example", "examples", "info", "see also", "seealso", "todo"}
+
+
+class _DocContents(HTMLParser):
+    """Collects, for an API page, the raw HTML inside the documentation of each object (its `doc-contents`),
+    named by the heading (the object's path) it falls under."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.stack: list[bool] = []  # one per open element: is it an object's doc-contents?
+        self.heading = "(top of the page)"
+        self.problems: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        classes = (attrs.get("class") or "").split()
+        if re.fullmatch(r"h[2-6]", tag) and "doc-heading" in classes and attrs.get("id"):
+            self.heading = attrs["id"]
+        if any(self.stack):
+            if tag not in _RENDERED_TAGS:
+                self.problems.append(f"{self.heading}: raw HTML <{tag}> (write it in backticks)")
+            elif tag == "a" and "href" not in attrs and "id" not in attrs:
+                self.problems.append(f"{self.heading}: raw HTML <a {' '.join(attrs)}> (write it in backticks)")
+            elif (tag == "div" and "admonition" in classes) or tag == "details":
+                kind = next((c for c in classes if c != "admonition"), "")
+                if kind.lower() not in _ADMONITIONS:
+                    self.problems.append(f"{self.heading}: an admonition box {kind!r}, made from a line "
+                                         f"'{kind}:' (Google style reads `Word:` as a section; reword the line)")
+        if tag not in _VOID_TAGS:
+            self.stack.append("doc-contents" in classes)
+
+    def handle_endtag(self, tag):
+        if self.stack and tag not in _VOID_TAGS:
+            self.stack.pop()
+
+
+@_needs_mkdocs
+def test_api_pages_hold_no_raw_html_from_docstrings(site):
+    pages = sorted((site / "api").glob("*/index.html"))
+    assert len(pages) == len(list(API_PAGES.glob("*.md"))), [p.parent.name for p in pages]
+    problems = []
+    for page in pages:
+        parser = _DocContents()
+        parser.feed(page.read_text())
+        problems += [f"api/{page.parent.name}: {p}" for p in parser.problems]
+    assert not problems, "the API reference shows what a docstring did not mean:\n" + "\n".join(problems)
+
+
+def _api_objects():
+    """(label, griffe object) for every class and function the API pages document: each `::: path` directive's
+    object (a module's: its `members` option), each name in the `__all__` of the modules the directives name
+    objects through, and the public methods declared in each such class."""
+    griffe = pytest.importorskip("griffe")
+    loader = griffe.GriffeLoader(search_paths=[str(ROOT)], docstring_parser=griffe.Parser.google)
+    loader.load("exogym")
+    loader.resolve_aliases(implicit=False, external=False)
+
+    def get(path):
+        obj = loader.modules_collection[path]
+        return obj.final_target if obj.is_alias else obj
+
+    roots, modules = [], {}
+    for page in sorted(API_PAGES.glob("*.md")):
+        for m in re.finditer(r"^::: (\S+)\n((?:[ \t]+\S.*\n)*)", page.read_text(), re.M):
+            path, options = m.group(1), m.group(2)
+            obj = get(path)
+            if obj.is_module:
+                listed = re.findall(r"^\s+- (\w+)\s*$", options, re.M)
+                roots += [(f"{path}.{name}", get(f"{path}.{name}")) for name in listed]
+                modules.setdefault(path, page.name)
+            else:
+                roots.append((path, obj))
+                modules.setdefault(path.rsplit(".", 1)[0], page.name)
+    for module in modules:
+        for name in importlib.import_module(module).__all__:
+            obj = get(f"{module}.{name}")
+            if obj.is_class or obj.is_function:
+                roots.append((f"{module}.{name}", obj))
+    seen, out = set(), []
+
+    def walk(label, obj):
+        if obj.path in seen:
+            return
+        seen.add(obj.path)
+        out.append((label, obj))
+        if obj.is_class:
+            for name, member in obj.members.items():
+                if not name.startswith("_") and not member.is_alias and member.is_function \
+                        and "property" not in member.labels:
+                    walk(f"{label}.{name}", member)
+
+    for label, obj in roots:
+        walk(label, obj)
+    return griffe, out
+
+
+def _inherits_doc(obj) -> bool:
+    """A method without a docstring of its own that overrides a documented one reads as that one (inspect.getdoc)."""
+    if not obj.parent or not obj.parent.is_class:
+        return False
+    for base in obj.parent.mro():
+        member = base.members.get(obj.name)
+        if member is not None and member.docstring is not None and member.docstring.value.strip():
+            return True
+    return False
+
+
+def _signature(obj):
+    """The arguments a reader passes: a function's, or a class's `__init__`'s (mkdocstrings merges it into the
+    class), except self/cls and private ones."""
+    if obj.is_class:
+        init = obj.members.get("__init__")  # an inherited __init__ is checked on the class that declares it
+        params = [] if init is None or init.is_alias else list(init.parameters)
+    else:
+        params = list(obj.parameters)
+    return [p for p in params if p.name not in ("self", "cls") and not p.name.startswith("_")]
+
+
+def _docstring_problems(griffe, label, obj) -> list[str]:
+    docstring = obj.docstring
+    if obj.is_class and (docstring is None or not docstring.value.strip()):
+        init = obj.members.get("__init__")
+        docstring = init.docstring if init is not None and not init.is_alias else None
+    if docstring is None or not docstring.value.strip():
+        return [] if obj.is_function and _inherits_doc(obj) else [f"{label}: no docstring"]
+    problems, documented = [], set()
+    texts = [docstring]
+    if obj.is_class and "__init__" in obj.members and not obj.members["__init__"].is_alias:
+        init_doc = obj.members["__init__"].docstring
+        texts += [init_doc] if init_doc is not None else []
+    for text in texts:
+        for section in text.parse(griffe.Parser.google, warn_unknown_params=False, warnings=False):
+            kind = section.kind.value
+            if kind in ("parameters", "other parameters"):
+                documented |= {p.name.lstrip("*") for p in section.value}
+            elif kind == "admonition" and section.title.lower() not in _ADMONITIONS:
+                problems.append(f"{label}: the line '{section.title}:' becomes an admonition box titled "
+                                f"{section.title!r}; reword it (Google style reads `Word:` as a section)")
+        # Raw HTML outside code: `<run_name>` renders as nothing, `<a checkpoint, ...>` as a link eating the page.
+        prose = re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", text.value, flags=re.S))
+        for tag in re.findall(r"<[/a-zA-Z!?][^<>\n]*>", prose):
+            problems.append(f"{label}: raw HTML {tag!r} in the docstring; write placeholders in backticks")
+    names = [p.name for p in _signature(obj)]
+    for name in names:
+        if name not in documented:
+            problems.append(f"{label}: argument {name!r} has no entry under Args")
+    for name in sorted(documented - set(names)):
+        if names or obj.is_function:  # a class whose __init__ is inherited documents that one's arguments
+            problems.append(f"{label}: Args documents {name!r}, which it does not take")
+    return problems
+
+
+def test_every_public_argument_has_an_args_entry():
+    griffe, objects = _api_objects()
+    assert len(objects) > 50, [label for label, _ in objects]  # the walk found the API, not an empty list
+    problems = [p for label, obj in objects for p in _docstring_problems(griffe, label, obj)]
+    assert not problems, (f"{len(problems)} problems in the docstrings of the documented API (Google style: a "
+                          f"summary line, then Args:/Returns:/Raises: sections):\n" + "\n".join(problems))
