@@ -49,13 +49,25 @@ BACKENDS = tuple(_RUNNERS)
 class Trainer:
     """Holds the model and data; `fit` trains them with a strategy on `num_nodes` simulated nodes.
 
-    model: an nn.Module whose `model(batch)` returns a scalar loss, or a dict with "loss" and other
-        scalar metrics. It is copied to every node and never modified; `fit` returns a new model.
-    train_dataset / val_dataset: a map-style Dataset (sharded across nodes), or a factory
-        f(rank, num_nodes, is_val) -> Dataset that builds each node's own. val_dataset may be None.
-    device / devices: defaults for `fit` (see there).
-    start_port: the original EXO Gym's base rendezvous port: fit calls without port= on backend="torch" take
-        start_port, start_port + 1, ... in turn (so back-to-back runs never wait on a port still closing).
+    Args:
+        model: An `nn.Module` whose `model(batch)` returns a scalar loss, or a dict with `"loss"` and other
+            scalar metrics. It is copied to every node and never modified; `fit` returns a new model.
+        train_dataset: A map-style Dataset (sharded across nodes), or a factory
+            `f(rank, num_nodes, is_val) -> Dataset` that builds each node's own.
+        val_dataset: The same kinds as `train_dataset`, or None (no validation).
+        start_port: The original EXO Gym's base rendezvous port: fit calls without `port=` on
+            `backend="torch"` take `start_port`, `start_port + 1`, ... in turn (so back-to-back runs never wait
+            on a port still closing).
+        device: The default device of `fit` (see there).
+        devices: The default devices of `fit` (see there).
+
+    Raises:
+        TypeError: `model` is not an `nn.Module`, a dataset is neither a Dataset nor a factory, or `start_port`
+            is not an int.
+        ValueError: `start_port` is below 1.
+
+    Attributes:
+        record: What the last `fit` measured (a `RunRecord`); None before the first.
     """
 
     def __init__(self, model: torch.nn.Module, train_dataset: DatasetOrFactory,
@@ -94,71 +106,115 @@ class Trainer:
             max_memory_usage: float | None = None, port: int | None = None,
             extra_config: dict[str, Any] | None = None, execution: str = "sequential",
             processes: int = 1) -> torch.nn.Module:
-        """Train with `strategy` on `num_nodes` nodes; return the global model (by default the nodes' average).
+        """Train with `strategy` on `num_nodes` nodes and return the global model (by default the nodes' average).
 
-        batch_size is per node (the global batch is num_nodes x batch_size); minibatch_size splits it
-        for gradient accumulation. The run lasts max_steps optimizer steps, or num_epochs passes over
-        each node's shard. Validation ("local": node 0's model, "global": the global model) runs on the
-        same val_size examples every val_interval steps and at the end. The measurements land in
-        `self.record`, and go to `logger` every log_interval steps: by default a CSVLogger writing
-        logs/<run_name>/ (config.json, train.csv, val.csv, summary.json); False for none.
-        A run folder belongs to one run: it is claimed atomically before any node starts. The default
-        run_name (strategy, nodes, time) gets a -2, -3, ... suffix when taken; an explicit run_name (fit's, or
-        the logger's) whose folder holds a run is an error, unless overwrite=True (that run's folder, and other
-        runs' checkpoints in checkpoint_dir, are deleted) or the run resumes from that run's own checkpoint: it
-        then continues in the same folder, whose train.csv holds the whole run once.
+        The measurements land in `self.record` (a `RunRecord`) and go to `logger` every `log_interval` steps.
+        Every argument is checked, and the run folder claimed, before any node starts. What each option does
+        in practice, with examples: [the options of fit](../guide.md#the-options-of-fit),
+        [logs and checkpoints](../guide.md#logs-plots-checkpoints-the-command-line),
+        [simulated time](../guide.md#simulated-time) and [failures](../guide.md#failures-and-elastic-compute).
 
-        checkpoint_interval=N saves every node's full state every N steps and at the end into
-        checkpoint_dir (default logs/<run_name>/checkpoints), keeping this run's newest keep_checkpoints;
-        resume_from=<a checkpoint, a folder of them, or a run folder> continues exactly that run: the fit call
-        must describe the same run (strategy and its settings, model, seed, data, nodes, schedule length), or a
-        CheckpointError lists every difference before any node starts. extend_run=True allows a larger
-        max_steps (the LR schedule keeps its original length; the record's config says so).
-        diagnostics_interval=N records how far the nodes' parameters drift apart every N steps.
-        checkpoint_dir and the log folder are checked writable before any node starts.
+        Args:
+            strategy: What each node does at each step and what it sends (an `exogym.strategy` Strategy).
+            num_nodes: How many nodes train; 1 is plain training through the strategy.
+            num_epochs: The run lasts this many passes over each node's shard, unless `max_steps` is given.
+            max_steps: The run lasts this many optimizer steps (wins over `num_epochs`).
+            batch_size: Examples per node per step; the global batch is `num_nodes x batch_size`.
+            minibatch_size: Splits `batch_size` for gradient accumulation (must divide it; the same result as
+                the full batch). Default: `batch_size`.
+            shuffle: Shuffle each node's shard every epoch.
+            val_size: Validation runs on these same examples every time.
+            val_interval: Validation ("local": node 0's model, "global": the global model) runs every this many
+                steps, at step 0 and at the end.
+            autocast: Train in bfloat16 autocast.
+            seed: Seeds every node's random streams (from `(seed, rank)`) and the data order.
+            backend: `"sim"` (every node in this process) or `"torch"` (one process per node over
+                torch.distributed).
+            device: The device of every node; default: the Trainer's.
+            devices: Node `r` runs on `devices[r % len(devices)]`; default: the Trainer's.
+            log_interval: Every N-th step's row (and the last) goes to the loggers; `trainer.record` keeps
+                every step.
+            progress: Show a progress bar.
+            logger: A Logger, a list of them, or False for none. Default: a CSVLogger writing
+                `logs/<run_name>/` (`config.json`, `train.csv`, `val.csv`, `summary.json`).
+            run_name: The run folder's name. The default (strategy, nodes, time) gets a `-2`, `-3`, ... suffix
+                when taken; an explicit name (fit's, or the logger's) whose folder holds a run is a
+                RunFolderError, unless `overwrite=True` or the run resumes from that run's own checkpoint: it
+                then continues in the same folder, whose `train.csv` holds the whole run once. A run folder
+                belongs to one run: it is claimed atomically before any node starts.
+            overwrite: Reuse a taken run folder: that run's folder, and other runs' checkpoints in
+                `checkpoint_dir`, are deleted.
+            checkpoint_interval: Save every node's full state every N steps and at the end.
+            checkpoint_dir: Where checkpoints go (default `logs/<run_name>/checkpoints`). Given without
+                `checkpoint_interval`, one checkpoint is saved, at the end. Checked writable, like the log
+                folder, before any node starts.
+            keep_checkpoints: How many of this run's newest checkpoints are kept.
+            resume_from: A checkpoint, a folder of them, or a run folder: continue exactly that run. The fit call
+                must describe the same run (strategy and its settings, model, seed, data, nodes, schedule
+                length), or a CheckpointError lists every difference before any node starts.
+            extend_run: With `resume_from`, allow a larger `max_steps` (the LR schedule keeps its original
+                length; the record's config says so).
+            diagnostics_interval: Every N steps, record how far the nodes' parameters drift apart.
+            network: A Network or a preset name (`"high"`, `"medium"`, `"low"`, `"home"`, `"ideal"`).
+                This and the three below turn simulated time on: the record then has `sim_time_s` per step and
+                compute/communication/waiting seconds per node.
+            node_speeds: Per-node speed factors (0.5 = half as fast).
+            device_flops: FLOP/s per node (one number, or one per node); default 1e12.
+            compute_time: `"flops"`: each step's counted FLOPs over the node's throughput (deterministic);
+                `"measured"`: its wall time.
+            partition: How `train_dataset` is split: `"iid"`; `"dirichlet"` (by label, non-IID, with
+                `dirichlet_alpha`); `"shards"` (sorted by label; each node gets `shards_per_node` of
+                `num_nodes x shards_per_node` equal shards: the FedAvg paper's pathological non-IID split).
+                The split's settings, shard sizes and label histograms go into the record's config.
+            dirichlet_alpha: The concentration of `partition="dirichlet"`.
+            shards_per_node: The shards each node gets under `partition="shards"` (default 2).
+            failures: `[(node, step_down, step_up), ...]` (`step_up` None: never back) or
+                `RandomFailures(rate, downtime, seed)`. A node that is down computes and sends nothing; the
+                others' collectives run without it, and a node coming up first takes the global state from one
+                that was up. Simulated: `backend="sim"` only (see `exogym.cluster.membership`).
+            active_nodes: An elastic pool: `"doubling"`, `"halving"`, `"ramp_up"`, `"ramp_down"`,
+                `[(from_step, count), ...]`, or a function `step -> count`; ranks `0..count-1` are in it.
+                Simulated: `backend="sim"` only.
+            node_timeout: Seconds (default 600; None: no limit) a node may run without finishing a step or
+                reaching a collective before it counts as stuck. The sim backend then stops the run with a
+                NodeTimeoutError naming the node, its step and its Python stack; the torch backend uses it as
+                the process group's timeout and names the node(s) that never reached the collective the
+                others wait in.
+            dataloader_kwargs: DataLoader options for how each node's batches are loaded (`num_workers`,
+                `pin_memory`, `prefetch_factor`, `persistent_workers`, `timeout`, `worker_init_fn`,
+                `multiprocessing_context`, `collate_fn`); the examples and their order stay exogym's
+                (`exogym.data.loader_options`).
+            max_memory_usage: Caps each GPU node's device at this fraction of its memory
+                (`set_per_process_memory_fraction` of torch.cuda / torch.mps, reset after the run); rejected
+                on a CPU, where torch has no such cap.
+            port: The rendezvous port of `backend="torch"` when fit spawns the node processes (default: a free
+                one the OS picks, or the Trainer's `start_port`); unused by the sim and under torchrun.
+            extra_config: A dict recorded in `config.json` under `"extra"` (the original's `fit(kwargs=...)`).
+            execution: `"sequential"` runs the nodes' forward/backward one after another; `"fused"` runs those
+                of the nodes computing in a step as one batched (vmapped) computation (`backend="sim"`, one
+                device; `exogym.backends.sim.fused`); `"auto"` probes both on throwaway copies and fuses only
+                where that is faster.
+            processes: P local processes share the simulation (`backend="sim"`), each running a contiguous
+                block of the nodes (sizes differ by at most one) with torch's threads divided among them;
+                collectives whose members sit in several processes cross between them over torch.distributed
+                (gloo). Under torchrun with more than one process, `backend="sim"` runs this way on torchrun's
+                processes. Results agree with one process to float rounding (only sums across processes
+                reassociate); bytes and simulated time are exactly those of one
+                ([processes](../processes.md)).
 
-        node_timeout (seconds, default 600; None: no limit): a node that runs that long without finishing a
-        step or reaching a collective is stuck. The sim backend stops the run with a NodeTimeoutError naming
-        the node, its step and its Python stack; the torch backend uses it as the process group's timeout and
-        names the node(s) that never reached the collective the others wait in.
+        Returns:
+            The global model: a new module (the model given to the Trainer is never modified).
 
-        Simulated time (on when any of these is given): network (a Network or a preset name: "high",
-        "medium", "low", "home", "ideal"), node_speeds (per-node factors, 0.5 = half as fast),
-        device_flops (FLOP/s per node, default 1e12), compute_time ("flops": each step's counted
-        FLOPs over the node's throughput, deterministic; "measured": its wall time). The record then
-        has sim_time_s per step and compute/communication/waiting seconds per node.
-
-        failures=[(node, step_down, step_up), ...] (step_up None: never back) or RandomFailures(rate, downtime,
-        seed): a node that is down computes and sends nothing; the others' collectives run without it, and
-        a node coming up first takes the global state from one that was up. active_nodes: an elastic pool
-        ("doubling", "halving", "ramp_up", "ramp_down", [(from_step, count), ...], or step -> count; ranks
-        0..count-1 are in it). Both are simulated: backend="sim" only (see exogym.cluster.membership).
-
-        processes=P (sim backend): P local processes share the simulation, each running a contiguous block of
-        the nodes (sizes differ by at most one) with torch's threads divided among them; collectives whose members
-        sit in several processes cross between them over torch.distributed (gloo). Under torchrun with more than
-        one process, backend="sim" runs this way on torchrun's processes. Results agree with one process to float
-        rounding (only sums across processes reassociate); bytes and simulated time are exactly those of one.
-
-        execution: "sequential" runs the nodes' forward/backward one after another; "fused" runs those of
-        the nodes computing in a step as one batched (vmapped) computation (backend="sim", one device;
-        exogym.backends.sim.fused); "auto" probes both on throwaway copies and fuses only where that is faster.
-
-        partition="dirichlet" with dirichlet_alpha splits a labelled train_dataset by label (non-IID);
-        partition="shards" sorts it by label and deals each node shards_per_node (default 2) of
-        num_nodes x shards_per_node equal shards (the FedAvg paper's pathological non-IID split).
-        The split's settings, shard sizes and label histograms go into the record's config.
-
-        num_nodes defaults to 1 (one node: plain training through the strategy). checkpoint_dir without
-        checkpoint_interval saves one checkpoint, at the end. log_interval=N sends every N-th step's row (and
-        the last) to the loggers; trainer.record keeps every step. dataloader_kwargs: DataLoader options for how
-        each node's batches are loaded (num_workers, pin_memory, prefetch_factor, persistent_workers, timeout,
-        worker_init_fn, multiprocessing_context, collate_fn); the examples and their order stay exogym's
-        (exogym.data.loader_options). max_memory_usage=f caps each GPU node's device at that fraction of its
-        memory (torch.cuda / torch.mps set_per_process_memory_fraction, reset after the run); on a CPU it is
-        rejected, as torch has no such cap there. port: the rendezvous port of backend="torch" when fit
-        spawns the node processes (default: a free one the OS picks); unused by the sim and under torchrun.
-        extra_config: a dict recorded in config.json under "extra" (the original's fit(kwargs=...)).
+        Raises:
+            TypeError: A misspelled keyword (naming the accepted ones) or an argument of the wrong type.
+            ValueError: An argument out of range or inconsistent with another, before any node starts.
+            RunFolderError: The run folder, or the checkpoint folder, holds another run.
+            CheckpointError: `resume_from` describes a different run (every difference listed).
+            DiskFullError: The checkpoint folder cannot hold one checkpoint, or a disk fills up during the run.
+            NodeTimeoutError: A node is stuck longer than `node_timeout`.
+            CollectiveError: Nodes misuse a collective (different ops, shapes or groups).
+            NonFiniteLoss: A training or validation loss is nan or inf (naming where it first appeared).
+            RunInterrupted: SIGTERM stopped the run (a KeyboardInterrupt; Ctrl-C raises KeyboardInterrupt).
         """
         o = FitArguments(**{k: v for k, v in locals().items() if k != "self"})
         if o.port is None and self._next_port is not None:  # the original's start_port: one port per fit call

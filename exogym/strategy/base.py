@@ -67,16 +67,28 @@ class Strategy(metaclass=_StrategyType):
     `communicate_gradients()` (average the gradients), `communicate_models()` (average the parameters),
     `update_parameters()` (clip, then the optimizer step).
 
-    lr_scheduler: None, "lambda_cosine" (linear warmup, then constant or cosine decay to
-        min_lr_factor x lr; setting warmup_steps or cosine_anneal selects it), "cosine" and "constant"
-        (lambda_cosine with cosine_anneal True / False), a torch LRScheduler class built with
-        lr_scheduler_kwargs, or a callable f(optimizer).
-    max_norm: clip the global gradient norm of the node's parameters before each step.
-
     What a node calls, in order: `setup(model, context)` once; per step `skip_compute()`, `zero_grad()`,
     the forward/backward, `current_lr()`, `step()`; `finish()` after the last step. Around them, the state
     protocol: `state_dict()` / `load_state_dict()` (checkpoints, nodes coming up), `global_state()` and
     `model_sources()` (the global model), `joined()` (a node that came up).
+
+    Args:
+        lr_scheduler: None (a constant lr), `"lambda_cosine"` (linear warmup, then constant or cosine decay to
+            `min_lr_factor x lr`; setting `warmup_steps` or `cosine_anneal` selects it), `"cosine"` and
+            `"constant"` (lambda_cosine with `cosine_anneal` True / False), a torch LRScheduler class built with
+            `lr_scheduler_kwargs`, or a callable `f(optimizer)`.
+        lr_scheduler_kwargs: The scheduler's options: a torch LRScheduler class's keywords, or lambda_cosine's
+            (`warmup_steps`, `cosine_anneal`, `min_lr_factor`).
+        warmup_steps: lambda_cosine's linear warmup length, in steps.
+        cosine_anneal: lambda_cosine: decay by a cosine after the warmup (True) or stay constant (False).
+        min_lr_factor: lambda_cosine: the cosine decays to this fraction of lr.
+        max_norm: Clip the global gradient norm of the node's parameters to this before each step.
+        optim_spec: The optimizer a subclass has built for it (an OptimSpec, a name or an optimizer class).
+        **unknown: Refused: an unknown keyword is a TypeError naming the accepted ones.
+
+    Raises:
+        TypeError: An unknown keyword, or an argument of the wrong type.
+        ValueError: An unknown scheduler name, or a value out of range.
     """
 
     supports_membership_changes = True  # False: the strategy cannot run with failures or an elastic pool
@@ -126,8 +138,18 @@ class Strategy(metaclass=_StrategyType):
 
     # ---- the node contract -------------------------------------------------------------------
     def setup(self, model: torch.nn.Module, context: NodeContext) -> None:
-        """Bind this node's copy of the strategy to its model, once, before the first step (a resumed or
-        joining node then loads its state with load_state_dict)."""
+        """Bind this node's copy of the strategy to its model, once, before the first step.
+
+        A resumed or joining node then loads its state with `load_state_dict`.
+
+        Args:
+            model: This node's model.
+            context: What the backend tells the node: its rank, the node count, the run's length and shard size, and
+                the store for state kept once (`NodeContext`).
+
+        Raises:
+            TypeError: A subclass's `__init__` did not call `super().__init__()`, or built no optimizer.
+        """
         name = type(self).__name__
         self.check_constructed()
         self.context = context
@@ -159,9 +181,18 @@ class Strategy(metaclass=_StrategyType):
                             f"in {name}.__init__ (it sets up the LR schedule, max_norm and the step count)")
 
     def check_nodes(self, num_nodes: int) -> None:
-        """Trainer.fit asks before any node starts, with the run's node count: a strategy whose settings must fit
-        it (FedAvg's island_size) overrides this and raises an error naming both numbers, instead of failing in a
-        running node. Nothing to check by default."""
+        """Check the strategy's settings against the run's node count, before any node starts.
+
+        Trainer.fit asks with the run's node count: a strategy whose settings must fit it (FedAvg's island_size)
+        overrides this and raises an error naming both numbers, instead of failing in a running node. Nothing to
+        check by default.
+
+        Args:
+            num_nodes: The run's node count.
+
+        Raises:
+            ValueError: In a subclass, when its settings cannot work with `num_nodes`.
+        """
 
     def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
         """Bind to one node (the original ExoGym hook; subclasses extend it and call super())."""
@@ -191,6 +222,7 @@ class Strategy(metaclass=_StrategyType):
         return context
 
     def zero_grad(self) -> None:
+        """Zero the gradients of the node's (inner) optimizer before the step's forward/backward."""
         self.optim.zero_grad()
 
     def skip_compute(self) -> bool:
@@ -226,7 +258,11 @@ class Strategy(metaclass=_StrategyType):
                 "local": {k: v for k, v in entries.items() if k not in self.global_keys}}
 
     def load_state_dict(self, state: Mapping[str, Mapping[str, Any]]) -> None:
-        """Restore what state_dict() returned (after setup(); exact, for checkpoints and nodes coming up)."""
+        """Restore what `state_dict()` returned (after `setup()`; exact, for checkpoints and nodes coming up).
+
+        Args:
+            state: `{"global": ..., "local": ...}` as `state_dict()` returned it.
+        """
         entries = {**state["global"], **state["local"]}
         self.local_step = entries["step"]
         if entries["optim"] is not None:
@@ -246,8 +282,15 @@ class Strategy(metaclass=_StrategyType):
         return frozen_state(self.model) or None
 
     def model_sources(self, candidates: list[int], steps_done: int) -> list[int]:
-        """Among `candidates` (the nodes up, or those that were up before nodes came up), the ones whose
-        average is the rest of the global model after `steps_done` steps: all of them by default."""
+        """Which nodes' average is the rest of the global model (all of `candidates` by default).
+
+        Args:
+            candidates: The nodes up, or those that were up before nodes came up.
+            steps_done: The steps done so far.
+
+        Returns:
+            Among `candidates`, the ones whose average is the rest of the global model after `steps_done` steps.
+        """
         return list(candidates)
 
     # ---- helpers for subclasses --------------------------------------------------------------

@@ -35,11 +35,11 @@ class CommunicationModule(metaclass=Adaptable):
 
     `communicate(model, rank, num_nodes, local_step)` is called on every node after its
     `local_step`-th inner step (counted from 1), so "every H steps" is `local_step % H == 0` and the
-    first synchronisation follows exactly H inner steps. It may only use exogym.comm.collectives,
+    first synchronisation follows exactly H inner steps. It may only use `exogym.comm.collectives`,
     and every node must make the same collective calls in the same order.
 
-    The state protocol is the strategy's (see Strategy): state_dict() / load_state_dict() with "global"
-    and "local" parts, joined(), global_state(), model_sources(), finish().
+    The state protocol is the strategy's (see Strategy): `state_dict()` / `load_state_dict()` with "global"
+    and "local" parts, `joined()`, `global_state()`, `model_sources()`, `finish()`.
     """
 
     supports_membership_changes = True  # False: cannot run with failures or an elastic pool
@@ -48,7 +48,12 @@ class CommunicationModule(metaclass=Adaptable):
     sits_nodes_out = False
 
     def setup(self, model: torch.nn.Module, context: NodeContext) -> None:
-        """Bind to one node's model (each node has its own deep copy of the module), once, before the first step."""
+        """Bind to one node's model (each node has its own deep copy of the module), once, before the first step.
+
+        Args:
+            model: This node's model.
+            context: The node's context (see `Strategy.setup`).
+        """
         self.context = context
         self._init_node(model, context.rank, context.num_nodes)
 
@@ -56,16 +61,45 @@ class CommunicationModule(metaclass=Adaptable):
         """Bind to one node's model; modules extend this (the run's facts are in self.context)."""
 
     def check_nodes(self, num_nodes: int) -> None:
-        """Before any node starts: raise if the module's settings cannot work with num_nodes (Strategy.check_nodes)."""
+        """Before any node starts: raise if the module's settings cannot work with `num_nodes` (see `Strategy.check_nodes`).
+
+        Args:
+            num_nodes: The run's node count.
+
+        Raises:
+            ValueError: In a subclass, when its settings cannot work with `num_nodes`.
+        """
 
     def communicate(self, model: torch.nn.Module, rank: int, num_nodes: int, local_step: int) -> None:
+        """Communicate after this node's `local_step`-th inner step, if the module's schedule says so.
+
+        Called on every node up after each inner step; every node must make the same collective calls in the same
+        order.
+
+        Args:
+            model: This node's model.
+            rank: This node's rank.
+            num_nodes: The run's node count.
+            local_step: The inner steps this node has done, counted from 1.
+        """
         raise NotImplementedError
 
     def finish(self, local_step: int) -> None:
-        """After the run's last inner step (on the nodes up): complete what the schedule left pending."""
+        """After the run's last inner step (on the nodes up): complete what the schedule left pending.
+
+        Args:
+            local_step: The inner steps done.
+        """
 
     def skip_compute(self, local_step: int) -> bool:
-        """True: this node sits out inner step `local_step` (see Strategy.skip_compute)."""
+        """Whether this node sits out inner step `local_step` (see `Strategy.skip_compute`).
+
+        Args:
+            local_step: The coming inner step, counted from 1.
+
+        Returns:
+            True when the node takes no inner step (it still runs the modules).
+        """
         return False
 
     def state_dict(self) -> dict[str, dict[str, Any]]:
@@ -73,17 +107,36 @@ class CommunicationModule(metaclass=Adaptable):
         return {"global": {}, "local": {}}
 
     def load_state_dict(self, state: Mapping[str, Mapping[str, Any]]) -> None:
-        """Restore what state_dict() returned."""
+        """Restore what `state_dict()` returned.
+
+        Args:
+            state: `{"global": ..., "local": ...}` as `state_dict()` returned it.
+        """
 
     def joined(self) -> None:
         """On a node coming up, after it loaded a survivor's state (see Strategy.joined)."""
 
     def global_state(self, local_step: int) -> Mapping[str, torch.Tensor] | None:
-        """The module's own global model after `local_step` steps, if it keeps one (see Strategy.global_state)."""
+        """The module's own global model after `local_step` steps, if it keeps one (see `Strategy.global_state`).
+
+        Args:
+            local_step: The inner steps done.
+
+        Returns:
+            State-dict entries of the global model, or None.
+        """
         return None
 
     def model_sources(self, candidates: list[int], local_step: int) -> list[int] | None:
-        """Which candidates' average is the global model, if this module decides it (see Strategy)."""
+        """Which candidates' average is the global model, if this module decides it (see `Strategy.model_sources`).
+
+        Args:
+            candidates: The nodes up, or those that were up before nodes came up.
+            local_step: The inner steps done.
+
+        Returns:
+            A sub-list of `candidates`, or None to leave the choice to the strategy.
+        """
         return None
 
     def __repr__(self) -> str:
@@ -221,9 +274,28 @@ class ModularStrategy(Strategy):
 
 
 class CommunicateOptimizeStrategy(ModularStrategy):
-    """Your own hybrid: `CommunicateOptimizeStrategy([SparseCommunicator(0.01), DiLoCoCommunicator(H=100)],
-    "adamw", lr=3e-4)`. Each step: clip, one inner optimizer step (AdamW, lr 1e-3 by default), then each
-    module in list order communicates when its schedule says so; bytes are the sum of the modules'.
+    """Your own hybrid: an inner optimizer step, then a list of communication modules.
+
+    `CommunicateOptimizeStrategy([SparseCommunicator(0.01), DiLoCoCommunicator(H=100)], "adamw", lr=3e-4)`.
+    Each step: clip, one inner optimizer step (AdamW, lr 1e-3 by default), then each module in list order
+    communicates when its schedule says so; bytes are the sum of the modules'. The global model is the first
+    module's that keeps one (DiLoCo's outer model), else the nodes' average.
+
+    Args:
+        communication_modules: The CommunicationModule instances, run in list order after every inner step.
+        optim_spec: The inner optimizer: an OptimSpec, a name such as `"adamw"`, or an optimizer class (default AdamW, lr 1e-3).
+        max_norm: Clip the global gradient norm to this before each inner step.
+        inner_optim: The same as `optim_spec`, as the original documents spell it (pass one of them).
+        lr: The inner optimizer's learning rate.
+        weight_decay: The inner optimizer's weight decay.
+        **kwargs: The Strategy's options (`lr_scheduler`, `lr_scheduler_kwargs`, `warmup_steps`,
+                    `cosine_anneal`, `min_lr_factor`), and, after an optimizer name or class, that optimizer's own
+                    options (`momentum=0.9`, `betas=...`). Any other keyword is a TypeError listing the accepted ones.
+
+    Raises:
+        TypeError: `communication_modules` is not a list of CommunicationModule instances, both `optim_spec` and
+            `inner_optim` are given, or an unknown keyword.
+        ValueError: A module that sits nodes out (FedAvg's client sampling) is not the only module.
     """
 
     def __init__(self, communication_modules: Sequence[CommunicationModule],

@@ -19,17 +19,31 @@ __all__ = ["SimpleReduceStrategy"]
 
 
 class SimpleReduceStrategy(Strategy):
-    """DDP: every step, gradients are averaged across all nodes (one all-reduce of all of them), then
-    every node takes the same optimizer step, so the nodes' models stay identical.
-    Sends 2·(K-1)/K x the model's gradient bytes per node per step (ring all-reduce).
-    With failures or an elastic pool, the gradients are averaged over the nodes that are up.
+    """DDP: every step, gradients are averaged across all nodes, then every node takes the same optimizer step.
+
+    One all-reduce of all the gradients per step, so the nodes' models stay identical. Sends 2 (K-1)/K x the
+    model's gradient bytes per node per step (ring all-reduce). With failures or an elastic pool, the
+    gradients are averaged over the nodes that are up.
 
     Memory: since every node holds the same parameters and optimizer state after every step, the nodes a backend
-    runs in one process keep one replica of them (exogym.strategy.replica): each node's parameters are views of
+    runs in one process keep one replica of them (`exogym.strategy.replica`): each node's parameters are views of
     it, and the averaged update is applied once. That is this class's own step. `one_replica` says whether a
     class keeps it: True here, False for every subclass unless the subclass sets it again (a subclass that changes
-    how a node steps must keep each node's own copy). A subclass whose _init_node builds its own optimizer keeps
+    how a node steps must keep each node's own copy). A subclass whose `_init_node` builds its own optimizer keeps
     each node's copy whatever it says.
+
+    Args:
+        optim_spec: The optimizer: an OptimSpec, a name such as `"sgd"`, or an optimizer class (default AdamW,
+            lr 1e-3).
+        max_norm: Clip the global gradient norm to this before each step.
+        lr: The optimizer's learning rate (overrides the spec's).
+        **kwargs: The Strategy's options (`lr_scheduler`, `lr_scheduler_kwargs`, `warmup_steps`,
+                    `cosine_anneal`, `min_lr_factor`), and, after an optimizer name or class, that optimizer's own
+                    options (`momentum=0.9`, `betas=...`). Any other keyword is a TypeError listing the accepted ones.
+
+    Raises:
+        TypeError: An unknown keyword, or an option the optimizer does not take.
+        ValueError: A non-positive or non-finite `lr`, or another value out of range.
     """
 
     one_replica = True
@@ -66,6 +80,12 @@ class SimpleReduceStrategy(Strategy):
         self._next_lr = float(self.optim.param_groups[0]["lr"])
 
     def setup(self, model: torch.nn.Module, context: NodeContext) -> None:
+        """Bind to this node's model, sharing the one replica with the process's other nodes where the class keeps one.
+
+        Args:
+            model: This node's model.
+            context: The node's context (see `Strategy.setup`).
+        """
         super().setup(model, context)
         if self.replica is not None and self.optim is not self.replica.optim:
             # A subclass's _init_node built its own optimizer: each node then steps its own copy.

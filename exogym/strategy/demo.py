@@ -171,19 +171,34 @@ def _gather_flat(tensors: list[torch.Tensor], k_nodes: int) -> list[torch.Tensor
 
 
 class DeMoStrategy(Strategy):
-    """DeMo: every step each node adds its gradient to its own momentum, sends only the fast components
-    of it (top-k DCT coefficients per chunk, removed from the momentum, the rest stays local), and all
-    nodes apply the same sign update from the decoded average of what was sent.
+    """DeMo: each node sends only the fast components of its momentum; all apply the same sign update.
+
+    Every step each node adds its gradient to its own momentum, sends only the fast components of it (top-k DCT
+    coefficients per chunk, removed from the momentum, the rest stays local), and all nodes apply the same sign
+    update from the decoded average of what was sent.
 
     Paper: Peng, Quesnelle, Kingma, "DeMo: Decoupled Momentum Optimization" (2024), arXiv 2411.19870.
     Bytes per node per step: (K-1) x sum over parameters of chunks x topk x (8 index + value bytes)
     (ring all-gather). A node that drops keeps its momentum residual; the others go on without its share.
 
-    optim_spec: OptimSpec(DeMo, lr=..., ...) or nothing, with lr, compression_decay, compression_topk,
-    compression_chunk, weight_decay and lr_scaled_momentum as keywords (which override the spec's). A spec of a
-    torch optimizer (OptimSpec(torch.optim.AdamW, lr=..., weight_decay=...), as the original's scripts pass)
-    gives DeMo its lr and weight_decay (exogym.compat.spellings.demo_from_torch_spec). lr_scaled_momentum=True
-    (default): the momentum accumulates lr x gradient, as bloc97/DeMo does; False: the raw gradient.
+    Args:
+        optim_spec: `OptimSpec(DeMo, lr=..., ...)` or nothing. A spec of a torch optimizer
+            (`OptimSpec(torch.optim.AdamW, lr=..., weight_decay=...)`, as the original's scripts pass) gives DeMo
+            its lr and weight_decay (`exogym.compat.spellings.demo_from_torch_spec`).
+        max_norm: Clip the global gradient norm to this before each step.
+        lr: DeMo's learning rate (the keywords override the spec's).
+        compression_decay: The momentum's decay (see DeMo).
+        compression_topk: DCT coefficients sent per chunk (see DeMo).
+        compression_chunk: The chunk size of the DCT (see DeMo).
+        weight_decay: DeMo's weight decay.
+        lr_scaled_momentum: True (default): the momentum accumulates lr x gradient, as bloc97/DeMo does; False:
+            the raw gradient.
+        **kwargs: The Strategy's options (`lr_scheduler`, `lr_scheduler_kwargs`, `warmup_steps`,
+            `cosine_anneal`, `min_lr_factor`). Any other keyword is a TypeError listing the accepted ones.
+
+    Raises:
+        TypeError: An unknown keyword, or a spec of an optimizer DeMo cannot take its options from.
+        ValueError: A value out of range.
     """
 
 

@@ -19,33 +19,44 @@ WARMUP_START = 0.25  # the paper's first warm-up stage sends 25% of the entries 
 
 
 class DGCStrategy(Strategy):
-    """DGC: each node clips its gradient, adds it to a momentum u <- m u + g and an accumulator v <- v + u,
-    sends only the largest-|v| entries of each parameter (index, value) by one all-gather, zeroes u and v
-    where it sent (momentum factor masking), and every node applies the same average of the sparse updates.
+    """DGC: each node sends only the largest entries of its accumulated momentum, with indices.
+
+    Each node clips its gradient, adds it to a momentum u <- m u + g and an accumulator v <- v + u, sends only
+    the largest-|v| entries of each parameter (index, value) by one all-gather, zeroes u and v where it sent
+    (momentum factor masking), and every node applies the same average of the sparse updates.
 
     Paper: Lin, Han, Mao, Wang, Dally, "Deep Gradient Compression: Reducing the Communication Bandwidth for
     Distributed Training", ICLR 2018 (arXiv 1712.01887): momentum correction, local gradient clipping, momentum
     factor masking and warm-up training; sparsity warm-up as the paper's 75%, 93.75%, ... made continuous.
-    Bytes per node per step (ring all-gather, K nodes up): (K-1) x sum over parameters of k_p x (4 + value bytes),
-    k_p = max(1, ceil(f x numel_p)) entries, f the fraction sent at that step; int32 indices in one all-gather,
-    the values in one per dtype. A node that drops keeps its own u and v; when it comes back it loads a
-    survivor's state and starts with u = v = 0 (joined()); the others average over the nodes up.
+    Bytes per node per step (ring all-gather, K nodes up): (K-1) x sum over parameters of k_p x (4 + value
+    bytes), k_p = max(1, ceil(f x numel_p)) entries, f the fraction sent at that step; int32 indices in one
+    all-gather, the values in one per dtype. A node that drops keeps its own u and v; when it comes back it
+    loads a survivor's state and starts with u = v = 0 (`joined()`); the others average over the nodes up.
 
-    target_sparsity: the fraction of each parameter's entries SENT per step, as in the original EXO Gym
-        (--dgc_sparsity 0.001 = 0.1% of the entries are sent; the paper's "99.9% sparsity"). 0 < f <= 1;
-        f = 1 sends everything.
-    warmup_steps: the fraction sent decays exponentially from 25% (or target_sparsity if larger) to
-        target_sparsity over the first warmup_steps steps: f_t = 0.25 (target / 0.25)^(t / warmup_steps).
-        0: no warm-up. (This is the sparsity warm-up; the learning-rate warm-up goes in lr_scheduler_kwargs.)
-    clip_threshold: each node clips the norm of its own gradient (all its parameters) to this value before
-        the momentum, or None. It is a per-node threshold, used as given: the paper's thr_G x N^(-1/2) for a
-        global threshold thr_G on N nodes is clip_threshold=thr_G / sqrt(N).
-    momentum: m of the momentum correction. The inner optimizer must not add momentum again: it is built
-        with momentum=0 (and no Nesterov); an OptimSpec(SGD, momentum=x) is accepted when x equals `momentum`
-        (as the original's script passes) or is 0, anything else is an error.
-    optim_spec: an SGD spec (default OptimSpec(SGD, lr=0.01)); its lr and weight_decay act on the averaged
-        sparse update, as SGD's step with that update as the gradient.
-    max_norm: clips the averaged sparse update (the same on every node) before the optimizer step.
+    Args:
+        optim_spec: An SGD spec (default `OptimSpec(SGD, lr=0.01)`); its lr and weight_decay act on the
+            averaged sparse update, as SGD's step with that update as the gradient.
+        target_sparsity: The fraction f of each parameter's entries SENT per step, as in the original EXO Gym
+            (`--dgc_sparsity 0.001` = 0.1% of the entries are sent; the paper's "99.9% sparsity"). 0 < f <= 1;
+            f = 1 sends everything.
+        warmup_steps: The fraction sent decays exponentially from 25% (or `target_sparsity` if larger) to
+            `target_sparsity` over the first `warmup_steps` steps: f_t = 0.25 (target / 0.25)^(t / warmup_steps).
+            0: no warm-up. (This is the sparsity warm-up; the learning-rate warm-up goes in
+            `lr_scheduler_kwargs`.)
+        clip_threshold: Each node clips the norm of its own gradient (all its parameters) to this value before
+            the momentum, or None. It is a per-node threshold, used as given: the paper's thr_G x N^(-1/2) for a
+            global threshold thr_G on N nodes is `clip_threshold=thr_G / sqrt(N)`.
+        momentum: m of the momentum correction. The inner optimizer must not add momentum again: it is built
+            with momentum=0 (and no Nesterov); an `OptimSpec(SGD, momentum=x)` is accepted when x equals
+            `momentum` (as the original's script passes) or is 0, anything else is an error.
+        max_norm: Clips the averaged sparse update (the same on every node) before the optimizer step.
+        lr: The optimizer's learning rate.
+        **kwargs: The Strategy's options (`lr_scheduler`, `lr_scheduler_kwargs`, `cosine_anneal`,
+            `min_lr_factor`). Any other keyword is a TypeError listing the accepted ones.
+
+    Raises:
+        TypeError: An unknown keyword.
+        ValueError: A value out of range, or an optimizer spec whose momentum is neither 0 nor `momentum`.
     """
 
     global_keys = frozenset({"optim"})  # the same update and SGD steps on every node
@@ -91,7 +102,14 @@ class DGCStrategy(Strategy):
 
     # ---- the algorithm ----------------------------------------------------------------------------
     def fraction_sent(self, step: int) -> float:
-        """The fraction of each parameter's entries sent at step `step` (0 for the first step)."""
+        """The fraction of each parameter's entries sent at step `step` (0 for the first step).
+
+        Args:
+            step: The step, counted from 0.
+
+        Returns:
+            The fraction f of the warm-up schedule.
+        """
         target = self.target_sparsity
         if step >= self.warmup_steps or target >= WARMUP_START:
             return target
@@ -99,7 +117,15 @@ class DGCStrategy(Strategy):
 
     @staticmethod
     def entries_sent(numel: int, fraction: float) -> int:
-        """k for a parameter of numel entries: ceil(fraction x numel), at least 1, at most numel."""
+        """k for a parameter of `numel` entries: ceil(fraction x numel), at least 1, at most numel.
+
+        Args:
+            numel: The parameter's number of entries.
+            fraction: The fraction sent.
+
+        Returns:
+            k, the entries sent.
+        """
         if numel == 0:
             return 0
         return min(numel, max(1, math.ceil(round(fraction * numel, 9))))

@@ -24,25 +24,36 @@ _DROP = 3  # salt of the random stream that decides dropped outer gradients
 
 
 class DiLoCoCommunicator(CommunicationModule):
-    """Every H steps: pseudo-gradient (global model - local model), one all-reduce of it, the outer
-    optimizer step on the global model (the same on every node, so nothing is broadcast), reset.
+    """DiLoCo's round: pseudo-gradient, one all-reduce of it, the outer optimizer step, reset.
 
-    The global model is an OuterModel (exogym.strategy.outer_model), kept on the CPU (it is touched once
-    per round). normalize=True rescales the averaged pseudo-gradient to unit L2 norm before the outer step
-    ("sgd_normalized").
-    drop_prob=p: each round each node's pseudo-gradient is lost with probability p (nodes agree via a
-    shared seed); the others' are averaged, every node still takes the outer step, and a dropped node
-    continues from its own parameters instead of resetting.
-    weight_by_shard_size=True: the pseudo-gradients are averaged weighted by each node's shard size.
-    quantization_bits=8 or 4 / compression=<exogym.comm.compression Compressor> (e.g. FP4Quantizer(), or
-    ErrorFeedback(TopK(0.01, values=IntQuantizer(4)))): the pseudo-gradients are sent compressed, by one
-    all-gather, and every node averages the decoded ones in rank order (exogym.comm.mean).
-    Bytes per node per round: (K-1) x sum over parameters of compressor.nbytes(shape), instead of
-    2 (K-1)/K x the model's bytes.
-    final_sync=True: a run whose last step is not a round's last ends with one more (shorter) round, so the
-    global model includes every step (counted like any round); False leaves those steps out of it.
+    Every H steps: pseudo-gradient (global model - local model), one all-reduce of it, the outer optimizer
+    step on the global model (the same on every node, so nothing is broadcast), reset. The global model is an
+    OuterModel (`exogym.strategy.outer_model`), kept on the CPU (it is touched once per round).
     With failures or an elastic pool, a round averages the pseudo-gradients of the nodes that are up; a node
     coming up gets the global model and the outer optimizer's state, and starts its round from it.
+
+    Args:
+        H: Inner steps per round.
+        outer_optim_spec: The outer optimizer (default: SGD, lr 0.7, Nesterov momentum 0.9, the paper's).
+        normalize: Rescale the averaged pseudo-gradient to unit L2 norm before the outer step
+            (`"sgd_normalized"`).
+        drop_prob: Each round each node's pseudo-gradient is lost with this probability p (nodes agree via a
+            shared seed); the others' are averaged, every node still takes the outer step, and a dropped node
+            continues from its own parameters instead of resetting.
+        seed: The seed of the shared random stream that decides dropped pseudo-gradients.
+        quantization_bits: 8 or 4: send the pseudo-gradients quantized (see `compression`).
+        compression: A Compressor of `exogym.comm.compression` (e.g. `FP4Quantizer()`, or
+            `ErrorFeedback(TopK(0.01, values=IntQuantizer(4)))`): the pseudo-gradients are sent compressed, by
+            one all-gather, and every node averages the decoded ones in rank order (`exogym.comm.mean`). Bytes
+            per node per round: (K-1) x sum over parameters of `compressor.nbytes(shape)`, instead of
+            2 (K-1)/K x the model's bytes.
+        weight_by_shard_size: Average the pseudo-gradients weighted by each node's shard size.
+        final_sync: A run whose last step is not a round's last ends with one more (shorter) round, so the
+            global model includes every step (counted like any round); False leaves those steps out of it.
+
+    Raises:
+        TypeError: An argument of the wrong type.
+        ValueError: H < 1, `drop_prob` not in [0, 1), or a negative seed.
     """
 
     def __init__(self, H: int = 100, outer_optim_spec: OptimSpec | None = None, *, normalize: bool = False,
@@ -92,7 +103,14 @@ class DiLoCoCommunicator(CommunicationModule):
             self.outer.merge(params)  # every node starts the next round from the new global model
 
     def kept_nodes(self, round_index: int) -> list[int]:
-        """The nodes whose pseudo-gradient arrives in round `round_index` (all of them unless drop_prob > 0)."""
+        """The nodes whose pseudo-gradient arrives in round `round_index` (all of them unless `drop_prob > 0`).
+
+        Args:
+            round_index: The round, counted from 0.
+
+        Returns:
+            The ranks kept, sorted.
+        """
         return kept_nodes(self.num_nodes, self.drop_prob, round_generator(self.seed, round_index, _DROP)
                           if self.drop_prob else None)
 
@@ -156,25 +174,48 @@ def outer_spec(outer_optim_spec: OptimSpec | str | type | None = None, *, outer_
 
 
 class DiLoCoStrategy(ModularStrategy):
-    """DiLoCo: every node takes H inner steps (AdamW by default) from the global model; then the nodes'
-    parameter deltas are averaged (one all-reduce) and an outer optimizer (Nesterov SGD) moves the
-    global model, the same way on every node; every node starts the next round from it.
+    """DiLoCo: H inner steps on every node, then an outer optimizer step on the averaged parameter deltas.
+
+    Every node takes H inner steps (AdamW by default) from the global model; then the nodes' parameter deltas
+    are averaged (one all-reduce) and an outer optimizer (Nesterov SGD) moves the global model, the same way on
+    every node; every node starts the next round from it.
 
     Paper: Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models", 2023.
     Bytes per node per round: 2 (K-1)/K x the model's bytes (ring all-reduce); per step, that over H.
-    A node whose pseudo-gradient is dropped (drop_prob) keeps its local progress and continues from it.
+    A node whose pseudo-gradient is dropped (`drop_prob`) keeps its local progress and continues from it.
 
-    optim_spec / inner_optim with lr (alias inner_lr) and weight_decay: the inner optimizer.
-    outer_optim_spec / outer_optim: "sgd" (default), "sgd_normalized" (SGD on the unit-norm pseudo-gradient),
-    any optimizer name or class with outer_lr, or an OptimSpec; outer_lr=0.7, outer_momentum=0.9 and
-    nesterov=True configure the SGD ones.
-    weight_by_shard_size=True: average the pseudo-gradients weighted by each node's number of training
-    examples (the paper's data-size weighting, for unequal shards: dataset factories or non-IID splits).
-    final_sync=True (default): when the run's last step is not the end of a round, the nodes synchronise once
-    more, so the returned model and the final validation include every step (a run shorter than H is one
-    short round); False returns the global model of the last full round.
-    quantization_bits=8 or 4, or compression=<exogym.comm.compression Compressor>: send the pseudo-gradients
-    compressed (see DiLoCoCommunicator); bytes per node per round (K-1) x the compressed model's bytes.
+    Args:
+        optim_spec: The inner optimizer: an OptimSpec, a name such as `"adamw"`, or an optimizer class (default AdamW, lr 1e-3).
+        outer_optim_spec: The outer optimizer: `"sgd"` (default), `"sgd_normalized"` (SGD on the unit-norm
+            pseudo-gradient), any optimizer name or class (with `outer_lr`), or an OptimSpec.
+        H: Inner steps per round.
+        inner_optim: The same as `optim_spec`, as the original documents spell it (pass one of them).
+        outer_optim: The same as `outer_optim_spec` (pass one of them).
+        lr: The inner optimizer's learning rate.
+        inner_lr: The same as `lr` (pass one of them).
+        weight_decay: The inner optimizer's weight decay.
+        outer_lr: The outer optimizer's learning rate (default 0.7).
+        outer_momentum: The outer SGD's momentum (default 0.9).
+        nesterov: Whether the outer SGD's momentum is Nesterov's (default True).
+        drop_prob: Each round each node's pseudo-gradient is lost with this probability (nodes agree via a shared
+            seed); the others' are averaged, and a dropped node continues from its own parameters.
+        seed: The seed of the shared random stream that decides dropped pseudo-gradients.
+        weight_by_shard_size: Average the pseudo-gradients weighted by each node's number of training examples
+            (the paper's data-size weighting, for unequal shards: dataset factories or non-IID splits).
+        quantization_bits: 8 or 4: send the pseudo-gradients quantized (see `compression`).
+        compression: A Compressor of `exogym.comm.compression`: the pseudo-gradients are sent compressed, by one
+            all-gather (see DiLoCoCommunicator); bytes per node per round (K-1) x the compressed model's bytes.
+        final_sync: When the run's last step is not the end of a round, the nodes synchronise once more, so the
+            returned model and the final validation include every step (a run shorter than H is one short
+            round); False returns the global model of the last full round.
+        max_norm: Clip the global gradient norm to this before each inner step.
+        **kwargs: The Strategy's options (`lr_scheduler`, `lr_scheduler_kwargs`, `warmup_steps`,
+                    `cosine_anneal`, `min_lr_factor`), and, after an optimizer name or class, that optimizer's own
+                    options (`momentum=0.9`, `betas=...`). Any other keyword is a TypeError listing the accepted ones.
+
+    Raises:
+        TypeError: Both spellings of an option are given, or an unknown keyword.
+        ValueError: A value out of range (H < 1, `drop_prob` not in [0, 1), ...).
     """
 
     def __init__(self, optim_spec: OptimSpec | str | type | None = None,

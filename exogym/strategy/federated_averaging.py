@@ -32,25 +32,33 @@ def _clients_per_round(client_sampling: float, num_nodes: int) -> int:
 class AveragingCommunicator(CommunicationModule):
     """At the end of each round, model averaging: each node's parameters become the mean over its island.
 
-    A round is H steps for every node; or, with local_epochs=E, E passes over each node's own shard: node k
-    runs E n_k/B steps (McMahan et al.'s Algorithm 1) and, when it finishes before the round's longest
-    participant, sits out the rest of the round (no compute, no bytes, its clock idle). equal_local_steps=True
-    gives every node E x (the smallest shard / B) steps instead. weight_by_shard_size=True: the average is
-    weighted by each member's number of training examples n_k (the paper's n_k/n); with equal shards it is the
-    plain mean, bit for bit.
+    A round is H steps for every node; or, with `local_epochs`, E passes over each node's own shard (see
+    below). With client sampling, the nodes sampled for the next round that sat this one out receive the new
+    average from a sampled node at the round's end (one broadcast each).
 
-    island_size=None: one island of every taking-part node; otherwise, each round, the nodes are
-    shuffled (shared seed) into islands of island_size and average only within them (one subgroup
-    all-reduce each). client_sampling=C < 1: each round only max(1, round(C*K)) sampled nodes train
-    and average (drawn from the nodes up when the round starts, under failures or an elastic pool);
-    the others do no compute, and the nodes sampled for the next round that sat this one out receive
-    the new average from a sampled node at the round's end (one broadcast each).
+    Args:
+        H: A round is H steps for every node.
+        island_size: None: one island of every taking-part node; otherwise, each round, the nodes are shuffled
+            (shared seed) into islands of `island_size` and average only within them (one subgroup all-reduce
+            each).
+        client_sampling: C < 1: each round only max(1, round(C*K)) sampled nodes train and average (drawn from
+            the nodes up when the round starts, under failures or an elastic pool); the others do no compute.
+        seed: The seed of the shared random stream (islands, sampled clients).
+        quantization_bits: 8 or 4: send the changes quantized (see `compression`).
+        compression: A Compressor of `exogym.comm.compression`: each node sends its change since the last
+            average (theta_i - theta_last), compressed; every node decodes all of them and moves the shared
+            theta_last by their mean (`exogym.strategy.compressed_reduce`), so the models stay identical.
+            Bytes per node per round: (K-1) x sum over parameters of `compressor.nbytes(shape)` (one
+            all-gather). Needs one island of all nodes (theta_last must be the same on every node).
+        local_epochs: E: node k runs E n_k/B steps a round (McMahan et al.'s Algorithm 1) and, when it finishes
+            before the round's longest participant, sits out the rest of the round (no compute, no bytes, its
+            clock idle).
+        equal_local_steps: Give every node E x (the smallest shard / B) steps instead.
+        weight_by_shard_size: Weight the average by each member's number of training examples n_k (the
+            paper's n_k/n); with equal shards it is the plain mean, bit for bit.
 
-    quantization_bits=8 or 4 / compression=<exogym.comm.compression Compressor>: each node sends its change since
-    the last average (theta_i - theta_last), compressed; every node decodes all of them and moves the
-    shared theta_last by their mean (exogym.strategy.compressed_reduce), so the models stay identical.
-    Bytes per node per round: (K-1) x sum over parameters of compressor.nbytes(shape) (one all-gather).
-    Needs one island of all nodes (theta_last must be the same on every node).
+    Raises:
+        ValueError: A value out of range, or compression with islands.
     """
 
     def __init__(self, H: int = 1, *, island_size: int | None = None, client_sampling: float = 1.0, seed: int = 0,
@@ -96,7 +104,14 @@ class AveragingCommunicator(CommunicationModule):
             self.last_average = [p.detach().clone() for p in trainable_parameters(model)]
 
     def check_nodes(self, num_nodes: int) -> None:
-        """island_size must divide the nodes taking part in a round (fit checks this before any node starts)."""
+        """Check that `island_size` divides the nodes taking part in a round (fit checks this before any node starts).
+
+        Args:
+            num_nodes: The run's node count.
+
+        Raises:
+            ValueError: `island_size` does not divide the nodes taking part.
+        """
         m = _clients_per_round(self.client_sampling, num_nodes)
         if self.island_size is not None and (self.island_size > m or m % self.island_size):
             small = [d for d in range(1, math.isqrt(m) + 1) if m % d == 0]  # sqrt(m) steps, however large m is
@@ -118,7 +133,14 @@ class AveragingCommunicator(CommunicationModule):
         return self._round_ends[round_index]
 
     def locate(self, step: int) -> tuple[int, int]:
-        """(round index, position within the round from 1) of step `step` (steps count from 1)."""
+        """Where step `step` falls: its round and its position within the round.
+
+        Args:
+            step: The step, counted from 1.
+
+        Returns:
+            `(round index, position within the round from 1)`.
+        """
         if self._local_steps is None:
             return (step - 1) // self.H, (step - 1) % self.H + 1
         r = max(0, len(self._round_ends) - 2)
@@ -129,7 +151,14 @@ class AveragingCommunicator(CommunicationModule):
         return r, step - self._start(r)
 
     def local_steps(self, rank: int) -> int:
-        """How many steps node `rank` trains in a round it takes part in."""
+        """How many steps node `rank` trains in a round it takes part in.
+
+        Args:
+            rank: The node.
+
+        Returns:
+            The node's steps per round.
+        """
         return self.H if self._local_steps is None else self._local_steps[rank]
 
     @property
@@ -137,9 +166,17 @@ class AveragingCommunicator(CommunicationModule):
         return _clients_per_round(self.client_sampling, self.num_nodes)
 
     def participants(self, round_index: int) -> list[int]:
-        """The sorted ranks that train in round `round_index` (rounds count from 0), sampled from the nodes up
-        when the round starts (with failures or an elastic pool; otherwise from every node). Without sampling,
-        every node: one coming up mid-round trains the rest of it."""
+        """The sorted ranks that train in round `round_index`.
+
+        Sampled from the nodes up when the round starts (with failures or an elastic pool; otherwise from every
+        node). Without sampling, every node: one coming up mid-round trains the rest of it.
+
+        Args:
+            round_index: The round, counted from 0.
+
+        Returns:
+            The ranks, sorted.
+        """
         if self.clients_per_round == self.num_nodes:
             return list(range(self.num_nodes))
         cache = self.__dict__.setdefault("_participants", {})  # asked every step: drawn once per round
@@ -159,7 +196,14 @@ class AveragingCommunicator(CommunicationModule):
         return alive_ranks(step=self._start(round_index) + 1)
 
     def islands(self, round_index: int) -> list[list[int]]:
-        """The round's participants split into islands (each sorted); together they cover each participant once."""
+        """The round's participants split into islands (each sorted); together they cover each participant once.
+
+        Args:
+            round_index: The round, counted from 0.
+
+        Returns:
+            One sorted list of ranks per island.
+        """
         members = self.participants(round_index)
         if self.island_size is None or self.island_size == len(members):
             return [members]
@@ -245,7 +289,15 @@ class AveragingCommunicator(CommunicationModule):
                     unflatten_into(flat, tensors)
 
     def model_sources(self, candidates: list[int], local_step: int) -> list[int] | None:
-        """With client sampling, the candidates training in the current round (the others hold stale models)."""
+        """With client sampling, the candidates training in the current round (the others hold stale models).
+
+        Args:
+            candidates: The nodes up, or those that were up before nodes came up.
+            local_step: The steps done.
+
+        Returns:
+            A sub-list of `candidates`, or None without client sampling.
+        """
         if self.clients_per_round == self.num_nodes:
             return None
         current = [r for r in self.participants(self.locate(local_step + 1)[0]) if r in candidates]
@@ -270,24 +322,42 @@ class AveragingCommunicator(CommunicationModule):
 
 
 class FedAvgStrategy(ModularStrategy):
-    """FedAvg (McMahan et al.'s Algorithm 1): each round every taking-part node trains locally (plain SGD by
-    default), then the nodes' parameters are averaged, weighted by each node's number of training examples
-    n_k (one all-reduce of the model), and every node continues from the average.
+    """FedAvg (McMahan et al.'s Algorithm 1): local training, then the nodes' parameters averaged each round.
+
+    Each round every taking-part node trains locally (plain SGD by default), then the nodes' parameters are
+    averaged, weighted by each node's number of training examples n_k (one all-reduce of the model), and every
+    node continues from the average.
 
     Paper: McMahan et al., "Communication-Efficient Learning of Deep Networks from Decentralized Data" (2017).
-    Bytes per node per round: 2 (R-1)/R x the model's bytes, R = island_size or the nodes taking part;
+    Bytes per node per round: 2 (R-1)/R x the model's bytes, R = `island_size` or the nodes taking part;
     plus, with client sampling, the model once per node that joins the next round without this one.
     A node that drops keeps its local progress; the others average without it.
 
-    H: a round is H local steps on every node. local_epochs=E instead: a round is E passes over each node's own
-        shard, E n_k/B steps for node k; a node that finishes before the round's longest participant sits out
-        the rest of the round (no compute, no bytes, its simulated clock idle).
-    weight_by_shard_size=True (the paper): average weighted by n_k; False: the plain mean.
-    equal_local_steps=True: with local_epochs, every node runs E x (the smallest shard / B) steps.
-        weight_by_shard_size=False with equal_local_steps=True is the unweighted, equal-steps variant.
-    island_size: each round the nodes are shuffled (shared seed) into islands that average only within.
-    client_sampling=C: each round only max(1, round(C*K)) sampled nodes train and average; the others
-        do no compute and send nothing (a 100-client run costs what its sampled clients do).
+    Args:
+        optim_spec: The inner optimizer: an OptimSpec, a name such as `"adamw"`, or an optimizer class (default plain SGD).
+        max_norm: Clip the global gradient norm to this before each local step.
+        H: A round is H local steps on every node (default 1).
+        island_size: Each round the nodes are shuffled (shared seed) into islands of this size that average
+            only within; it must divide the nodes taking part.
+        client_sampling: C: each round only max(1, round(C*K)) sampled nodes train and average; the others do
+            no compute and send nothing (a 100-client run costs what its sampled clients do).
+        local_epochs: E, instead of H: a round is E passes over each node's own shard, E n_k/B steps for node
+            k; a node that finishes before the round's longest participant sits out the rest of the round (no
+            compute, no bytes, its simulated clock idle).
+        weight_by_shard_size: True (the paper): average weighted by n_k; False: the plain mean.
+        equal_local_steps: With `local_epochs`, every node runs E x (the smallest shard / B) steps.
+            `weight_by_shard_size=False` with `equal_local_steps=True` is the unweighted, equal-steps variant.
+        seed: The seed of the shared random stream (islands, sampled clients).
+        inner_optim: The same as `optim_spec` (pass one of them).
+        lr: The local optimizer's learning rate.
+        weight_decay: The local optimizer's weight decay.
+        **kwargs: The Strategy's options (`lr_scheduler`, `lr_scheduler_kwargs`, `warmup_steps`,
+                    `cosine_anneal`, `min_lr_factor`), and, after an optimizer name or class, that optimizer's own
+                    options (`momentum=0.9`, `betas=...`). Any other keyword is a TypeError listing the accepted ones.
+
+    Raises:
+        TypeError: Both H and local_epochs, both spellings of an option, or an unknown keyword.
+        ValueError: A value out of range.
     """
 
     _default_inner = OptimSpec(torch.optim.SGD, lr=0.01)

@@ -42,29 +42,38 @@ def num_parts(p: float, n: int) -> int:
 
 
 class SparseCommunicator(CommunicationModule):
-    """After every step, a fraction p_sparta of each parameter's entries is averaged over all nodes
-    (one all-reduce of just those values). Nodes pick the same entries from a shared seed, so no
-    indices are sent.
+    """After every step, a fraction `p_sparta` of each parameter's entries is averaged over all nodes.
 
-    sparsification_mode: "random" (a fresh random subset each step, floor(p n) entries plus one more
-    with probability frac(p n), so p n on average), "sequential" (a window of round(p n) entries moving
-    through the parameter in index order), "shuffled_sequential" (a fixed random permutation of the entries,
-    drawn once from the shared seed, cut into P = ceil(1/p) windows of n/P entries walked one per step, as
-    the original EXO Gym's ShuffledSequentialIndexSelector), "partitioned" (a random partition into
-    P = min(ceil(1/p), n) parts, visited one part per step, so every entry is averaged once per P steps; a
-    new partition each cycle; the original's PartitionedIndexSelector). Bytes follow the entries actually sent:
-    with ceil(1/p) parts that is n/ceil(1/p) per step, at most p n (at p=0.4: a third, not p). "blockwise"
-    (one contiguous block of round(p n) entries per parameter, at a shared random offset each step).
-    "topk" (each node's largest changes, with indices) is TopKSparseCommunicator; SPARTAStrategy takes it
-    as sparsification_mode="topk". interval=m: average only after every m-th step (the original's
-    sparta_interval).
-    async_delay=d: the averaged values arrive d steps late; each selected entry is then corrected by
-    (average - its value when sent), keeping the local progress made meanwhile.
-    quantization_bits=8 or 4 / compression=<a Quantizer of exogym.comm.compression>: the selected values are
-    sent quantized (one scale per parameter, or per block), by one all-gather, and averaged decoded
-    (exogym.strategy.compressed_reduce); bytes per node per step (K-1) x sum of quantizer.nbytes([k_i]).
-    The averages then lie on the quantizer's grid (max |values| / 127 per parameter for int8): with p near
-    1 prefer TopKSparseCommunicator, which sends quantized drifts instead of values.
+    One all-reduce of just those values. Nodes pick the same entries from a shared seed, so no indices are
+    sent. `"topk"` (each node's largest changes, with indices) is TopKSparseCommunicator; SPARTAStrategy takes
+    it as `sparsification_mode="topk"`.
+
+    Args:
+        p_sparta: The fraction p of each parameter's entries averaged per step.
+        sparsification_mode: `"random"` (a fresh random subset each step, floor(p n) entries plus one more with
+            probability frac(p n), so p n on average), `"sequential"` (a window of round(p n) entries moving
+            through the parameter in index order), `"shuffled_sequential"` (a fixed random permutation of the
+            entries, drawn once from the shared seed, cut into P = ceil(1/p) windows of n/P entries walked one
+            per step, as the original EXO Gym's ShuffledSequentialIndexSelector), `"partitioned"` (a random
+            partition into P = min(ceil(1/p), n) parts, visited one part per step, so every entry is averaged
+            once per P steps; a new partition each cycle; the original's PartitionedIndexSelector; bytes follow
+            the entries actually sent: with ceil(1/p) parts that is n/ceil(1/p) per step, at most p n, at
+            p=0.4 a third, not p) or `"blockwise"` (one contiguous block of round(p n) entries per parameter,
+            at a shared random offset each step).
+        async_delay: The averaged values arrive d steps late; each selected entry is then corrected by
+            (average - its value when sent), keeping the local progress made meanwhile.
+        seed: The seed of the shared random stream that picks the entries.
+        quantization_bits: 8 or 4: the selected values are sent quantized (see `compression`).
+        compression: A Quantizer of `exogym.comm.compression`: the selected values are sent quantized (one
+            scale per parameter, or per block), by one all-gather, and averaged decoded
+            (`exogym.strategy.compressed_reduce`); bytes per node per step (K-1) x sum of
+            `quantizer.nbytes([k_i])`. The averages then lie on the quantizer's grid (max |values| / 127 per
+            parameter for int8): with p near 1 prefer TopKSparseCommunicator, which sends quantized drifts
+            instead of values.
+        interval: Average only after every m-th step (the original's `sparta_interval`).
+
+    Raises:
+        ValueError: A value out of range or an unknown mode.
     """
 
     def __init__(self, p_sparta: float = 0.005, *, sparsification_mode: str = "random", async_delay: int = 0,
@@ -105,8 +114,17 @@ class SparseCommunicator(CommunicationModule):
 
     # ---- which entries (the same on every node) -------------------------------------------------
     def select(self, local_step: int, sizes: list[int]) -> list[torch.Tensor]:
-        """Per parameter, the flat indices averaged at the `local_step`-th averaging (CPU int64 tensors); with
-        interval=1 that is after step `local_step`."""
+        """Per parameter, the flat indices averaged at the `local_step`-th averaging.
+
+        With `interval=1` that is after step `local_step`.
+
+        Args:
+            local_step: The averaging, counted from 1.
+            sizes: Each parameter's number of entries.
+
+        Returns:
+            One CPU int64 tensor of flat indices per parameter.
+        """
         p, t = self.p_sparta, local_step - 1
         if self.mode == "blockwise":
             gen = round_generator(self.seed, t, _BLOCK)
@@ -193,7 +211,14 @@ class SparseCommunicator(CommunicationModule):
         self.pending.clear()  # the survivor's corrections belong to averages the joiner did not send
 
     def expected_fraction(self, sizes: list[int]) -> float:
-        """The fraction of the model's entries sent per step, on average (for bytes-per-step estimates)."""
+        """The fraction of the model's entries sent per step, on average (for bytes-per-step estimates).
+
+        Args:
+            sizes: Each parameter's number of entries.
+
+        Returns:
+            The fraction, in (0, 1].
+        """
         if self.mode == "random":
             return self.p_sparta
         if self.mode in ("sequential", "blockwise"):
@@ -204,14 +229,24 @@ class SparseCommunicator(CommunicationModule):
 
 
 class TopKSparseCommunicator(CommunicationModule):
-    """After every step each node sends, per parameter, its k = max(1, round(p_sparta n)) entries that have
-    drifted furthest from the shared model theta_g (int32 indices + values, the values optionally
-    quantized); every node adds the mean of all nodes' sent drifts to theta_g and keeps its own unsent
-    drift on top: theta_i = theta_g + (what node i has not sent yet), error feedback by construction.
-    With p_sparta=1 this is parameter averaging after every step.
+    """After every step each node sends, per parameter, its entries that drifted furthest from the shared model.
+
+    Per parameter, the k = max(1, round(p_sparta n)) entries that have drifted furthest from the shared model
+    theta_g (int32 indices + values, the values optionally quantized); every node adds the mean of all nodes'
+    sent drifts to theta_g and keeps its own unsent drift on top: theta_i = theta_g + (what node i has not sent
+    yet), error feedback by construction. With `p_sparta=1` this is parameter averaging after every step.
 
     Bytes per node per step: (K-1) x sum over parameters of k_i (4 + 4) for float32 values, or
-    k_i 4 + quantizer.nbytes([k_i]) with quantization_bits / compression (one all-gather).
+    k_i 4 + `quantizer.nbytes([k_i])` with `quantization_bits` / `compression` (one all-gather).
+
+    Args:
+        p_sparta: The fraction of each parameter's entries sent per step.
+        quantization_bits: 8 or 4: the values are sent quantized.
+        compression: A Quantizer of `exogym.comm.compression` for the values.
+        interval: Send only after every m-th step.
+
+    Raises:
+        ValueError: A value out of range.
     """
 
     def __init__(self, p_sparta: float = 0.005, *, quantization_bits: int | None = None,
@@ -257,20 +292,40 @@ class TopKSparseCommunicator(CommunicationModule):
 
 
 class SPARTAStrategy(ModularStrategy):
-    """SPARTA: every node takes its own optimizer step, then a fraction p_sparta of every parameter's
-    entries (chosen by a shared seed) is averaged across all nodes; the rest stays local. The global
-    model is the nodes' average.
+    """SPARTA: every node takes its own optimizer step, then a fraction of every parameter's entries is averaged.
+
+    A fraction `p_sparta` of every parameter's entries (chosen by a shared seed) is averaged across all nodes;
+    the rest stays local. The global model is the nodes' average.
 
     Paper: Beton et al., "Improving the Efficiency of Distributed Training using Sparse Parameter Averaging" (2025).
     Bytes per node per step: 2 (K-1)/K x p_sparta x the model's bytes (values only, no indices).
     A node that drops keeps its local progress; only the entries it would have averaged go unshared.
 
-    optim_spec / inner_optim with lr and weight_decay: the inner optimizer (AdamW, lr 1e-3 by default).
-    quantization_bits=8 or 4 (or compression=<a Quantizer>): the values are sent quantized by one all-gather,
-    (K-1) x the quantized values' bytes per node per step (one float32 scale per parameter).
-    compression_method="topk" or sparsification_mode="topk" (the original documents' spellings): instead of
-    shared-seed entries, each node sends its p_sparta largest drifts from the shared model (its change since it
-    last sent them), with indices (TopKSparseCommunicator). sparta_interval=m: average after every m-th step.
+    Args:
+        optim_spec: The inner optimizer: an OptimSpec, a name such as `"adamw"`, or an optimizer class (default AdamW, lr 1e-3).
+        max_norm: Clip the global gradient norm to this before each step.
+        p_sparta: The fraction of each parameter's entries averaged per step.
+        sparsification_mode: How the entries are chosen (see SparseCommunicator); `"topk"`: instead of
+            shared-seed entries, each node sends its `p_sparta` largest drifts from the shared model (its change
+            since it last sent them), with indices (TopKSparseCommunicator).
+        async_delay: The averaged values arrive this many steps late (see SparseCommunicator).
+        seed: The seed of the shared random stream that picks the entries.
+        compression_method: `"topk"`: the same as `sparsification_mode="topk"` (the original documents'
+            spelling).
+        quantization_bits: 8 or 4: the values are sent quantized by one all-gather, (K-1) x the quantized
+            values' bytes per node per step (one float32 scale per parameter).
+        compression: A Quantizer of `exogym.comm.compression`, instead of `quantization_bits`.
+        sparta_interval: Average after every m-th step.
+        inner_optim: The same as `optim_spec` (pass one of them).
+        lr: The inner optimizer's learning rate.
+        weight_decay: The inner optimizer's weight decay.
+        **kwargs: The Strategy's options (`lr_scheduler`, `lr_scheduler_kwargs`, `warmup_steps`,
+                    `cosine_anneal`, `min_lr_factor`), and, after an optimizer name or class, that optimizer's own
+                    options (`momentum=0.9`, `betas=...`). Any other keyword is a TypeError listing the accepted ones.
+
+    Raises:
+        TypeError: Both spellings of an option are given, or an unknown keyword.
+        ValueError: A value out of range or an unknown mode.
     """
 
     def __init__(self, optim_spec: OptimSpec | str | type | None = None, max_norm: float | None = None, *,

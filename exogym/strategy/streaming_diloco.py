@@ -32,23 +32,38 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
     """DiLoCo's round (pseudo-gradient, mean, outer step, merge) for one fragment of the model at a time.
 
     The model's layers (its parameters grouped by the module that holds them, in order) are split into
-    num_fragments = F fragments: "sequential" (consecutive layers) or "strided" (layer l in fragment l mod F).
-    Fragment f's boundaries are steps (f + 1) H/F, (f + 1) H/F + H, ...: one fragment every H/F steps, each
-    once every H steps. overlap="paper" (the Streaming DiLoCo paper's schedule): the fragment's pseudo-gradient
-    is sent at its boundary and its average applied tau steps later; overlap="torchft" (torchft's DiLoCo,
-    fragment_sync_delay=tau): it is sent tau steps before the boundary and applied at it. Either way the
-    transfer overlaps tau steps of compute (an async collective); then the outer optimizer moves the fragment
-    of the global model and each node merges: theta_i <- lerp(theta_global, theta_i, alpha) (alpha=0: DiLoCo's
-    reset). At the run's last step every fragment still in flight is waited for and applied, and (final_sync=True)
-    every other fragment is synchronised once more, so the global model includes every step.
+    `num_fragments` = F fragments. Fragment f's boundaries are steps (f + 1) H/F, (f + 1) H/F + H, ...: one
+    fragment every H/F steps, each once every H steps. Either overlap schedule lets the transfer overlap tau
+    steps of compute (an async collective); then the outer optimizer moves the fragment of the global model and
+    each node merges: `theta_i <- lerp(theta_global, theta_i, alpha)` (alpha=0: DiLoCo's reset). At the run's
+    last step every fragment still in flight is waited for and applied.
 
-    Bytes per node per fragment sync: 2 (K-1)/K x the fragment's bytes (ring all-reduce), or
-    (K-1) x sum over its parameters of compressor.nbytes(shape) with quantization_bits / compression (one
-    all-gather); over H steps the whole model once, as DiLoCo, but the largest single sync is ~1/F of it.
-    drop_prob=p: each sync each node's pseudo-gradient is lost with probability p (shared seed); the others'
-    are averaged, every node takes the outer step, and a dropped node keeps its own parameters.
+    Bytes per node per fragment sync: 2 (K-1)/K x the fragment's bytes (ring all-reduce), or (K-1) x sum over
+    its parameters of `compressor.nbytes(shape)` with `quantization_bits` / `compression` (one all-gather); over
+    H steps the whole model once, as DiLoCo, but the largest single sync is ~1/F of it.
     Failures and elastic pools are not supported: a node coming up would miss the fragments in flight, and
     its global model would then differ from the others'.
+
+    Args:
+        H: Steps between two syncs of the same fragment.
+        outer_optim_spec: The outer optimizer (default: SGD, lr 0.7, Nesterov momentum 0.9).
+        num_fragments: F; H must be divisible by F.
+        fragment_pattern: `"sequential"` (consecutive layers) or `"strided"` (layer l in fragment l mod F).
+        tau: Steps of compute the transfer overlaps, `0 <= tau < H/F`.
+        alpha: The merge's mix, in [0, 1].
+        drop_prob: Each sync each node's pseudo-gradient is lost with probability p (shared seed); the others'
+            are averaged, every node takes the outer step, and a dropped node keeps its own parameters.
+        seed: The seed of the shared random stream that decides dropped pseudo-gradients.
+        quantization_bits: 8 or 4: send the pseudo-gradients quantized.
+        compression: A Compressor of `exogym.comm.compression` for the pseudo-gradients.
+        final_sync: Every other fragment is synchronised once more at the end, so the global model includes
+            every step.
+        overlap: `"paper"` (the Streaming DiLoCo paper's schedule: the fragment's pseudo-gradient is sent at
+            its boundary and its average applied tau steps later) or `"torchft"` (torchft's DiLoCo,
+            `fragment_sync_delay=tau`: sent tau steps before the boundary and applied at it).
+
+    Raises:
+        ValueError: A value out of range or an unknown pattern or overlap.
     """
 
     supports_membership_changes = False
@@ -108,7 +123,14 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
 
     # ---- which parameters, when (the same answer on every node) ---------------------------------
     def split(self, names: list[str]) -> list[list[int]]:
-        """Per fragment, the indices of its parameters: layers are the parameters' owning modules, in order."""
+        """Per fragment, the indices of its parameters: layers are the parameters' owning modules, in order.
+
+        Args:
+            names: The model's trainable parameter names, in order.
+
+        Returns:
+            One list of parameter indices per fragment.
+        """
         layers: dict[str, list[int]] = {}
         for i, name in enumerate(names):
             layers.setdefault(name.rpartition(".")[0], []).append(i)
@@ -124,15 +146,31 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
         return local_step + (self.tau if self.overlap == "torchft" else 0)
 
     def fragment_sent_after(self, local_step: int) -> int | None:
-        """The fragment sent after step `local_step`, if any: fragment f after (f + 1) H/F + n H (the paper's
-        schedule), or tau steps before that (torchft's)."""
+        """The fragment sent after step `local_step`, if any.
+
+        Fragment f is sent after step (f + 1) H/F + n H (the paper's schedule), or tau steps before that
+        (torchft's).
+
+        Args:
+            local_step: The inner steps done.
+
+        Returns:
+            The fragment's index, or None.
+        """
         every, boundary = self.H // self.num_fragments, self._boundary(local_step)
         if boundary % every:
             return None
         return (boundary // every - 1) % self.num_fragments
 
     def kept_nodes(self, sync_index: int) -> list[int]:
-        """The nodes whose pseudo-gradient arrives in sync `sync_index` (counted over all fragments, from 0)."""
+        """The nodes whose pseudo-gradient arrives in sync `sync_index` (counted over all fragments, from 0).
+
+        Args:
+            sync_index: The sync, counted over all fragments from 0.
+
+        Returns:
+            The ranks kept, sorted.
+        """
         return kept_nodes(self.num_nodes, self.drop_prob, round_generator(self.seed, sync_index, _DROP)
                           if self.drop_prob else None)
 
@@ -143,8 +181,13 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
         self._apply_due(local_step)
 
     def finish(self, local_step: int) -> None:
-        """Every fragment with steps since its last sync is synchronised once more, at once (the one sent at the
-        last step has just been applied), so the global model includes every step."""
+        """Synchronise once more every fragment with steps since its last sync, at once.
+
+        The one sent at the last step has just been applied, so the global model includes every step.
+
+        Args:
+            local_step: The inner steps done.
+        """
         if not self.final_sync:
             return
         just_sent = self.fragment_sent_after(local_step)
@@ -213,24 +256,51 @@ class _Arrived:
 
 
 class StreamingDiLoCoStrategy(ModularStrategy):
-    """Streaming DiLoCo: DiLoCo whose synchronisation is spread over the round. The model is split into F
-    fragments; every H/F steps one fragment's pseudo-gradients are averaged (optionally quantized) while the
-    nodes keep training, and tau steps later the outer optimizer moves that fragment of the global model
-    and each node merges it: theta_i <- lerp(theta_global, theta_i, alpha).
+    """Streaming DiLoCo: DiLoCo whose synchronisation is spread over the round, one fragment at a time.
+
+    The model is split into F fragments; every H/F steps one fragment's pseudo-gradients are averaged
+    (optionally quantized) while the nodes keep training, and tau steps later the outer optimizer moves that
+    fragment of the global model and each node merges it: `theta_i <- lerp(theta_global, theta_i, alpha)`.
+    With `num_fragments=1, tau=0, alpha=0` it is DiLoCo.
 
     Paper: Douillard et al., "Streaming DiLoCo with overlapping communication", 2025 (arXiv 2501.18512).
     Bytes per node per step: 2 (K-1)/K x M / H, as DiLoCo, but each sync moves only ~M / F (peak bandwidth
-    / F); with quantization_bits / compression, (K-1) x the compressed model's bytes / H.
-    A node whose pseudo-gradient is dropped (drop_prob) keeps its local progress on that fragment.
+    / F); with `quantization_bits` / `compression`, (K-1) x the compressed model's bytes / H.
+    A node whose pseudo-gradient is dropped (`drop_prob`) keeps its local progress on that fragment.
 
-    H (steps between two syncs of the same fragment), num_fragments (F; H divisible by F),
-    fragment_pattern "strided" | "sequential", tau (overlap, 0 <= tau < H/F), alpha (mix, in [0, 1]);
-    overlap "paper" (send at the fragment's boundary, apply tau steps later) | "torchft" (send tau steps before
-    the boundary, apply at it, as torchft's DiLoCo with fragment_sync_delay=tau);
-    with num_fragments=1, tau=0, alpha=0 it is DiLoCo. final_sync=True (default): at the end of the run, every
-    fragment with steps since its last sync is synchronised once more (counted), so the returned model and the
-    final validation include every step; False leaves them out. Inner and outer optimizers as in DiLoCoStrategy
-    (default AdamW lr 1e-3 inside; Nesterov SGD lr 0.7, momentum 0.9 outside).
+    Args:
+        optim_spec: The inner optimizer: an OptimSpec, a name such as `"adamw"`, or an optimizer class (default AdamW, lr 1e-3).
+        outer_optim_spec: The outer optimizer, as in DiLoCoStrategy (default Nesterov SGD, lr 0.7, momentum 0.9).
+        H: Steps between two syncs of the same fragment.
+        num_fragments: F, the number of fragments; H must be divisible by F.
+        fragment_pattern: `"strided"` (layer l in fragment l mod F) or `"sequential"` (consecutive layers).
+        tau: Steps of compute a fragment's transfer overlaps, `0 <= tau < H/F`.
+        alpha: The merge's mix, in [0, 1] (0: DiLoCo's reset to the global model).
+        quantization_bits: 8 or 4: send the pseudo-gradients quantized (see `compression`).
+        compression: A Compressor of `exogym.comm.compression` for the pseudo-gradients (one all-gather).
+        inner_optim: The same as `optim_spec` (pass one of them).
+        outer_optim: The same as `outer_optim_spec` (pass one of them).
+        lr: The inner optimizer's learning rate.
+        inner_lr: The same as `lr` (pass one of them).
+        weight_decay: The inner optimizer's weight decay.
+        outer_lr: The outer optimizer's learning rate.
+        outer_momentum: The outer SGD's momentum.
+        nesterov: Whether the outer SGD's momentum is Nesterov's.
+        drop_prob: Each sync each node's pseudo-gradient is lost with this probability (shared seed).
+        seed: The seed of the shared random stream that decides dropped pseudo-gradients.
+        final_sync: At the end of the run, every fragment with steps since its last sync is synchronised once
+            more (counted), so the returned model and the final validation include every step; False leaves
+            them out.
+        overlap: `"paper"` (send at the fragment's boundary, apply tau steps later) or `"torchft"` (send tau
+            steps before the boundary, apply at it, as torchft's DiLoCo with `fragment_sync_delay=tau`).
+        max_norm: Clip the global gradient norm to this before each inner step.
+        **kwargs: The Strategy's options (`lr_scheduler`, `lr_scheduler_kwargs`, `warmup_steps`,
+                    `cosine_anneal`, `min_lr_factor`), and, after an optimizer name or class, that optimizer's own
+                    options (`momentum=0.9`, `betas=...`). Any other keyword is a TypeError listing the accepted ones.
+
+    Raises:
+        TypeError: Both spellings of an option are given, or an unknown keyword.
+        ValueError: A value out of range (H not divisible by F, tau >= H/F, alpha outside [0, 1], ...).
     """
 
     def __init__(self, optim_spec: OptimSpec | str | type | None = None,
