@@ -19,8 +19,13 @@ __all__ = ["RunInterrupted", "interrupt_on_sigterm", "trace_non_finite", "ending
 
 
 class RunInterrupted(KeyboardInterrupt):
-    """The run was stopped by a signal (SIGTERM: a scheduler's preemption, `kill`, a container stopping); like
-    Ctrl-C's KeyboardInterrupt, which it is a kind of. `signal_name` says which."""
+    """The run was stopped by a signal (SIGTERM: a scheduler's preemption, `kill`, a container stopping).
+
+    Like Ctrl-C's KeyboardInterrupt, which it is a kind of.
+
+    Args:
+        signal_name: Which signal (e.g. `"SIGTERM"`).
+    """
 
     def __init__(self, signal_name: str):
         super().__init__(f"the run was stopped by {signal_name}")

@@ -9,9 +9,15 @@ __all__ = ["DEFAULT_NODE_TIMEOUT", "NodeTimeoutError", "NodeProcessError"]
 DEFAULT_NODE_TIMEOUT = 600.0
 
 class NodeTimeoutError(RuntimeError):
-    """A node ran for longer than fit's node_timeout without finishing a step or reaching a collective (sim), or
-    never reached a collective the others waited in (torch). `rank` and `step` name it (step None: before the
-    first step)."""
+    """A node ran for longer than fit's `node_timeout` without finishing a step or reaching a collective (sim).
+
+    Under the torch backend: a node never reached a collective the others waited in.
+
+    Args:
+        message: What happened (the node, its step and, under the sim backend, its Python stack).
+        rank: The node.
+        step: Its step (None: before the first step).
+    """
 
     def __init__(self, message: str, rank: int, step: int | None):
         super().__init__(message)
@@ -22,8 +28,15 @@ class NodeTimeoutError(RuntimeError):
 
 
 class NodeProcessError(RuntimeError):
-    """A node's process failed (raised, or died) and the run was stopped. The message names the node and holds
-    its traceback; `rank` is the node, and `__cause__` the node's exception when it could be sent back."""
+    """A node's process failed (raised, or died) and the run was stopped.
+
+    The message names the node and holds its traceback; `__cause__` is the node's exception when it could be
+    sent back.
+
+    Args:
+        message: What happened, with the node's traceback.
+        rank: The node.
+    """
 
     def __init__(self, message: str, rank: int):
         super().__init__(message)

@@ -29,8 +29,19 @@ ELASTIC_PRESETS = ("doubling", "halving", "ramp_up", "ramp_down")
 
 @dataclass(frozen=True)
 class RandomFailures:
-    """Each node that is up fails at each step with probability `rate` and stays down for `downtime` steps.
-    A failure that would leave no node up from the step before is skipped (someone must hold the model)."""
+    """Random node failures for `fit(failures=...)`: each node up fails at each step with probability `rate`.
+
+    A node that fails stays down for `downtime` steps. A failure that would leave no node up from the step
+    before is skipped (someone must hold the model).
+
+    Args:
+        rate: The probability, per node and step, in [0, 1].
+        downtime: Steps a failed node stays down (at least 1).
+        seed: The seed of the failures' random stream.
+
+    Raises:
+        ValueError: A value out of range.
+    """
 
     rate: float
     downtime: int = 10

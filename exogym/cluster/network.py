@@ -35,7 +35,19 @@ _NUMBER = r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*"
 
 
 def parse_bandwidth(value: float | str, name: str = "bandwidth") -> float:
-    """Bytes per second from a number of bits/s (1e9) or a string: "1Gbps", "400 Gbit/s", "100MB/s", "inf"."""
+    """Bytes per second from a number of bits/s (`1e9`) or a string: `"1Gbps"`, `"400 Gbit/s"`, `"100MB/s"`, `"inf"`.
+
+    Args:
+        value: The bandwidth.
+        name: The argument's name, for the error message.
+
+    Returns:
+        Bytes per second.
+
+    Raises:
+        ValueError: An unreadable or non-positive bandwidth.
+        TypeError: Neither a number nor a string.
+    """
     if isinstance(value, str):
         text = value.strip().replace("bit/s", "bps").replace("bits/s", "bps")
         if text.lower() in ("inf", "infinite"):
@@ -53,7 +65,19 @@ def parse_bandwidth(value: float | str, name: str = "bandwidth") -> float:
 
 
 def parse_seconds(value: float | str, name: str = "latency") -> float:
-    """Seconds from a number (0.02) or a string: "20ms", "100us", "0.1 s"."""
+    """Seconds from a number (`0.02`) or a string: `"20ms"`, `"100us"`, `"0.1 s"`.
+
+    Args:
+        value: The duration.
+        name: The argument's name, for the error message.
+
+    Returns:
+        The seconds.
+
+    Raises:
+        ValueError: An unreadable or negative duration.
+        TypeError: Neither a number nor a string.
+    """
     if isinstance(value, str):
         m = re.fullmatch(_NUMBER + r"(s|ms|us|µs|ns)", value.strip())
         if not m:
@@ -76,11 +100,25 @@ def _positive(bytes_per_s: float, name: str, given: object) -> float:
 
 @dataclass(frozen=True)
 class Network:
-    """A cluster's links. Bandwidths take bits/s numbers or strings ("1Gbps"); latencies seconds or "20ms".
+    """A cluster's links: how long each collective takes, for simulated time.
 
-    datacenters: lists of ranks that share fast links (bandwidth/latency); between datacenters
-        the links run at inter_bandwidth/inter_latency. Default: one datacenter.
-    node_bandwidth: optional per-rank caps (a node on a slow uplink slows every group it is in).
+    Bandwidths take bits/s numbers or strings (`"1Gbps"`); latencies seconds or `"20ms"`. The formulas per
+    collective and topology are in the guide's [simulated time](../guide.md#simulated-time) and in the module
+    `exogym.cluster.network`. Presets: `Network.preset("high")` (or `fit(network="high")`).
+
+    Args:
+        bandwidth: The links' bandwidth (inside a datacenter).
+        latency: The links' latency (inside a datacenter).
+        topology: How collectives run: `"ring"`, `"tree"` or `"ps"` (a parameter server).
+        datacenters: Lists of ranks that share fast links (`bandwidth` / `latency`); between datacenters the
+            links run at `inter_bandwidth` / `inter_latency`. Default: one datacenter.
+        inter_bandwidth: The bandwidth between datacenters (needed with `datacenters`).
+        inter_latency: The latency between datacenters (needed with `datacenters`).
+        node_bandwidth: Optional per-rank caps (a node on a slow uplink slows every group it is in).
+
+    Raises:
+        ValueError: An unknown topology, an unreadable bandwidth or latency, `datacenters` that do not
+            partition the ranks 0..K-1, or inter-datacenter links without datacenters (or the reverse).
     """
 
     bandwidth: float | str = "100Gbps"
@@ -115,20 +153,46 @@ class Network:
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "Network":
+        """A named network: `"high"` (400 Gbit/s, 0.1 ms), `"medium"`, `"low"`, `"home"`, `"ideal"`.
+
+        Args:
+            name: The preset's name.
+            **overrides: Fields to change (e.g. `topology="tree"`).
+
+        Returns:
+            The Network.
+
+        Raises:
+            ValueError: An unknown preset (listing the known ones).
+        """
         try:
             return cls(**{**PRESETS[name], **overrides})
         except KeyError:
             raise ValueError(f"unknown network preset {name!r}; choose one of {sorted(PRESETS)}") from None
 
     def check_nodes(self, num_nodes: int) -> None:
-        """Raise if the description does not fit a run of num_nodes nodes."""
+        """Raise if the description does not fit a run of `num_nodes` nodes.
+
+        Args:
+            num_nodes: The run's node count.
+
+        Raises:
+            ValueError: `datacenters` or `node_bandwidth` cover another number of ranks.
+        """
         if self.datacenters is not None and len(self._dc) != num_nodes:
             raise ValueError(f"datacenters cover {len(self._dc)} ranks but the run has num_nodes={num_nodes}")
         if self._caps is not None and len(self._caps) != num_nodes:
             raise ValueError(f"node_bandwidth has {len(self._caps)} entries but the run has num_nodes={num_nodes}")
 
     def link(self, ranks: Sequence[int]) -> tuple[float, float]:
-        """(bytes/s, latency s) of the slowest link a group of these ranks uses."""
+        """The slowest link a group of these ranks uses.
+
+        Args:
+            ranks: The group's ranks.
+
+        Returns:
+            `(bytes/s, latency in s)`.
+        """
         w, a = self._w, self._a
         if self.datacenters is not None and len({self._dc[r] for r in ranks}) > 1:
             w, a = min(w, self._inter_w), max(a, self._inter_a)
@@ -137,7 +201,16 @@ class Network:
         return w, a
 
     def duration(self, op: str, nbytes: int, ranks: Sequence[int]) -> float:
-        """Seconds the collective `op` on `nbytes` takes for the group `ranks` (formulas in the module doc)."""
+        """Seconds the collective `op` on `nbytes` takes for the group `ranks` (formulas in the module doc).
+
+        Args:
+            op: `"all_reduce"`, `"reduce_scatter"`, `"all_gather"`, `"broadcast"` or `"barrier"`.
+            nbytes: The payload N (the full tensor; for all-gather the gathered output).
+            ranks: The group's ranks (one rank: 0 s).
+
+        Returns:
+            The seconds.
+        """
         r = len(ranks)
         if r <= 1:
             return 0.0

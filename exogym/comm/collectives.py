@@ -57,7 +57,23 @@ def _check_per_member(op: str, name: str, tensors: list[torch.Tensor], like: tor
 
 def all_reduce(tensor: torch.Tensor, op: object = ReduceOp.SUM, group: Group | Sequence[int] | None = None,
                async_op: bool = False) -> torch.Tensor | Work:
-    """Reduce `tensor` across the group in place (summed in rank order, so results are deterministic)."""
+    """Reduce `tensor` across the group in place (summed in rank order, so results are deterministic).
+
+    Args:
+        tensor: This node's tensor; it receives the result.
+        op: A ReduceOp, its string value (`"sum"`, `"avg"`, `"max"`, `"min"`, `"product"`), or
+            `torch.distributed.ReduceOp`.
+        group: The members: a Group, a list of global ranks, or None for every node.
+        async_op: Return a Work at once and complete the call when it is waited on (its transfer
+                overlaps the compute in between).
+
+    Returns:
+        `tensor`, or a Work with `async_op=True`.
+
+    Raises:
+        CollectiveError: The group's members issued different calls, shapes or dtypes.
+        ValueError: An unsupported op.
+    """
     c = _comm.current_transport()
     g, op = _group(c, group), ReduceOp.of(op)
     _check_tensor("tensor", tensor)
@@ -69,7 +85,22 @@ def all_reduce(tensor: torch.Tensor, op: object = ReduceOp.SUM, group: Group | S
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: Group | Sequence[int] | None = None,
               async_op: bool = False) -> torch.Tensor | Work:
-    """Copy node `src`'s tensor into every member's `tensor` in place. `src` is a global rank."""
+    """Copy node `src`'s tensor into every member's `tensor` in place.
+
+    Args:
+        tensor: This node's tensor: sent from `src`, overwritten elsewhere.
+        src: The sender, a global rank.
+        group: The members: a Group, a list of global ranks, or None for every node.
+        async_op: Return a Work at once and complete the call when it is waited on (its transfer
+                overlaps the compute in between).
+
+    Returns:
+        `tensor`, or a Work with `async_op=True`.
+
+    Raises:
+        ValueError: `src` is not in the group (or is down at this step).
+        CollectiveError: The group's members issued different calls, shapes or dtypes.
+    """
     c = _comm.current_transport()
     g = _group(c, group)
     _check_tensor("tensor", tensor)
@@ -85,7 +116,22 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: Group | Sequence[int] |
 
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
                group: Group | Sequence[int] | None = None, async_op: bool = False) -> list[torch.Tensor] | Work:
-    """Fill `tensor_list[i]` with the tensor of the group's i-th member (members sorted by rank)."""
+    """Fill `tensor_list[i]` with the tensor of the group's i-th member (members sorted by rank).
+
+    Args:
+        tensor_list: One tensor per member, shaped like `tensor`; filled in place.
+        tensor: This node's tensor.
+        group: The members: a Group, a list of global ranks, or None for every node.
+        async_op: Return a Work at once and complete the call when it is waited on (its transfer
+                overlaps the compute in between).
+
+    Returns:
+        `tensor_list`, or a Work with `async_op=True`.
+
+    Raises:
+        CollectiveError: The group's members issued different calls, shapes or dtypes.
+        ValueError: `tensor_list` does not hold one tensor like `tensor` per member.
+    """
     c = _comm.current_transport()
     g = _group(c, group)
     _check_per_member("all_gather", "tensor_list", tensor_list, _check_tensor("tensor", tensor), g)
@@ -97,7 +143,23 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
 
 def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: object = ReduceOp.SUM,
                    group: Group | Sequence[int] | None = None, async_op: bool = False) -> torch.Tensor | Work:
-    """`output` on the group's i-th member becomes the reduction over members of their `input_list[i]`."""
+    """`output` on the group's i-th member becomes the reduction over members of their `input_list[i]`.
+
+    Args:
+        output: This node's result tensor.
+        input_list: One tensor per member, shaped like `output`.
+        op: A ReduceOp, its string value, or `torch.distributed.ReduceOp`.
+        group: The members: a Group, a list of global ranks, or None for every node.
+        async_op: Return a Work at once and complete the call when it is waited on (its transfer
+                overlaps the compute in between).
+
+    Returns:
+        `output`, or a Work with `async_op=True`.
+
+    Raises:
+        CollectiveError: The group's members issued different calls, shapes or dtypes.
+        ValueError: `input_list` does not hold one tensor like `output` per member, or an unsupported op.
+    """
     c = _comm.current_transport()
     g, op = _group(c, group), ReduceOp.of(op)
     _check_per_member("reduce_scatter", "input_list", input_list, _check_tensor("output", output), g)
@@ -108,7 +170,16 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: obj
 
 
 def barrier(group: Group | Sequence[int] | None = None, async_op: bool = False) -> Work | None:
-    """Wait until every member of the group has reached this call."""
+    """Wait until every member of the group has reached this call.
+
+    Args:
+        group: The members: a Group, a list of global ranks, or None for every node.
+        async_op: Return a Work at once and complete the call when it is waited on (its transfer
+                overlaps the compute in between).
+
+    Returns:
+        None, or a Work with `async_op=True`.
+    """
     c = _comm.current_transport()
     g = _group(c, group)
     c.stats.add("barrier", 0)
@@ -116,22 +187,49 @@ def barrier(group: Group | Sequence[int] | None = None, async_op: bool = False) 
 
 
 def new_group(ranks: Sequence[int]) -> Group:
-    """A group of the given ranks. As in torch.distributed, every node should create the same groups in the same order."""
+    """A group of the given ranks.
+
+    As in torch.distributed, every node should create the same groups in the same order.
+
+    Args:
+        ranks: The members' global ranks.
+
+    Returns:
+        The Group.
+    """
     return _comm.current_transport().new_group(ranks)
 
 
 def get_rank() -> int:
+    """The calling node's rank (0..`get_world_size()`-1).
+
+    Returns:
+        The rank.
+    """
     return _comm.current_transport().rank
 
 
 def get_world_size() -> int:
-    """Every node of the run, up or down (ranks are 0..get_world_size()-1); see alive_ranks()."""
+    """Every node of the run, up or down (ranks are 0..`get_world_size()`-1); see `alive_ranks()`.
+
+    Returns:
+        The number of nodes.
+    """
     return _comm.current_transport().num_nodes
 
 
 def alive_ranks(group: Group | Sequence[int] | None = None, *, step: int | None = None) -> list[int]:
-    """The members of `group` (default: all nodes) that take part in a collective at this step (or at `step`,
-    counted from 1): every member, unless the run's failure or elastic schedule has some of them down."""
+    """The members of `group` that take part in a collective at this step (or at `step`).
+
+    Every member, unless the run's failure or elastic schedule has some of them down.
+
+    Args:
+        group: The members: a Group, a list of global ranks, or None for all nodes.
+        step: A step, counted from 1; default: the calling node's current step.
+
+    Returns:
+        The ranks up, sorted.
+    """
     c = _comm.current_transport()
     if step is None:
         return list(_group(c, group).ranks)

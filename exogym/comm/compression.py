@@ -35,7 +35,13 @@ _SCALE = torch.float32  # scales are sent as float32 (4 bytes each), so the erro
 
 @dataclass(frozen=True)
 class Payload:
-    """tensors: what is sent. shape, dtype: of the tensor it encodes (known to every node, not sent)."""
+    """What a compressor sends for one tensor.
+
+    Args:
+        tensors: What is sent.
+        shape: The shape of the tensor it encodes (known to every node, not sent).
+        dtype: The dtype of the tensor it encodes (known to every node, not sent).
+    """
 
     tensors: tuple[torch.Tensor, ...]
     shape: torch.Size
@@ -46,21 +52,55 @@ class Payload:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
     def with_tensors(self, tensors: Sequence[torch.Tensor]) -> "Payload":
-        """The same layout carrying other tensors (another node's, after they crossed the network)."""
+        """The same layout carrying other tensors (another node's, after they crossed the network).
+
+        Args:
+            tensors: The other tensors, in the same order and shapes.
+
+        Returns:
+            The new Payload.
+        """
         return replace(self, tensors=tuple(tensors))
 
 
 class Compressor:
-    """encode(x, key) -> Payload; decode(Payload) -> tensor like x; nbytes(shape) -> bytes sent.
-    `key` names the stream x belongs to (e.g. a parameter); only stateful compressors use it."""
+    """The compressor interface: `encode(x, key)` -> Payload; `decode(payload)` -> a tensor like x; `nbytes(shape)`.
+
+    `key` names the stream x belongs to (e.g. a parameter); only stateful compressors use it.
+    """
 
     def encode(self, x: torch.Tensor, key: Hashable | None = None) -> Payload:
+        """Compress `x` into what is sent.
+
+        Args:
+            x: The tensor.
+            key: The stream x belongs to (e.g. a parameter); only stateful compressors use it.
+
+        Returns:
+            The Payload.
+        """
         raise NotImplementedError
 
     def decode(self, payload: Payload) -> torch.Tensor:
+        """The tensor a payload stands for.
+
+        Args:
+            payload: What `encode` returned (this node's or another's).
+
+        Returns:
+            A tensor of the payload's shape and dtype.
+        """
         raise NotImplementedError
 
     def nbytes(self, shape: Sequence[int]) -> int:
+        """The bytes sent for a tensor of this shape.
+
+        Args:
+            shape: The tensor's shape.
+
+        Returns:
+            The bytes.
+        """
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
@@ -68,7 +108,11 @@ class Compressor:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what state_dict() returned ({} empties the memory)."""
+        """Restore what `state_dict()` returned (`{}` empties the memory).
+
+        Args:
+            state: What `state_dict()` returned.
+        """
 
     def __repr__(self) -> str:
         knobs = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
@@ -76,7 +120,15 @@ class Compressor:
 
 
 class Quantizer(Compressor):
-    """A dense compressor: every entry is sent, each at fewer bits, with one scale per row or block."""
+    """A dense compressor: every entry is sent, each at fewer bits, with one scale per row or block.
+
+    Args:
+        block_size: One scale per block of this many entries (the tensor flattened); None: one per row (the last
+            dimension).
+
+    Raises:
+        ValueError: `block_size` < 1.
+    """
 
     def __init__(self, block_size: int | None = None):
         check_int("block_size", block_size, minimum=1, allow_none=True)
@@ -92,6 +144,14 @@ class Quantizer(Compressor):
         return torch.cat([flat, flat.new_zeros(pad)]).reshape(-1, self.block_size)
 
     def num_scales(self, shape: Sequence[int]) -> int:
+        """How many scales a tensor of this shape is sent with (one per row or block).
+
+        Args:
+            shape: The tensor's shape.
+
+        Returns:
+            The number of scales.
+        """
         n = math.prod(shape)
         if self.block_size is not None:
             return math.ceil(n / self.block_size)
@@ -114,6 +174,14 @@ class IntQuantizer(Quantizer):
     """Symmetric uniform quantization to `bits`-bit ints: q = round(x / s), s = max|row| / (2^(bits-1) - 1).
 
     Bytes for a tensor of n entries in R rows or blocks: n (int8) or ceil(n / 2) (int4) + 4 R.
+
+    Args:
+        bits: 8 or 4.
+        block_size: One scale per block of this many entries (the tensor flattened); None: one per row (the last
+            dimension).
+
+    Raises:
+        ValueError: `bits` is neither 8 nor 4, or `block_size` < 1.
     """
 
     def __init__(self, bits: int = 8, *, block_size: int | None = None):
@@ -144,8 +212,18 @@ class IntQuantizer(Quantizer):
 
 
 def minifloat_grid(exponent_bits: int, mantissa_bits: int, *, nan_code: bool) -> torch.Tensor:
-    """The non-negative values of an IEEE-style minifloat, indexed by their code (bias 2^(e-1) - 1, subnormals,
-    no infinities); nan_code=True drops the all-ones code (NaN in e4m3fn). Increasing in the code."""
+    """The non-negative values of an IEEE-style minifloat, indexed by their code (increasing in the code).
+
+    Bias 2^(e-1) - 1, subnormals, no infinities.
+
+    Args:
+        exponent_bits: e, the exponent's bits.
+        mantissa_bits: The mantissa's bits.
+        nan_code: True drops the all-ones code (NaN in e4m3fn).
+
+    Returns:
+        The values, a float32 tensor.
+    """
     bias = 2 ** (exponent_bits - 1) - 1
     codes = torch.arange(2 ** (exponent_bits + mantissa_bits), dtype=torch.float64)
     exp, man = torch.div(codes, 2 ** mantissa_bits, rounding_mode="floor"), codes % 2 ** mantissa_bits
@@ -155,8 +233,17 @@ def minifloat_grid(exponent_bits: int, mantissa_bits: int, *, nan_code: bool) ->
 
 
 def round_to_minifloat(y: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
-    """Codes (sign bit on top of the magnitude's index in `grid`) of float32 y rounded to the nearest grid
-    value, ties to the even code (IEEE round-to-nearest-even), beyond the largest value saturating."""
+    """Codes of float32 `y` rounded to the nearest grid value (sign bit on top of the magnitude's index in `grid`).
+
+    Ties go to the even code (IEEE round-to-nearest-even); beyond the largest value, saturating.
+
+    Args:
+        y: The float32 values.
+        grid: The magnitudes, as `minifloat_grid` returns them.
+
+    Returns:
+        The codes, a uint8 tensor shaped like `y`.
+    """
     mag = y.abs().clamp(max=grid[-1])
     mid = (grid[:-1] + grid[1:]) / 2
     idx = torch.bucketize(mag, mid)  # ties go down: mag == mid[i] gives i
@@ -202,9 +289,15 @@ class _MinifloatQuantizer(Quantizer):
 
 
 class FP8Quantizer(_MinifloatQuantizer):
-    """Scaled fp8 e4m3 (torch.float8_e4m3fn: max 448, 3 mantissa bits): relative error <= 2^-4 above
-    2^-6 s, absolute <= 2^-10 s below, s = max|row| / 448. Bytes: n + 4 R. Uses torch's float8 cast when
-    this torch has it, else rounds to the same grid itself (bit-identical codes)."""
+    """Scaled fp8 e4m3 (`torch.float8_e4m3fn`: max 448, 3 mantissa bits).
+
+    Relative error <= 2^-4 above 2^-6 s, absolute <= 2^-10 s below, s = max|row| / 448. Bytes: n + 4 R. Uses
+    torch's float8 cast when this torch has it, else rounds to the same grid itself (bit-identical codes).
+
+    Args:
+        block_size: One scale per block of this many entries (the tensor flattened); None: one per row (the last
+            dimension).
+    """
 
     exponent_bits, mantissa_bits, nan_code = 4, 3, True
 
@@ -215,16 +308,32 @@ class FP8Quantizer(_MinifloatQuantizer):
 
 
 class FP4Quantizer(_MinifloatQuantizer):
-    """Scaled fp4 e2m1 (values 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives), packed two per byte:
-    error <= |x| / 4, and <= s / 4 near zero, s = max|row| / 6. Bytes: ceil(n / 2) + 4 R."""
+    """Scaled fp4 e2m1 (values 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives), packed two per byte.
+
+    Error <= |x| / 4, and <= s / 4 near zero, s = max|row| / 6. Bytes: ceil(n / 2) + 4 R.
+
+    Args:
+        block_size: One scale per block of this many entries (the tensor flattened); None: one per row (the last
+            dimension).
+    """
 
     exponent_bits, mantissa_bits, nan_code = 2, 1, False
 
 
 class TopK(Compressor):
-    """The max(1, round(fraction n)) largest-magnitude entries of x: their int32 indices (int64 past 2^31
-    entries) and values, the values as they are or compressed by `values`. Bytes: k (4 + value bytes),
-    or k 4 + values.nbytes([k]). The decoded tensor is zero elsewhere."""
+    """The max(1, round(fraction n)) largest-magnitude entries of x, with their indices; zero elsewhere.
+
+    Their int32 indices (int64 past 2^31 entries) and values, the values as they are or compressed by
+    `values`. Bytes: k (4 + value bytes), or k 4 + `values.nbytes([k])`. The decoded tensor is zero elsewhere.
+
+    Args:
+        fraction: The fraction of the entries sent, in (0, 1].
+        values: A Quantizer for the values, or None to send them as they are.
+
+    Raises:
+        ValueError: `fraction` outside (0, 1].
+        TypeError: `values` is not a Quantizer.
+    """
 
     def __init__(self, fraction: float, *, values: Quantizer | None = None):
         check_number("fraction", fraction, positive=True, maximum=1.0)
@@ -234,6 +343,14 @@ class TopK(Compressor):
         self.fraction, self.values = fraction, values
 
     def k(self, n: int) -> int:
+        """How many entries of a tensor of n entries are sent: max(1, round(fraction n)), at most n.
+
+        Args:
+            n: The tensor's number of entries.
+
+        Returns:
+            k.
+        """
         return min(n, max(1, round(self.fraction * n)))
 
     def encode(self, x: torch.Tensor, key: Hashable | None = None) -> Payload:
@@ -262,9 +379,17 @@ class TopK(Compressor):
 
 
 class ErrorFeedback(Compressor):
-    """Wraps a compressor: for each key, x + residual is encoded and residual <- (x + residual) - decoded,
-    so the error of one step is sent in later ones (Seide et al. 2014; Karimireddy et al. 2019).
-    key=None encodes without memory. Bytes: those of the wrapped compressor."""
+    """Wraps a compressor so that what it loses in one step is sent in later ones.
+
+    For each key, x + residual is encoded and residual <- (x + residual) - decoded (Seide et al. 2014;
+    Karimireddy et al. 2019). `key=None` encodes without memory. Bytes: those of the wrapped compressor.
+
+    Args:
+        compressor: The Compressor to wrap (not itself an ErrorFeedback).
+
+    Raises:
+        TypeError: `compressor` is not a Compressor, or is an ErrorFeedback.
+    """
 
     def __init__(self, compressor: Compressor):
         if not isinstance(compressor, Compressor) or isinstance(compressor, ErrorFeedback):
@@ -302,8 +427,19 @@ class ErrorFeedback(Compressor):
 
 
 def compressor_from(quantization_bits: int | None, compression: Compressor | None) -> Compressor | None:
-    """A communication module's compressor from either spelling: quantization_bits=8 or 4 (IntQuantizer with
-    per-row scales), or compression= any Compressor; None for neither."""
+    """A communication module's compressor from either spelling.
+
+    Args:
+        quantization_bits: 8 or 4: an IntQuantizer with per-row scales.
+        compression: Any Compressor.
+
+    Returns:
+        The compressor, or None for neither.
+
+    Raises:
+        TypeError: Both are given, or `compression` is not a Compressor.
+        ValueError: `quantization_bits` is neither 8 nor 4.
+    """
     if quantization_bits is not None and compression is not None:
         raise TypeError(f"got both quantization_bits={quantization_bits!r} and compression={compression!r}; pass "
                         f"one (compression=IntQuantizer({quantization_bits}) is the same as quantization_bits)")

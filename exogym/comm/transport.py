@@ -32,6 +32,7 @@ class CollectiveError(RuntimeError):
 
 
 class ReduceOp(str, enum.Enum):
+    """How a reduction combines the members' tensors: SUM, AVG, MAX, MIN or PRODUCT."""
     SUM = "sum"
     AVG = "avg"
     MAX = "max"
@@ -40,7 +41,17 @@ class ReduceOp(str, enum.Enum):
 
     @classmethod
     def of(cls, op: object) -> "ReduceOp":
-        """Accept our enum, its string value, or torch.distributed.ReduceOp (strategies from the original use it)."""
+        """Accept our enum, its string value, or `torch.distributed.ReduceOp` (strategies from the original use it).
+
+        Args:
+            op: The op in any of those forms.
+
+        Returns:
+            The ReduceOp.
+
+        Raises:
+            ValueError: An unsupported op (listing the supported ones).
+        """
         if isinstance(op, cls):
             return op
         name = op if isinstance(op, str) else getattr(op, "name", None)
@@ -55,7 +66,11 @@ class ReduceOp(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Group:
-    """An ordered set of node ranks taking part in a collective (the world, an island, a pair)."""
+    """An ordered set of node ranks taking part in a collective (the world, an island, a pair).
+
+    Args:
+        ranks: The members' global ranks.
+    """
 
     ranks: tuple[int, ...]
 

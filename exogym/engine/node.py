@@ -48,9 +48,18 @@ class _StepRecord:
 
 
 class NonFiniteLoss(FloatingPointError):
-    """A loss is nan or inf: a node's training loss, or the validation loss. The message names where it first
-    appeared: `rank`, `step` and `value` (the run's earliest non-finite training loss over all nodes, once the
-    run has gathered them; node 0 for validation) and `table` ("train" or "val")."""
+    """A loss is nan or inf: a node's training loss, or the validation loss.
+
+    The message names where it first appeared: the run's earliest non-finite training loss over all nodes,
+    once the run has gathered them; node 0 for validation.
+
+    Args:
+        message: What happened and where.
+        rank: The node.
+        step: The step.
+        value: The loss (nan, inf or -inf).
+        table: `"train"` or `"val"`.
+    """
 
     def __init__(self, message: str, rank: int, step: int, value: float, table: str = "train"):
         super().__init__(message)

@@ -31,8 +31,14 @@ _SLACK_BYTES = 64 * 1024
 
 
 class DiskFullError(OSError):
-    """A write ran out of disk space (errno ENOSPC). `filename`: what was being written; `needed` and `free`: bytes
-    (None where unknown). The message says what to change."""
+    """A write ran out of disk space (errno ENOSPC); the message says what to change.
+
+    Args:
+        message: What happened and what to change.
+        path: What was being written (the exception's `filename`).
+        needed: The bytes needed (None where unknown).
+        free: The bytes free (None where unknown).
+    """
 
     def __init__(self, message: str, path: str | os.PathLike, needed: int | None = None, free: int | None = None):
         super().__init__(errno.ENOSPC, message)

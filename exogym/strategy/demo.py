@@ -59,7 +59,7 @@ class ChunkDCT:
 
 
 class DeMo(torch.optim.Optimizer):
-    """The DeMo optimizer; its step() communicates (call it on every node together).
+    """The DeMo optimizer; its `step()` communicates (call it on every node together).
 
     Per parameter (Algorithm 1 of the paper, as bloc97/DeMo implements it): m <- beta m + lr g (lr of this
     step); q = the top-k DCT components of m in each chunk; m <- m - q; the (index, value) pairs of q are
@@ -68,8 +68,18 @@ class DeMo(torch.optim.Optimizer):
     what goes into the momentum and the sign step. Under a schedule this changes which components are sent
     (old gradients weigh by the lr they came with), so it matters only when the lr varies.
 
-    lr_scaled_momentum=False accumulates the raw gradient instead (m <- beta m + g; the paper's Algorithm 1
-    as written); at a constant lr the two send the same components and take the same steps.
+    Args:
+        params: The parameters (or parameter groups) to optimize.
+        lr: The learning rate.
+        compression_decay: beta, the momentum's decay.
+        compression_topk: k, the DCT components sent per chunk.
+        compression_chunk: The chunk size (each chunk is a block of this side) of the DCT.
+        weight_decay: Decoupled weight decay wd.
+        lr_scaled_momentum: False accumulates the raw gradient instead (m <- beta m + g; the paper's
+            Algorithm 1 as written); at a constant lr the two send the same components and take the same steps.
+
+    Raises:
+        ValueError: A value out of range.
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, compression_decay: float = 0.999,
@@ -98,12 +108,28 @@ class DeMo(torch.optim.Optimizer):
         return cache[key]
 
     def plan(self, p: torch.Tensor, group: dict) -> ChunkDCT:
+        """How parameter `p` is cut into chunks for the DCT.
+
+        Args:
+            p: The parameter.
+            group: Its parameter group (`compression_chunk`).
+
+        Returns:
+            The parameter's ChunkDCT.
+        """
         return ChunkDCT(p.shape, group["compression_chunk"])
 
     @torch.no_grad()
     def extract(self, p: torch.Tensor, group: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Accumulate the gradient into the momentum, take out its top-k DCT components per chunk, and
-        return them as (indices [chunks, k] int64, values [chunks, k])."""
+        """Accumulate the gradient into the momentum and take out its top-k DCT components per chunk.
+
+        Args:
+            p: The parameter.
+            group: Its parameter group (lr, `compression_decay`, `compression_topk`, ...).
+
+        Returns:
+            `(indices [chunks, k] int64, values [chunks, k])`.
+        """
         state = self.state[p]
         if "momentum" not in state:
             state["momentum"] = torch.zeros_like(p)
@@ -122,8 +148,19 @@ class DeMo(torch.optim.Optimizer):
 
     @torch.no_grad()
     def combine(self, p: torch.Tensor, group: dict, idx: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """Every node's (indices, values) [chunks, K*k] -> the decoded dense average, shaped like p.
-        A coefficient sent by several nodes is their mean; one sent by a single node keeps its value."""
+        """Decode every node's components into the dense average, shaped like `p`.
+
+        A coefficient sent by several nodes is their mean; one sent by a single node keeps its value.
+
+        Args:
+            p: The parameter.
+            group: Its parameter group.
+            idx: Every node's indices, `[chunks, K*k]`.
+            values: Every node's values, `[chunks, K*k]`.
+
+        Returns:
+            The decoded average, shaped like `p`.
+        """
         t = self.plan(p, group)
         sums = torch.zeros(t.num_chunks, t.chunk_numel, dtype=values.dtype, device=values.device)
         counts = torch.zeros_like(sums)
@@ -133,6 +170,14 @@ class DeMo(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
+        """One DeMo step on every parameter: extract, all-gather, combine, the sign update (on every node together).
+
+        Args:
+            closure: Not supported (must be None).
+
+        Raises:
+            TypeError: A closure is given.
+        """
         if closure is not None:
             raise TypeError("DeMo.step does not take a closure")
         entries = [(p, g) for g in self.param_groups for p in g["params"] if p.requires_grad]  # frozen: not sent

@@ -36,10 +36,19 @@ def _optimizer_keywords(cls: type) -> set[str] | None:
 
 
 class OptimSpec(metaclass=Adaptable):
-    """`OptimSpec(torch.optim.AdamW, lr=3e-4, weight_decay=0.1)`; `OptimSpec.from_string("adamw", lr=3e-4)`.
+    """An optimizer class and its keywords: `OptimSpec(torch.optim.AdamW, lr=3e-4, weight_decay=0.1)`.
 
-    Keywords are checked against the optimizer's constructor here, so a typo fails before any node starts.
-    `OptimSpec(optimizer_class=...)` and `OptimSpec.from_str(...)` are the original documents' spellings.
+    Also `OptimSpec.from_string("adamw", lr=3e-4)`. Keywords are checked against the optimizer's constructor
+    here, so a typo fails before any node starts. `OptimSpec(optimizer_class=...)` and `OptimSpec.from_str(...)`
+    are the original documents' spellings.
+
+    Args:
+        cls: A `torch.optim.Optimizer` class (default AdamW).
+        **kwargs: The optimizer's keywords (lr, weight_decay, betas, ...).
+
+    Raises:
+        TypeError: `cls` is not an optimizer class, or a keyword it does not take (listing those it does).
+        ValueError: A non-finite number, or a negative lr.
     """
 
     def __init__(self, cls: type[torch.optim.Optimizer] | str = torch.optim.AdamW, **kwargs: Any):
@@ -58,16 +67,43 @@ class OptimSpec(metaclass=Adaptable):
 
     @classmethod
     def from_string(cls, name: str, **kwargs: Any) -> "OptimSpec":
+        """The spec of a named optimizer: `OptimSpec.from_string("adamw", lr=3e-4)`.
+
+        Args:
+            name: An optimizer name such as `"adamw"`, `"adam"`, `"sgd"` (case-insensitive).
+            **kwargs: The optimizer's keywords.
+
+        Returns:
+            The OptimSpec.
+
+        Raises:
+            ValueError: An unknown name (listing the known ones).
+        """
         return cls(_optimizer_class(name), **kwargs)
 
     from_str = from_string  # the original repository's name
 
     def build(self, model_or_params: torch.nn.Module | Iterable[Any]) -> torch.optim.Optimizer:
+        """Build the optimizer over a model's parameters.
+
+        Args:
+            model_or_params: A module (its `parameters()`) or an iterable of parameters or parameter groups.
+
+        Returns:
+            The optimizer.
+        """
         params = model_or_params.parameters() if isinstance(model_or_params, torch.nn.Module) else model_or_params
         return self.cls(params, **self.kwargs)
 
     def with_defaults(self, **defaults: Any) -> "OptimSpec":
-        """A copy whose missing hyperparameters take `defaults` (explicit settings win)."""
+        """A copy whose missing hyperparameters take `defaults` (explicit settings win).
+
+        Args:
+            **defaults: Hyperparameters to use where the spec has none.
+
+        Returns:
+            The new OptimSpec.
+        """
         return OptimSpec(self.cls, **{**defaults, **self.kwargs})
 
     def __repr__(self) -> str:
@@ -78,6 +114,11 @@ class OptimSpec(metaclass=Adaptable):
         return isinstance(other, OptimSpec) and (self.cls, self.kwargs) == (other.cls, other.kwargs)
 
     def to_dict(self) -> dict[str, Any]:
+        """The spec as plain data for a run's config: `{"optimizer": class name, **keywords}`.
+
+        Returns:
+            The dict.
+        """
         return {"optimizer": self.cls.__name__, **self.kwargs}
 
 
