@@ -198,12 +198,13 @@ def _inherits_doc(obj) -> bool:
 def _signature(obj):
     """The arguments a reader passes: a function's, or a class's `__init__`'s (mkdocstrings merges it into the
     class), except self/cls and private ones."""
-    if obj.is_class:
-        init = obj.members.get("__init__")  # an inherited __init__ is checked on the class that declares it
-        params = [] if init is None or init.is_alias else list(init.parameters)
-    else:
-        params = list(obj.parameters)
-    return [p for p in params if p.name not in ("self", "cls") and not p.name.startswith("_")]
+    function = obj.members.get("__init__") if obj.is_class else obj
+    if function is None or function.is_alias:  # an inherited __init__ is checked on the class that declares it
+        return []
+    params = list(function.parameters)
+    if params and function.parent.is_class and "staticmethod" not in function.labels:
+        params = params[1:]  # self, or cls of a classmethod
+    return [p for p in params if not p.name.startswith("_")]
 
 
 def _docstring_problems(griffe, label, obj) -> list[str]:
@@ -221,7 +222,8 @@ def _docstring_problems(griffe, label, obj) -> list[str]:
     for text in texts:
         for section in text.parse(griffe.Parser.google, warn_unknown_params=False, warnings=False):
             kind = section.kind.value
-            if kind in ("parameters", "other parameters"):
+            if kind in ("parameters", "other parameters") or (kind == "attributes" and "dataclass" in obj.labels):
+                # (a dataclass's arguments are its fields: an Attributes entry documents one)
                 documented |= {p.name.lstrip("*") for p in section.value}
             elif kind == "admonition" and section.title.lower() not in _ADMONITIONS:
                 problems.append(f"{label}: the line '{section.title}:' becomes an admonition box titled "

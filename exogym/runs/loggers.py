@@ -44,13 +44,24 @@ _VIEWS: list[TableView] = []
 
 
 def register_table_view(view: TableView) -> None:
-    """Every CSVLogger (made before or after) writes what `view` makes of each of its rows, after its own views."""
+    """Every CSVLogger (made before or after) writes what `view` makes of each of its rows, after its own views.
+
+    Args:
+        view: A function `view(table, row) -> {csv_name: row}` (a None cell is written empty).
+    """
     if view not in _VIEWS:
         _VIEWS.append(view)
 
 
 def default_run_name(config: dict[str, Any]) -> str:
-    """strategy-nodes-time; exogym.runs.folder adds -2, -3, ... when that folder is taken."""
+    """The default run name: strategy-nodes-time; `exogym.runs.folder` adds -2, -3, ... when that folder is taken.
+
+    Args:
+        config: The run's configuration (its `strategy` and `num_nodes`).
+
+    Returns:
+        The name, e.g. `DiLoCoStrategy-4n-20260101-120000`.
+    """
     return f"{config.get('strategy', 'run')}-{config.get('num_nodes', 1)}n-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
@@ -69,16 +80,32 @@ def _json_safe(value: Any) -> Any:
 
 
 class Logger(metaclass=Adaptable):
-    """Receives the run's configuration, rows as they are measured, and the final record."""
+    """Receives the run's configuration, rows as they are measured, and the final record.
+
+    A logger of your own subclasses this and overrides the three methods; `fit(logger=...)` takes it.
+    """
 
     def start(self, config: dict[str, Any]) -> None:
-        """Called once before the first step, with the run's full configuration."""
+        """Called once before the first step, with the run's full configuration.
+
+        Args:
+            config: What `config.json` holds (strategy, model size, nodes, seed, versions, ...).
+        """
 
     def log(self, table: str, row: dict[str, float]) -> None:
-        """A row of the "train" table (one per step) or the "val" table (one per evaluation)."""
+        """A row of the `"train"` table (one per step) or the `"val"` table (one per evaluation).
+
+        Args:
+            table: `"train"` or `"val"`.
+            row: The row: `step` and the measured columns (see RunRecord).
+        """
 
     def finish(self, summary: dict[str, Any]) -> None:
-        """Called once after the last step (also when the run failed: summary["status"] says)."""
+        """Called once after the last step (also when the run failed: `summary["status"]` says).
+
+        Args:
+            summary: What `summary.json` holds: the headline numbers and how the run ended.
+        """
 
 
 class _FolderLogger(Logger):
@@ -129,9 +156,18 @@ class _FolderLogger(Logger):
 
 
 class CSVLogger(_FolderLogger):
-    """Writes logs/<run_name>/{config.json, train.csv, val.csv, summary.json} (see continue_after to resume), and
-    what its table views (`views=`, then the registered ones) make of each row. A run that fails before its first
-    training row leaves no folder (the claim is given back); once one is written, summary.json says how it ended."""
+    """Writes `logs/<run_name>/`: `config.json`, `train.csv`, `val.csv`, `summary.json`.
+
+    Also what its table views (`views=`, then the registered ones) make of each row. To resume a run in its
+    folder, see `continue_after`. A run that fails before its first training row leaves no folder (the claim
+    is given back); once one is written, `summary.json` says how it ended.
+
+    Args:
+        log_dir: The folder of run folders.
+        run_name: The run folder's name; None: fit's `run_name`, or a default name (strategy, nodes, time).
+        views: Table views: functions `view(table, row) -> {csv_name: row}`, each returned row written to
+            `<csv_name>.csv` in the run folder.
+    """
 
     def __init__(self, log_dir: str | os.PathLike = "logs", run_name: str | None = None, *,
                  views: Sequence[TableView] = ()):
@@ -215,8 +251,17 @@ def _csv_header(path: Path) -> list[str] | None:
 
 
 def truncate_rows_after(path: str | os.PathLike, step: int) -> int:
-    """Keep the header and the rows of a CSV table whose "step" is <= `step` (atomically: a crash leaves the old
-    file or the new one); return how many rows were kept. A row cut off by a crash mid-write is dropped too."""
+    """Keep the header and the rows of a CSV table whose `"step"` is <= `step`.
+
+    Atomically: a crash leaves the old file or the new one. A row cut off by a crash mid-write is dropped too.
+
+    Args:
+        path: The CSV file.
+        step: The last step kept.
+
+    Returns:
+        How many rows were kept.
+    """
     path = Path(path)
     with open(path, newline="") as f:
         rows = list(csv.reader(f))
@@ -237,11 +282,23 @@ def truncate_rows_after(path: str | os.PathLike, step: int) -> int:
 
 
 class WandbLogger(Logger):
-    """Weights & Biases (`pip install exogym[wandb]`); mode="offline" writes locally without an account.
+    """Weights & Biases (`pip install exogym[wandb]`); `mode="offline"` writes locally without an account.
 
-    mode=None (the default) logs online when W&B has an API key and its server answers, and otherwise offline
-    (saying so once; `wandb sync <dir>` uploads the run later). x_axis="step" or "examples" (the global
-    examples trained): the x-axis of every chart. experiment_name= is the original documents' run_name=.
+    `experiment_name=` is the original documents' `run_name=`.
+
+    Args:
+        project: The W&B project.
+        run_name: The W&B run's name; None: fit's run name.
+        mode: None (the default) logs online when W&B has an API key and its server answers, and otherwise
+            offline (saying so once; `wandb sync` of the run's folder uploads it later); or `"online"`,
+            `"offline"`, `"disabled"`.
+        dir: Where W&B writes its files.
+        x_axis: `"step"` or `"examples"` (the global examples trained): the x-axis of every chart.
+        **init_kwargs: Passed on to `wandb.init`.
+
+    Raises:
+        ImportError: wandb is not installed.
+        ValueError: An unknown `mode` or `x_axis`.
     """
 
     def __init__(self, project: str = "exogym", run_name: str | None = None, *, mode: str | None = None,
@@ -310,8 +367,18 @@ def _wandb_mode(wandb: Any) -> str:
 
 
 class TensorBoardLogger(_FolderLogger):
-    """TensorBoard event files under log_dir/run_name (`pip install exogym[tensorboard]`). A resumed run
-    (continue_after) purges the events after the checkpoint's step, as CSVLogger drops those rows."""
+    """TensorBoard event files under `log_dir/run_name` (`pip install exogym[tensorboard]`).
+
+    A resumed run (`continue_after`) purges the events after the checkpoint's step, as CSVLogger drops those
+    rows.
+
+    Args:
+        log_dir: The folder of run folders.
+        run_name: The run folder's name; None: fit's run name.
+
+    Raises:
+        ImportError: tensorboard is not installed.
+    """
 
     def __init__(self, log_dir: str | os.PathLike = "logs", run_name: str | None = None):
         try:
@@ -343,7 +410,11 @@ class TensorBoardLogger(_FolderLogger):
 
 
 class MultiLogger(Logger):
-    """Fans every call out to several loggers (`fit(logger=[CSVLogger(), WandbLogger()])`)."""
+    """Fans every call out to several loggers (`fit(logger=[CSVLogger(), WandbLogger()])`).
+
+    Args:
+        loggers: The loggers, in order.
+    """
 
     def __init__(self, loggers: Sequence[Logger]):
         self.loggers = list(loggers)
@@ -357,8 +428,14 @@ class MultiLogger(Logger):
             lg.log(table, row)
 
     def finish(self, summary: dict[str, Any]) -> None:
-        """Every logger is finished, even after one fails; that failure is raised after them for a completed run,
-        and only said on stderr for a run that did not complete (its own error is the one that matters)."""
+        """Finish every logger, even after one fails.
+
+        That failure is raised after them for a completed run, and only said on stderr for a run that did not
+        complete (its own error is the one that matters).
+
+        Args:
+            summary: What `summary.json` holds.
+        """
         failed = None
         for lg in self.loggers:
             try:

@@ -140,22 +140,30 @@ class LiveLog:
 class RunRecord:
     """The measurements of a finished run, on `trainer.record`.
 
-    train: one row per step: step, loss (mean over the nodes up), extra metrics (likewise), lr, examples
-        (global), tokens (global, when batches hold token ids), bytes (sent per node, cumulative: the mean
-        over the nodes; total_bytes is the sum), wall_time_s, and
-        sim_time_s (the latest node's virtual clock) when the run has a time model; nodes_up with failures
-        or an elastic pool.
-    val: one row per evaluation (at step 0, every val_interval steps and at the end): step, local_loss (node 0's model), global_loss (the global model),
-        and local_/global_ versions of every extra metric.
-    diagnostics: rows of step, param_correlation, param_variance (fit's diagnostics_interval).
-    node_loss: `node_loss[r][s]` is node r's training loss at step s+1 (nan where it sat out the step); in the
-        record of a run that stopped part-way, each node's list holds the steps it completed, which `train` (the
-        steps every node completed) may not all hold.
-    bytes_per_node: `bytes_per_node[r]` is the wire bytes node r sent in total (ring algorithms: an all-reduce of N bytes costs
-        2 N (R-1)/R, an all-gathered chunk n costs n (R-1)); also as wire_bytes_per_node.
-    payload_bytes_per_node: `payload_bytes_per_node[r]` is node r's own data put on the wire, each byte counted once (the papers'
-        convention: an all-reduce or all-gather of N bytes is N, whatever the group size).
-    peak_memory_mb: the process's peak resident memory (and per CUDA device, its peak allocation).
+    Also on the exception of a run that stopped part-way (`e.record`), holding every step all nodes completed.
+    The same rows are in the run folder's `train.csv`, `val.csv` and `summary.json`.
+
+    Attributes:
+        config: The run's configuration, as `config.json` holds it.
+        train: One row per step: `step`, `loss` (mean over the nodes up), extra metrics (likewise), `lr`,
+            `examples` (global), `tokens` (global, when batches hold token ids), `bytes` (sent per node,
+            cumulative: the mean over the nodes; `total_bytes` is the sum), `wall_time_s`, and `sim_time_s`
+            (the latest node's virtual clock) when the run has a time model; `nodes_up` with failures or an
+            elastic pool.
+        val: One row per evaluation (at step 0, every `val_interval` steps and at the end): `step`,
+            `local_loss` (node 0's model), `global_loss` (the global model), and `local_` / `global_`
+            versions of every extra metric.
+        diagnostics: Rows of `step`, `param_correlation`, `param_variance` (fit's `diagnostics_interval`).
+        node_loss: `node_loss[r][s]` is node r's training loss at step s+1 (nan where it sat out the step); in
+            the record of a run that stopped part-way, each node's list holds the steps it completed, which
+            `train` (the steps every node completed) may not all hold.
+        bytes_per_node: `bytes_per_node[r]` is the wire bytes node r sent in total (ring algorithms: an
+            all-reduce of N bytes costs 2 N (R-1)/R, an all-gathered chunk n costs n (R-1)); also as
+            `wire_bytes_per_node`.
+        comm_per_node: Per node, its communication counts (bytes per collective, payload bytes, and its
+            simulated clock under `sim_time`).
+        wall_time_s: The run's wall-clock seconds.
+        peak_memory_mb: The process's peak resident memory (and per CUDA device, its peak allocation).
     """
 
     config: dict[str, Any]
@@ -171,6 +179,18 @@ class RunRecord:
     @classmethod
     def from_nodes(cls, logs: list[NodeLog], *, config: dict[str, Any], global_batch: int,
                    wall_time_s: float, peak_memory_mb: dict[str, float] | None = None) -> "RunRecord":
+        """The record of a run from its nodes' logs: one row per step every node completed.
+
+        Args:
+            logs: Every node's NodeLog, in rank order.
+            config: The run's configuration.
+            global_batch: Examples per step over all nodes (a row's `examples` is step x this).
+            wall_time_s: The run's wall-clock seconds.
+            peak_memory_mb: The peak memory, if measured.
+
+        Returns:
+            The RunRecord.
+        """
         # zip: a run that stopped part-way has the steps every node completed; node_loss keeps each node's own
         train = [merge_step_rows(step_rows, global_batch=global_batch) for step_rows in zip(*(l.rows for l in logs))]
         return cls(config=config, train=train, val=logs[0].val, diagnostics=logs[0].diagnostics,
@@ -180,7 +200,18 @@ class RunRecord:
                    peak_memory_mb=peak_memory_mb or {})
 
     def column(self, name: str, table: str = "train") -> list[float]:
-        """One column of the "train", "val" or "diagnostics" rows."""
+        """One column of the `"train"`, `"val"` or `"diagnostics"` rows.
+
+        Args:
+            name: The column, e.g. `"loss"`, `"global_loss"`, `"bytes"`.
+            table: `"train"`, `"val"` or `"diagnostics"`.
+
+        Returns:
+            The column's values, one per row.
+
+        Raises:
+            KeyError: No such column (listing the table's columns).
+        """
         rows = {"train": self.train, "val": self.val, "diagnostics": self.diagnostics}[table]
         if rows and name not in rows[0]:
             raise KeyError(f"no column {name!r} in the {table} rows; columns are {list(rows[0])}")
@@ -188,14 +219,20 @@ class RunRecord:
 
     @property
     def wire_bytes_per_node(self) -> list[int]:
+        """The same as `bytes_per_node`: the wire bytes each node sent in total."""
         return self.bytes_per_node
 
     @property
     def payload_bytes_per_node(self) -> list[int]:
+        """Node r's own data put on the wire, each byte counted once.
+
+        The papers' convention: an all-reduce or all-gather of N bytes is N, whatever the group size.
+        """
         return [int(c.get("payload_bytes", 0)) for c in self.comm_per_node]
 
     @property
     def total_bytes(self) -> int:
+        """The wire bytes all nodes sent, summed."""
         return sum(self.bytes_per_node)
 
     @property
