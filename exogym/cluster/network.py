@@ -157,7 +157,7 @@ class Network:
 
         Args:
             name: The preset's name.
-            **overrides: Fields to change (e.g. `topology="tree"`).
+            **overrides (Any): Fields to change (e.g. `topology="tree"`).
 
         Returns:
             The Network.

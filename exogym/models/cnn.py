@@ -43,11 +43,17 @@ class _ImageClassifier(nn.Module):
 
 
 class MnistCNN(_ImageClassifier):
-    """Two conv blocks and a linear head; `model((images, labels))` -> {"loss", "accuracy"}.
+    """Two conv blocks and a linear head; `model((images, labels))` -> `{"loss", "accuracy"}`.
 
-    images: [B, 1, 28, 28] float, labels: [B] int64. ~20k parameters with the defaults.
-    batch_norm=True adds BatchNorm after each convolution; augment=True applies random_affine to
-    training batches (the original ExoGym MNIST setup uses both).
+    images: `[B, 1, 28, 28]` float, labels: `[B]` int64. About 20k parameters with the defaults.
+
+    Args:
+        channels: The two conv blocks' channels.
+        num_classes: The number of classes.
+        dropout: Dropout before the head.
+        batch_norm: Add BatchNorm after each convolution.
+        augment: Apply `random_affine` to training batches (the original ExoGym MNIST setup uses both this and
+            `batch_norm`).
     """
 
     def __init__(self, channels: tuple[int, int] = (16, 32), num_classes: int = 10, dropout: float = 0.1,
@@ -64,13 +70,16 @@ class MnistCNN(_ImageClassifier):
 
 
 class ExoGymMnistCNN(_ImageClassifier):
-    """The CNN of the original EXO Gym's MNIST example (the curve in its README): two blocks of two 3x3
-    convolutions (64, 64 then 128, 128 channels, padded), each convolution followed by BatchNorm and ReLU,
-    each block by 2x2 max-pooling and Dropout2d(0.25); then Linear(6272, 256), ReLU, Dropout(0.5),
-    Linear(256, 10). 1,868,234 parameters. `model((images, labels))` -> {"loss", "accuracy"}.
+    """The CNN of the original EXO Gym's MNIST example (the curve in its README).
 
-    images: [B, 1, 28, 28] float, labels: [B] int64. augment=True applies random_affine to training batches,
-    as the original's published run did.
+    Two blocks of two 3x3 convolutions (64, 64 then 128, 128 channels, padded), each convolution followed by
+    BatchNorm and ReLU, each block by 2x2 max-pooling and Dropout2d(0.25); then Linear(6272, 256), ReLU,
+    Dropout(0.5), Linear(256, 10): 1,868,234 parameters. `model((images, labels))` -> `{"loss", "accuracy"}`;
+    images: `[B, 1, 28, 28]` float, labels: `[B]` int64.
+
+    Args:
+        num_classes: The number of classes.
+        augment: Apply `random_affine` to training batches, as the original's published run did.
     """
 
     def __init__(self, num_classes: int = 10, augment: bool = True):
@@ -88,12 +97,15 @@ class ExoGymMnistCNN(_ImageClassifier):
 
 
 class FedAvgCNN(nn.Module):
-    """The MNIST CNN of the FedAvg paper (McMahan et al. 2017, sec. 3): two 5x5 convolutions with 32 and 64
-    channels, each followed by ReLU and 2x2 max pooling, a 512-unit dense layer with ReLU, and a 10-way
-    softmax; 1,663,370 parameters. `model((images, labels))` -> {"loss", "accuracy"}.
+    """The MNIST CNN of the FedAvg paper (McMahan et al. 2017, sec. 3).
 
-    images: [B, 1, 28, 28] float, labels: [B] int64. The convolutions are padded ("same"), which is
-    what makes the paper's parameter count: the dense layer sees 64 x 7 x 7 features.
+    Two 5x5 convolutions with 32 and 64 channels, each followed by ReLU and 2x2 max pooling, a 512-unit dense
+    layer with ReLU, and a 10-way softmax; 1,663,370 parameters. `model((images, labels))` ->
+    `{"loss", "accuracy"}`; images: `[B, 1, 28, 28]` float, labels: `[B]` int64. The convolutions are padded
+    ("same"), which is what makes the paper's parameter count: the dense layer sees 64 x 7 x 7 features.
+
+    Args:
+        num_classes: The number of classes.
     """
 
     def __init__(self, num_classes: int = 10):
@@ -105,6 +117,14 @@ class FedAvgCNN(nn.Module):
         self.head = nn.Sequential(nn.Flatten(), nn.Linear(64 * 7 * 7, 512), nn.ReLU(), nn.Linear(512, num_classes))
 
     def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The loss and accuracy of a batch.
+
+        Args:
+            batch: `(images, labels)`: images `[B, 1, 28, 28]` float, labels `[B]` int64.
+
+        Returns:
+            `{"loss": mean cross-entropy, "accuracy": fraction of labels predicted}`.
+        """
         images, labels = batch
         logits = self.head(self.features(images))  # [B, num_classes]
         return {"loss": F.cross_entropy(logits, labels),

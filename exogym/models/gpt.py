@@ -61,12 +61,23 @@ class _Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """`model((idx, targets))` -> {"loss", "accuracy"}; idx, targets: int64 [B, T] with T <= block_size.
+    """A small GPT: `model((idx, targets))` -> `{"loss", "accuracy"}`; idx, targets int64 `[B, T]`, T <= block_size.
 
-    loss is the mean cross-entropy of predicting targets[b, t] (the token after idx[b, t]) from
-    idx[b, :t+1]; accuracy the fraction predicted exactly by the most likely token. `logits(idx)` gives
-    the [B, T, vocab_size] scores, `generate` continues a prompt. About 12 * n_layer * n_embd^2 weights
-    plus (vocab_size + block_size) * n_embd for the embeddings.
+    loss is the mean cross-entropy of predicting `targets[b, t]` (the token after `idx[b, t]`) from
+    `idx[b, :t+1]`; accuracy the fraction predicted exactly by the most likely token. `logits(idx)` gives the
+    `[B, T, vocab_size]` scores, `generate` continues a prompt. About 12 x n_layer x n_embd^2 weights plus
+    (vocab_size + block_size) x n_embd for the embeddings.
+
+    Args:
+        vocab_size: The number of token ids.
+        block_size: The longest context, in tokens.
+        n_layer: Transformer blocks.
+        n_head: Attention heads per block (must divide `n_embd`).
+        n_embd: The embedding width.
+        dropout: Dropout in attention and MLP outputs.
+
+    Raises:
+        ValueError: `n_head` does not divide `n_embd`, or a size below 1.
     """
 
     def __init__(self, vocab_size: int, block_size: int, *, n_layer: int = 4, n_head: int = 4, n_embd: int = 128,
@@ -103,7 +114,14 @@ class GPT(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
 
     def logits(self, idx: torch.Tensor) -> torch.Tensor:
-        """Scores for the next token at every position: idx int64 [B, T] -> float [B, T, vocab_size]."""
+        """Scores for the next token at every position.
+
+        Args:
+            idx: Token ids, int64 `[B, T]`, T <= block_size.
+
+        Returns:
+            float `[B, T, vocab_size]`.
+        """
         T = idx.shape[1]
         if T > self.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size={self.block_size}; use at most "
@@ -115,6 +133,14 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))  # [B, T, vocab_size]
 
     def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The loss and accuracy of a batch.
+
+        Args:
+            batch: `(idx, targets)`, int64 `[B, T]` each.
+
+        Returns:
+            `{"loss": mean cross-entropy, "accuracy": fraction of targets predicted}`.
+        """
         idx, targets = batch
         logits = self.logits(idx)  # [B, T, V]
         return {"loss": F.cross_entropy(logits.flatten(0, 1), targets.flatten()),
@@ -123,12 +149,21 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  *, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Continue idx int64 [B, T] by max_new_tokens sampled tokens -> [B, T + max_new_tokens].
+        """Continue `idx` by `max_new_tokens` sampled tokens.
 
-        Each step looks at the last block_size tokens, divides the logits by temperature (< 1: more
-        likely tokens; > 1: more varied), keeps the top_k most likely (all when None) and samples.
-        Runs in eval mode (no dropout) and restores the model's mode afterwards. generator (optional, on
-        the model's device) makes the sampling reproducible without touching the global random stream.
+        Each step looks at the last block_size tokens, divides the logits by `temperature`, keeps the `top_k` most
+        likely and samples. Runs in eval mode (no dropout) and restores the model's mode afterwards.
+
+        Args:
+            idx: The prompt, int64 `[B, T]`.
+            max_new_tokens: How many tokens to add.
+            temperature: Divides the logits: < 1 favours more likely tokens, > 1 gives more varied ones.
+            top_k: Sample among the k most likely tokens (all when None).
+            generator: A torch.Generator on the model's device: reproducible sampling without touching the global
+                random stream.
+
+        Returns:
+            int64 `[B, T + max_new_tokens]`.
         """
         check_int("max_new_tokens", max_new_tokens, minimum=0)
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:

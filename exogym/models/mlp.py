@@ -10,7 +10,16 @@ __all__ = ["MLPClassifier"]
 
 
 class MLPClassifier(nn.Module):
-    """`model((x, labels))` -> {"loss", "accuracy"}; x: [B, in_dim] float, labels: [B] int64."""
+    """A multilayer perceptron classifier: `model((x, labels))` -> `{"loss", "accuracy"}`.
+
+    x: `[B, in_dim]` float, labels: `[B]` int64.
+
+    Args:
+        in_dim: The input's features.
+        num_classes: The number of classes.
+        hidden: The hidden layer's width.
+        dropout: Dropout after the hidden layer's ReLU.
+    """
 
     def __init__(self, in_dim: int, num_classes: int, hidden: int = 64, dropout: float = 0.0):
         super().__init__()
@@ -18,6 +27,14 @@ class MLPClassifier(nn.Module):
                                  nn.Linear(hidden, num_classes))
 
     def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The loss and accuracy of a batch.
+
+        Args:
+            batch: `(x, labels)`: x `[B, in_dim]` float, labels `[B]` int64.
+
+        Returns:
+            `{"loss": mean cross-entropy, "accuracy": fraction of labels predicted}`.
+        """
         x, labels = batch
         logits = self.net(x.flatten(1))  # [B, num_classes]
         return {"loss": F.cross_entropy(logits, labels),
