@@ -1,15 +1,18 @@
 """Which nodes are up at each step: failure schedules and elastic compute pools.
 
 A node that is down computes nothing and sends nothing; the collectives of the nodes that are up run
-without it (exogym.comm.collectives.alive_ranks() says who is up), and the averaging strategies
+without it (`exogym.comm.collectives.alive_ranks()` says who is up), and the averaging strategies
 average over them. When nodes come up, a node that was already up hands them the global state
-(exogym.engine.rejoin). Steps count from 1, as in the record.
+(`exogym.engine.rejoin`). Steps count from 1, as in the record.
 
-failures: a list of (node, step_down, step_up): the node is down for steps step_down <= t < step_up
-    (step_up None: it never comes back); or RandomFailures(rate, downtime, seed).
-active_nodes (elastic compute): the size of the pool at each step; ranks 0..n-1 are in it. A preset of
-    the DiLoCo paper's compute pools ("doubling": K/2 then K; "halving": K then K/2; "ramp_up": 1 up to K
-    in K equal phases; "ramp_down": K down to 1), a list of (from_step, count), or a callable step -> count.
+The schedules, as `fit` takes them:
+
+- `failures`: a list of `(node, step_down, step_up)`, the node being down for steps
+  `step_down <= t < step_up` (`step_up` None: it never comes back); or `RandomFailures(rate, downtime, seed)`.
+- `active_nodes` (elastic compute): the size of the pool at each step; ranks `0..n-1` are in it. A preset of
+  the DiLoCo paper's compute pools (`"doubling"`: K/2 then K; `"halving"`: K then K/2; `"ramp_up"`: 1 up to
+  K in K equal phases; `"ramp_down"`: K down to 1), a list of `(from_step, count)`, or a callable
+  `step -> count`.
 """
 
 from __future__ import annotations
@@ -55,18 +58,38 @@ class RandomFailures:
 
 @dataclass(frozen=True)
 class Membership:
-    """The nodes up at every step, stored as the steps where that set changes."""
+    """The nodes up at every step, stored as the steps where that set changes.
+
+    Args:
+        num_nodes: The run's node count.
+        starts: The first step of each stretch, ascending, `starts[0] == 1`.
+        members: The sorted ranks up during each stretch.
+    """
 
     num_nodes: int
     starts: tuple[int, ...]  # the first step of each stretch, ascending, starts[0] == 1
     members: tuple[tuple[int, ...], ...]  # the sorted ranks up during each stretch
 
     def alive(self, step: int) -> tuple[int, ...]:
+        """The nodes up at `step`.
+
+        Args:
+            step: The step, counted from 1.
+
+        Returns:
+            The ranks, sorted.
+        """
         return self.members[bisect.bisect_right(self.starts, step) - 1]
 
     def joiners(self, step: int) -> tuple[int, ...]:
-        """Nodes up at `step` that were down at the step before (none at step 1: every node starts from the
-        initial model)."""
+        """Nodes up at `step` that were down at the step before (none at step 1: every node starts from the initial model).
+
+        Args:
+            step: The step, counted from 1.
+
+        Returns:
+            The ranks, sorted.
+        """
         i = bisect.bisect_right(self.starts, step) - 1  # asked every step: a search, not a scan of starts
         if step <= 1 or self.starts[i] != step:
             return ()
@@ -74,17 +97,43 @@ class Membership:
         return tuple(r for r in self.members[i] if r not in before)
 
     def survivors(self, step: int) -> tuple[int, ...]:
-        """Nodes up at `step` and at the step before."""
+        """Nodes up at `step` and at the step before.
+
+        Args:
+            step: The step, counted from 1.
+
+        Returns:
+            The ranks, sorted.
+        """
         before = set(self.alive(step - 1)) if step > 1 else set(self.alive(step))
         return tuple(r for r in self.alive(step) if r in before)
 
     def as_record(self) -> list[dict[str, Any]]:
+        """The schedule as plain data for the run's config: `[{"from_step", "nodes_up"}, ...]`.
+
+        Returns:
+            One dict per stretch.
+        """
         return [{"from_step": s, "nodes_up": list(m)} for s, m in zip(self.starts, self.members)]
 
 
 def build_membership(num_nodes: int, max_steps: int, failures: Any = None,
                      active_nodes: Any = None) -> Membership | None:
-    """Validate the schedules and combine them; None when every node is up at every step."""
+    """Validate the schedules and combine them.
+
+    Args:
+        num_nodes: The run's node count.
+        max_steps: The run's length in steps.
+        failures: fit's `failures` (see the module's description).
+        active_nodes: fit's `active_nodes` (see the module's description).
+
+    Returns:
+        The Membership, or None when every node is up at every step.
+
+    Raises:
+        ValueError: A schedule that names a node or step outside the run, or leaves no node up.
+        TypeError: A schedule of the wrong kind.
+    """
     if failures is None and active_nodes is None:
         return None
     down = _failure_intervals(failures, num_nodes, max_steps) if not isinstance(failures, RandomFailures) else None

@@ -29,7 +29,13 @@ _X_LABELS = {"step": "step", "examples": "examples seen", "tokens": "tokens seen
 
 @dataclass
 class RunCurves:
-    """A run's rows, from a run folder or a RunRecord."""
+    """A run's rows, from a run folder or a RunRecord.
+
+    Args:
+        label: The run's name in the legend.
+        train: Its `train` rows.
+        val: Its `val` rows.
+    """
 
     label: str
     train: list[dict[str, float]]
@@ -44,6 +50,18 @@ def _read_rows(path: Path) -> list[dict[str, float]]:
 
 
 def load_run(run: Union[str, os.PathLike, RunRecord], label: str | None = None) -> RunCurves:
+    """A run's rows from its run folder (`train.csv`, `val.csv`) or its RunRecord.
+
+    Args:
+        run: A run folder or a RunRecord.
+        label: The name in the legend; default: the folder's name (or the record's run name, else its strategy).
+
+    Returns:
+        The RunCurves.
+
+    Raises:
+        FileNotFoundError: The folder has no `train.csv`.
+    """
     if isinstance(run, RunRecord):
         name = label or run.config.get("run_name") or run.config.get("strategy", "run")
         return RunCurves(name, run.train, run.val)
@@ -77,7 +95,28 @@ def _series(run: RunCurves, x: str, y: str) -> tuple[list[float], list[float]]:
 def plot_runs(runs: Sequence[Union[str, os.PathLike, RunRecord, RunCurves]], *, x: str = "step",
               y: str = "global_loss", out: str | os.PathLike = "comparison.png", labels: Sequence[str] | None = None,
               title: str | None = None, log_x: bool | None = None) -> Path:
-    """Draw y against x for every run on one axes and save a PNG; returns its path."""
+    """Draw `y` against `x` for every run on one axes and save a PNG.
+
+    Each run gets its own marker and dash pattern, curves start at the step-0 evaluation, and the legend shows
+    the run folders' names (or `labels`).
+
+    Args:
+        runs: Run folders, RunRecords or RunCurves.
+        x: The x-axis, one of `X_AXES`: step, examples, tokens, bytes (per node), wall_time_s, sim_time_s.
+        y: A train or val column, e.g. `"global_loss"`, `"loss"`.
+        out: The PNG's path.
+        labels: One legend label per run.
+        title: The plot's title.
+        log_x: A logarithmic x-axis; default: only for `x="bytes"`.
+
+    Returns:
+        The PNG's path.
+
+    Raises:
+        ValueError: An unknown `x`, or not one label per run.
+        KeyError: A run has no such column.
+        ImportError: matplotlib is not installed.
+    """
     if x not in X_AXES:
         raise ValueError(f"x must be one of {list(X_AXES)}, got {x!r}")
     if labels is not None and len(labels) != len(runs):

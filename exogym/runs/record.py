@@ -15,9 +15,19 @@ __all__ = ["RunRecord", "NodeLog", "LiveLog", "merge_step_rows", "first_non_fini
 
 
 def merge_step_rows(rows: Sequence[dict[str, float]], *, global_batch: int) -> dict[str, float]:
-    """One step's rows from several nodes -> one row: loss and metrics averaged over the nodes that computed
-    the step (the nodes up), bytes per node (the mean over the nodes), tokens and nodes up summed, simulated
-    time the latest, lr and wall time from the lowest rank."""
+    """One step's rows from several nodes, merged into one row.
+
+    Loss and metrics averaged over the nodes that computed the step (the nodes up), bytes per node (the mean
+    over the nodes), tokens and nodes up summed, simulated time the latest, lr and wall time from the lowest
+    rank.
+
+    Args:
+        rows: The nodes' rows of one step.
+        global_batch: Examples per step over all nodes (`examples` is step x this).
+
+    Returns:
+        The merged row.
+    """
     first = rows[0]
     merged: dict[str, float] = {"step": first["step"]}
     for key in dict.fromkeys(k for r in rows for k in r):
@@ -36,8 +46,14 @@ def merge_step_rows(rows: Sequence[dict[str, float]], *, global_batch: int) -> d
 
 
 def first_non_finite(logs: Sequence["NodeLog"]) -> tuple[int, list[int], float] | None:
-    """Where a non-finite training loss first appeared: (step, the nodes with one at that step, the first of their
-    values), or None."""
+    """Where a non-finite training loss first appeared.
+
+    Args:
+        logs: Every node's log.
+
+    Returns:
+        `(step, the nodes with one at that step, the first of their values)`, or None.
+    """
     first: dict[int, tuple[int, float]] = {}  # rank -> its first non-finite step and value
     for log in logs:
         for row in log.rows:
@@ -55,11 +71,14 @@ def first_non_finite(logs: Sequence["NodeLog"]) -> tuple[int, list[int], float] 
 class NodeLog:
     """What one node measured (plain Python, so it can cross processes).
 
-    rows: one per step: step (optimizer steps done, from 1), loss, extra metrics, lr (used in that
-    step), tokens (cumulative, for batches of token ids), bytes (this node's, cumulative), wall_time_s
-    (since the run started).
-    val: node 0 only: step, local_/global_ loss and metrics. diagnostics: node 0 only: step,
-    param_correlation, param_variance.
+    Args:
+        rank: The node.
+        rows: One per step: `step` (optimizer steps done, from 1), `loss`, extra metrics, `lr` (used in that
+            step), `tokens` (cumulative, for batches of token ids), `bytes` (this node's, cumulative),
+            `wall_time_s` (since the run started).
+        val: Node 0 only: `step`, `local_` / `global_` loss and metrics.
+        diagnostics: Node 0 only: `step`, `param_correlation`, `param_variance`.
+        comm: The node's communication counts (bytes per collective, its simulated clock).
     """
 
     rank: int
@@ -70,12 +89,21 @@ class NodeLog:
 
 
 class LiveLog:
-    """Feeds a logger and the progress bar while the run trains: a step's merged row (the same row the
-    record keeps) goes out once every node it hears from has reported that step (in the sim backend and
-    the spawned torch backend all nodes; in a torchrun process only its own).
+    """Feeds a logger and the progress bar while the run trains.
 
+    A step's merged row (the same row the record keeps) goes out once every node it hears from has reported
+    that step (in the sim backend and the spawned torch backend all nodes; in a torchrun process only its own).
     It also keeps every row it was given, so that a run that stops part-way (an exception, a signal, a stuck
-    node) still has the record of every step its nodes completed (`partial_logs`)."""
+    node) still has the record of every step its nodes completed (`partial_logs`).
+
+    Args:
+        logger: Where the rows go (None: only the progress bar).
+        ranks: The nodes it hears from.
+        global_batch: Examples per step over all nodes.
+        log_interval: Every log_interval-th step's row goes to the logger, and the last.
+        last_step: The run's last step (its row always goes).
+        progress: The progress bar, or None.
+    """
 
     def __init__(self, logger: "Logger | None", ranks: Sequence[int], *, global_batch: int, log_interval: int = 1,
                  last_step: int | None = None, progress: "RunProgress | None" = None):
@@ -87,13 +115,23 @@ class LiveLog:
         self._newest_logged = False
 
     def add_resumed(self, logs: Sequence[NodeLog]) -> None:
-        """The rows a resumed run's nodes had before their checkpoint: part of the run, already logged."""
+        """The rows a resumed run's nodes had before their checkpoint: part of the run, already logged.
+
+        Args:
+            logs: The nodes' logs from the checkpoint.
+        """
         for log in logs:
             if log.rank in self._kept:
                 kept = self._kept[log.rank]
                 kept.rows, kept.val, kept.diagnostics = list(log.rows), list(log.val), list(log.diagnostics)
 
     def add_rows(self, rank: int, rows: list[dict[str, float]]) -> None:
+        """Node `rank`'s newest rows; a step whose rows every node has sent goes out merged.
+
+        Args:
+            rank: The node.
+            rows: Its rows, in step order.
+        """
         if rank not in self._queues:
             return
         self._kept[rank].rows.extend(rows)
@@ -111,7 +149,12 @@ class LiveLog:
                 self.progress.train_row(row)
 
     def add_row(self, table: str, row: dict[str, float]) -> None:
-        """A row only node 0 measures ("val", "diagnostics")."""
+        """A row only node 0 measures (`"val"`, `"diagnostics"`).
+
+        Args:
+            table: `"val"` or `"diagnostics"`.
+            row: The row.
+        """
         first = self._kept[min(self._kept)]
         (first.val if table == "val" else first.diagnostics).append(row)
         if self.logger is not None:
@@ -127,7 +170,14 @@ class LiveLog:
             self.logger.log("train", self._newest)
 
     def rows_of(self, rank: int) -> list[dict[str, float]]:
-        """Every row node `rank` reported (the rows of a node in another process, which sends them only here)."""
+        """Every row node `rank` reported (the rows of a node in another process, which sends them only here).
+
+        Args:
+            rank: The node.
+
+        Returns:
+            Its rows.
+        """
         return self._kept[rank].rows
 
     def partial_logs(self) -> list[NodeLog]:
