@@ -35,10 +35,22 @@ _HOW = ("download the CIFAR-10 python version (cifar-10-python.tar.gz) from "
 
 
 def load_cifar10(path: str | os.PathLike, split: str = "train", *, normalize: bool = True) -> TensorDataset:
-    """TensorDataset(images float32 [N, 3, 32, 32], labels int64 [N]); N = 50,000 ("train") or 10,000 ("test").
+    """CIFAR-10 as a TensorDataset(images float32 `[N, 3, 32, 32]`, labels int64 `[N]`).
 
-    path: the cifar-10-batches-py folder or the folder holding it. Pixels are uint8/255; with normalize,
-    each channel becomes (x - CIFAR10_MEAN[c]) / CIFAR10_STD[c]. Labels index CIFAR10_CLASSES.
+    N = 50,000 (`"train"`) or 10,000 (`"test"`). Pixels are uint8/255; with `normalize`, each channel becomes
+    `(x - CIFAR10_MEAN[c]) / CIFAR10_STD[c]`. Labels index `CIFAR10_CLASSES`.
+
+    Args:
+        path: The `cifar-10-batches-py` folder or the folder holding it (no package registry carries CIFAR-10).
+        split: `"train"` or `"test"`.
+        normalize: Normalize each channel.
+
+    Returns:
+        The TensorDataset.
+
+    Raises:
+        ValueError: An unknown split.
+        RuntimeError: The folder or a batch file is missing or is not CIFAR-10's (saying how to get it).
     """
     if split not in _BATCHES:
         raise ValueError(f"split must be one of {list(_BATCHES)}, got {split!r}")

@@ -30,10 +30,22 @@ _FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
 
 def load_fashion_mnist(split: str = "train", *, root: str | os.PathLike | None = None,
                        normalize: bool = True) -> TensorDataset:
-    """TensorDataset(images float32 [N, 1, 28, 28], labels int64 [N]); N = 60,000 ("train") or 10,000 ("test").
+    """Fashion-MNIST as a TensorDataset(images float32 `[N, 1, 28, 28]`, labels int64 `[N]`).
 
-    Pixels are uint8/255; with normalize, (x - FASHION_MNIST_MEAN) / FASHION_MNIST_STD. Labels index
-    FASHION_MNIST_CLASSES. root: the folder with the idx files (default: where Debian's package puts them).
+    N = 60,000 (`"train"`) or 10,000 (`"test"`). Pixels are uint8/255; with `normalize`,
+    `(x - FASHION_MNIST_MEAN) / FASHION_MNIST_STD`. Labels index `FASHION_MNIST_CLASSES`.
+
+    Args:
+        split: `"train"` or `"test"`.
+        root: The folder with the idx files (default: where Debian's package `dataset-fashion-mnist` puts them).
+        normalize: Normalize the pixels.
+
+    Returns:
+        The TensorDataset.
+
+    Raises:
+        ValueError: An unknown split.
+        RuntimeError: The files are missing (saying how to get them) or malformed.
     """
     if split not in _FILES:
         raise ValueError(f"split must be one of {list(_FILES)}, got {split!r}")

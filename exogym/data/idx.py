@@ -17,7 +17,18 @@ IMAGES_MAGIC, LABELS_MAGIC = 0x803, 0x801  # 0x08 = unsigned byte, then the numb
 
 
 def read_idx(path: Path, magic: int) -> np.ndarray:
-    """The uint8 array in an idx file (gzipped when the name ends in .gz), checked against `magic` and its header."""
+    """The uint8 array in an idx file (gzipped when the name ends in .gz), checked against `magic` and its header.
+
+    Args:
+        path: The idx file.
+        magic: The magic number expected (`IMAGES_MAGIC` or `LABELS_MAGIC`).
+
+    Returns:
+        The array, `[N]` or `[N, H, W]`.
+
+    Raises:
+        RuntimeError: Another magic number, or a header that does not match the data.
+    """
     path = Path(path)
     with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
         data = f.read()
@@ -35,7 +46,14 @@ def read_idx(path: Path, magic: int) -> np.ndarray:
 
 
 def idx_bytes(array: np.ndarray) -> bytes:
-    """A uint8 array [N] or [N, H, W] as the bytes of an idx file (what read_idx reads back)."""
+    """A uint8 array `[N]` or `[N, H, W]` as the bytes of an idx file (what `read_idx` reads back).
+
+    Args:
+        array: The array.
+
+    Returns:
+        The file's bytes.
+    """
     if array.dtype != np.uint8 or array.ndim not in (1, 3):
         raise ValueError(f"an idx file here holds uint8 labels [N] or images [N, H, W], got {array.dtype} "
                          f"{list(array.shape)}")

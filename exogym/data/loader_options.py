@@ -36,7 +36,22 @@ LoaderOptions = dict  # the DataLoader keyword arguments applied to every node's
 
 
 def loader_options(dataloader_kwargs: Mapping[str, Any] | None, devices: Sequence[torch.device]) -> LoaderOptions:
-    """The validated options to apply ({} for none). pin_memory only pins when a node runs on a GPU."""
+    """The validated DataLoader options of fit's `dataloader_kwargs` (`{}` for none).
+
+    `pin_memory` only pins when a node runs on a GPU. The examples and their order stay exogym's: options that
+    would change them (a sampler, a batch size, shuffling) are refused.
+
+    Args:
+        dataloader_kwargs: fit's `dataloader_kwargs`, or None.
+        devices: The nodes' devices.
+
+    Returns:
+        The options to apply.
+
+    Raises:
+        TypeError: Not a dict, an unknown option, or one that cannot be applied (saying why).
+        ValueError: A value out of range.
+    """
     if dataloader_kwargs is None:
         return {}
     if not isinstance(dataloader_kwargs, Mapping):

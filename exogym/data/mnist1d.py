@@ -29,10 +29,20 @@ _PINNED = "mnist1d==0.0.2.post1"
 
 
 def load_mnist1d(split: str = "train", *, root: str | os.PathLike | None = None) -> TensorDataset:
-    """TensorDataset(x float32 [N, 40], y int64 [N]); N = 4,000 ("train") or 1,000 ("test"), labels 0-9.
+    """MNIST-1D as a TensorDataset(x float32 `[N, 40]`, y int64 `[N]`), labels 0-9.
 
-    x is as the package makes it (mean 0, std 1 over all 5,000); add a channel with x.unsqueeze(1) for a
-    Conv1d. A missing package raises a RuntimeError with the pip command.
+    N = 4,000 (`"train"`) or 1,000 (`"test"`). x is as the package makes it (mean 0, std 1 over all 5,000);
+    add a channel with `x.unsqueeze(1)` for a Conv1d.
+
+    Args:
+        split: `"train"` or `"test"`.
+        root: Where the generated data set is cached (default: `$EXOGYM_DATA`, else `~/.cache/exogym`).
+
+    Returns:
+        The TensorDataset.
+
+    Raises:
+        RuntimeError: The `mnist1d` package is missing (with the pip command).
     """
     if split not in _SPLITS:
         raise ValueError(f"split must be one of {list(_SPLITS)}, got {split!r}")

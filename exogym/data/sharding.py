@@ -30,8 +30,20 @@ def is_factory(data: object) -> bool:
 def node_dataset(data: DatasetOrFactory, rank: int, num_nodes: int, is_val: bool) -> Dataset:
     """The dataset node `rank` draws from (the whole dataset when it is to be sharded).
 
-    A factory is called f(rank, num_nodes, is_val); one whose third parameter is named `train_dataset` (the
-    original EXO Gym's convention: True for the training data) is called f(rank, num_nodes, train_dataset=...).
+    A factory is called `f(rank, num_nodes, is_val)`; one whose third parameter is named `train_dataset` (the
+    original EXO Gym's convention: True for the training data) is called `f(rank, num_nodes, train_dataset=...)`.
+
+    Args:
+        data: A Dataset or a factory.
+        rank: The node.
+        num_nodes: The number of nodes.
+        is_val: Whether this is the validation data.
+
+    Returns:
+        The dataset.
+
+    Raises:
+        TypeError: What a factory returned is not a map-style Dataset.
     """
     if is_factory(data):
         ds = data(rank, num_nodes, train_dataset=not is_val) if _takes_train_flag(data) else data(rank, num_nodes,
@@ -83,8 +95,20 @@ def _column(values: Any) -> Any:
 
 
 class NodeBatches:
-    """Node `rank`'s training batches, epoch after epoch; incomplete final batches are dropped so
-    every step has the same global batch."""
+    """Node `rank`'s training batches, epoch after epoch.
+
+    Incomplete final batches are dropped so every step has the same global batch.
+
+    Args:
+        ds: The dataset the node draws from.
+        rank: The node.
+        num_nodes: The number of nodes.
+        batch_size: Examples per batch.
+        shuffle: A new seeded permutation every epoch.
+        seed: The permutation's seed.
+        shard: Take this node's share of `ds` (False: `ds` is the node's own, from a factory or a partition).
+        loader: DataLoader options (`exogym.data.loader_options`): how the batches load, not which.
+    """
 
     def __init__(self, ds: Dataset, *, rank: int, num_nodes: int, batch_size: int, shuffle: bool, seed: int,
                  shard: bool, loader: dict[str, Any] | None = None):
@@ -99,13 +123,27 @@ class NodeBatches:
         return self.iterate(from_step=0)
 
     def iterate(self, from_step: int) -> Iterator[Any]:
-        """Batches from step `from_step` on (a resumed run continues mid-epoch on the same permutation)."""
+        """Batches from step `from_step` on (a resumed run continues mid-epoch on the same permutation).
+
+        Args:
+            from_step: The steps already done.
+
+        Returns:
+            An iterator of batches.
+        """
         if self.loader:  # the same index lists, loaded by a DataLoader (workers, pinned memory, your collate_fn)
             return iter(DataLoader(self.ds, batch_sampler=_Indices(self, from_step), **self.loader))
         return (_collate(self.ds, idx) for idx in self.index_batches(from_step))
 
     def index_batches(self, from_step: int) -> Iterator[list[int]]:
-        """The example indices of each batch from step `from_step` on, epoch after epoch."""
+        """The example indices of each batch from step `from_step` on, epoch after epoch.
+
+        Args:
+            from_step: The steps already done.
+
+        Returns:
+            An iterator of index lists.
+        """
         epoch, first = divmod(from_step, self.steps_per_epoch)
         while True:
             self.sampler.set_epoch(epoch)  # a new permutation each epoch, the same on every node
@@ -127,7 +165,18 @@ class _Indices:
 
 def fixed_batches(ds: Dataset, *, size: int, batch_size: int, seed: int,
                   collate_fn: Callable[[list[Any]], Any] | None = None) -> list[Any]:
-    """The same `size` examples for every evaluation (a seeded choice), in batches of `batch_size`."""
+    """The same `size` examples for every evaluation (a seeded choice), in batches of `batch_size`.
+
+    Args:
+        ds: The validation dataset.
+        size: How many examples.
+        batch_size: Examples per batch.
+        seed: The seed of the choice.
+        collate_fn: How examples are stacked into a batch (default: torch's).
+
+    Returns:
+        The batches.
+    """
     gen = torch.Generator().manual_seed(seed)
     indices = torch.randperm(len(ds), generator=gen)[:size].tolist()
     return [_collate(ds, indices[i:i + batch_size]) if collate_fn is None else
@@ -135,7 +184,15 @@ def fixed_batches(ds: Dataset, *, size: int, batch_size: int, seed: int,
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
-    """Move tensors inside tensors, tuples, lists and dicts to `device`; leave anything else as it is."""
+    """Move tensors inside tensors, tuples, lists and dicts to `device`; leave anything else as it is.
+
+    Args:
+        batch: The batch.
+        device: The device.
+
+    Returns:
+        The batch on `device`.
+    """
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
     if isinstance(batch, dict):
@@ -147,7 +204,14 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
 
 
 def token_count(batch: Any) -> int | None:
-    """Tokens in a batch of token ids (the first integer tensor with a sequence dimension), else None."""
+    """Tokens in a batch of token ids (the first integer tensor with a sequence dimension), else None.
+
+    Args:
+        batch: The batch.
+
+    Returns:
+        The number of tokens, or None.
+    """
     if isinstance(batch, torch.Tensor):
         return batch.numel() if batch.dim() >= 2 and not batch.is_floating_point() else None
     values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
@@ -158,7 +222,17 @@ def token_count(batch: Any) -> int | None:
 
 
 def batch_size_of(batch: Any) -> int:
-    """Examples in a batch: the leading dimension of its first tensor."""
+    """Examples in a batch: the leading dimension of its first tensor.
+
+    Args:
+        batch: A tensor, or tuples, lists and dicts of them.
+
+    Returns:
+        The number of examples.
+
+    Raises:
+        TypeError: The batch holds no tensor.
+    """
     if isinstance(batch, torch.Tensor):
         return batch.shape[0]
     values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
@@ -171,7 +245,15 @@ def batch_size_of(batch: Any) -> int:
 
 
 def split_batch(batch: Any, size: int) -> list[Any]:
-    """Split every tensor in the batch along dim 0 into chunks of `size` (gradient accumulation)."""
+    """Split every tensor in the batch along dim 0 into chunks of `size` (gradient accumulation).
+
+    Args:
+        batch: The batch.
+        size: Examples per chunk.
+
+    Returns:
+        The chunks, each shaped like `batch`.
+    """
     if isinstance(batch, torch.Tensor):
         return list(batch.split(size))
     if isinstance(batch, dict):
