@@ -7,6 +7,7 @@ The API checks walk the objects themselves (griffe, the loader mkdocstrings uses
 `::: path` directive of docs/api/*.md, the `__all__` of each module those directives name objects through, and the
 public methods of every such class. A class or function added to one of those `__all__` is checked the day it lands."""
 
+import collections
 import importlib.util
 import os
 import re
@@ -166,17 +167,17 @@ def _api_objects():
                     if member is not None and (member.is_class or member.is_function):
                         roots.append((f"{path}.{name}", member))
                 roots.append((path, obj))  # its docstring shows too
-                modules.setdefault(path, page.name)
+                modules.setdefault(path, collections.Counter())[page.name] += len(names)
             else:
                 rendered.add(path)
                 roots.append((path, obj))
-                modules.setdefault(path.rsplit(".", 1)[0], page.name)
+                modules.setdefault(path.rsplit(".", 1)[0], collections.Counter())[page.name] += 1
     for module in modules:
         for name in importlib.import_module(module).__all__:
             obj = get(f"{module}.{name}")
             if obj is not None and (obj.is_class or obj.is_function):
                 roots.append((f"{module}.{name}", obj))
-                exported.append((f"{module}.{name}", modules[module]))
+                exported.append((f"{module}.{name}", modules[module].most_common(1)[0][0]))  # its usual page
     seen, out = set(), []
 
     def walk(label, obj):
