@@ -185,11 +185,13 @@ def _api_objects():
             return
         seen.add(obj.path)
         out.append((label, obj))
-        if obj.is_class:
-            for name, member in obj.members.items():
-                if not name.startswith("_") and not member.is_alias and member.is_function \
-                        and "property" not in member.labels:
-                    walk(f"{label}.{name}", member)
+        if obj.is_class:  # its public methods, and those it inherits from a private base (shown as its own)
+            for name, member in obj.all_members.items():
+                target = member.final_target if member.is_alias else member
+                own = target.parent is obj or (target.parent.is_class and target.parent.name.startswith("_")
+                                               and target.parent.path.startswith("exogym."))
+                if not name.startswith("_") and own and target.is_function and "property" not in target.labels:
+                    walk(f"{label}.{name}", target)
 
     for label, obj in roots:
         walk(label, obj)

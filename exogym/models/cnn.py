@@ -34,6 +34,14 @@ class _ImageClassifier(nn.Module):
     augment: bool
 
     def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The loss and accuracy of a batch (training batches augmented when the model's `augment` is set).
+
+        Args:
+            batch: `(images, labels)`: images `[B, 1, 28, 28]` float, labels `[B]` int64.
+
+        Returns:
+            `{"loss": mean cross-entropy, "accuracy": fraction of labels predicted}`.
+        """
         images, labels = batch
         if self.augment and self.training:
             images = random_affine(images)

@@ -109,7 +109,7 @@ class Logger(metaclass=Adaptable):
 
 
 class _FolderLogger(Logger):
-    """A logger writing into <log_dir>/<run_name>/, a folder it holds for one run (see exogym.runs.folder)."""
+    """A logger writing into `<log_dir>/<run_name>/`, a folder it holds for one run (see `exogym.runs.folder`)."""
 
     def __init__(self, log_dir: str | os.PathLike, run_name: str | None):
         if run_name is not None:
@@ -125,10 +125,17 @@ class _FolderLogger(Logger):
     def continue_after(self, step: int) -> None:
         """Continue a run resumed from its checkpoint at `step`, in the run folder it already has.
 
-        Call before start(). start() then reopens <log_dir>/<run_name>/ (which must hold that run, not a
-        running one) instead of claiming a new folder, and the rows the run logged after `step` (logged
-        before it stopped, and about to be trained again) are dropped: the folder then holds the whole run
-        once. fit(resume_from=...) calls this when it resumes a run into its own folder.
+        Call before `start()`. `start()` then reopens `<log_dir>/<run_name>/` (which must hold that run, not a
+        running one) instead of claiming a new folder, and the rows the run logged after `step` (logged before it
+        stopped, and about to be trained again) are dropped: the folder then holds the whole run once.
+        `fit(resume_from=...)` calls this when it resumes a run into its own folder.
+
+        Args:
+            step: The checkpoint's step.
+
+        Raises:
+            ValueError: `step` is not an int >= 0.
+            RuntimeError: Called after `start()`.
         """
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"continue_after needs the checkpoint's step, an int >= 0, got {step!r}")
