@@ -274,7 +274,7 @@ class RunRecord:
 
     @property
     def payload_bytes_per_node(self) -> list[int]:
-        """Node r's own data put on the wire, each byte counted once.
+        """Per node, its own data put on the wire, each byte counted once.
 
         The papers' convention: an all-reduce or all-gather of N bytes is N, whatever the group size.
         """
