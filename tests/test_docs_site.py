@@ -53,8 +53,8 @@ def test_the_readme_quick_start_runs_as_pasted(tmp_path):
 
 
 _HAS_MKDOCS = importlib.util.find_spec("mkdocs") is not None and importlib.util.find_spec("mkdocstrings") is not None
-_needs_mkdocs = pytest.mark.skipif(not _HAS_MKDOCS,
-                                   reason='the documentation site needs mkdocs and mkdocstrings: pip install -e ".[docs]"')
+_needs_mkdocs = pytest.mark.skipif(
+    not _HAS_MKDOCS, reason='the documentation site needs mkdocs and mkdocstrings: pip install -e ".[docs]"')
 API_PAGES = ROOT / "docs" / "api"
 
 

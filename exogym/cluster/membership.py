@@ -82,7 +82,9 @@ class Membership:
         return self.members[bisect.bisect_right(self.starts, step) - 1]
 
     def joiners(self, step: int) -> tuple[int, ...]:
-        """Nodes up at `step` that were down at the step before (none at step 1: every node starts from the initial model).
+        """Nodes up at `step` that were down at the step before.
+
+        At step 1 there are none: every node starts from the initial model.
 
         Args:
             step: The step, counted from 1.

@@ -120,7 +120,7 @@ class CharVocab:
 
 
 class CharBlocks(Dataset):
-    """Item i: `(context, targets)`, both int64 `[block_size]`: the characters from `i * stride` on, and the same shifted by one.
+    """Item i: `(context, targets)`, both int64 `[block_size]`: text from `i * stride` on, and the same shifted by one.
 
     `targets[t]` is the character after `context[t]`.
 

@@ -61,7 +61,9 @@ class CommunicationModule(metaclass=Adaptable):
         """Bind to one node's model; modules extend this (the run's facts are in self.context)."""
 
     def check_nodes(self, num_nodes: int) -> None:
-        """Before any node starts: raise if the module's settings cannot work with `num_nodes` (see `Strategy.check_nodes`).
+        """Before any node starts: raise if the module's settings cannot work with `num_nodes`.
+
+        See `Strategy.check_nodes`.
 
         Args:
             num_nodes: The run's node count.
@@ -283,7 +285,8 @@ class CommunicateOptimizeStrategy(ModularStrategy):
 
     Args:
         communication_modules: The CommunicationModule instances, run in list order after every inner step.
-        optim_spec: The inner optimizer: an OptimSpec, a name such as `"adamw"`, or an optimizer class (default AdamW, lr 1e-3).
+        optim_spec: The inner optimizer: an OptimSpec, a name such as `"adamw"`, or an optimizer class
+            (default AdamW, lr 1e-3).
         max_norm: Clip the global gradient norm to this before each inner step.
         inner_optim: The same as `optim_spec`, as the original documents spell it (pass one of them).
         lr: The inner optimizer's learning rate.

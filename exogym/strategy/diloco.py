@@ -185,7 +185,8 @@ class DiLoCoStrategy(ModularStrategy):
     A node whose pseudo-gradient is dropped (`drop_prob`) keeps its local progress and continues from it.
 
     Args:
-        optim_spec: The inner optimizer: an OptimSpec, a name such as `"adamw"`, or an optimizer class (default AdamW, lr 1e-3).
+        optim_spec: The inner optimizer: an OptimSpec, a name such as `"adamw"`, or an optimizer class
+            (default AdamW, lr 1e-3).
         outer_optim_spec: The outer optimizer: `"sgd"` (default), `"sgd_normalized"` (SGD on the unit-norm
             pseudo-gradient), any optimizer name or class (with `outer_lr`), or an OptimSpec.
         H: Inner steps per round.

@@ -334,7 +334,8 @@ class FedAvgStrategy(ModularStrategy):
     A node that drops keeps its local progress; the others average without it.
 
     Args:
-        optim_spec: The inner optimizer: an OptimSpec, a name such as `"adamw"`, or an optimizer class (default plain SGD).
+        optim_spec: The inner optimizer: an OptimSpec, a name such as `"adamw"`, or an optimizer class
+            (default plain SGD).
         max_norm: Clip the global gradient norm to this before each local step.
         H: A round is H local steps on every node (default 1).
         island_size: Each round the nodes are shuffled (shared seed) into islands of this size that average

@@ -302,7 +302,8 @@ class SPARTAStrategy(ModularStrategy):
     A node that drops keeps its local progress; only the entries it would have averaged go unshared.
 
     Args:
-        optim_spec: The inner optimizer: an OptimSpec, a name such as `"adamw"`, or an optimizer class (default AdamW, lr 1e-3).
+        optim_spec: The inner optimizer: an OptimSpec, a name such as `"adamw"`, or an optimizer class
+            (default AdamW, lr 1e-3).
         max_norm: Clip the global gradient norm to this before each step.
         p_sparta: The fraction of each parameter's entries averaged per step.
         sparsification_mode: How the entries are chosen (see SparseCommunicator); `"topk"`: instead of

@@ -25,7 +25,8 @@ class SPARTADiLoCoStrategy(ModularStrategy):
     A node whose pseudo-gradient is dropped keeps its local progress (see DiLoCoStrategy).
 
     Args:
-        optim_spec: The inner optimizer: an OptimSpec, a name such as `"adamw"`, or an optimizer class (default AdamW, lr 1e-3).
+        optim_spec: The inner optimizer: an OptimSpec, a name such as `"adamw"`, or an optimizer class
+            (default AdamW, lr 1e-3).
         outer_optim_spec: The outer optimizer, as in DiLoCoStrategy.
         H: Inner steps per DiLoCo round.
         p_sparta: The fraction of each parameter's entries averaged per step (as in SPARTAStrategy).

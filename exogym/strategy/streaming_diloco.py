@@ -269,7 +269,8 @@ class StreamingDiLoCoStrategy(ModularStrategy):
     A node whose pseudo-gradient is dropped (`drop_prob`) keeps its local progress on that fragment.
 
     Args:
-        optim_spec: The inner optimizer: an OptimSpec, a name such as `"adamw"`, or an optimizer class (default AdamW, lr 1e-3).
+        optim_spec: The inner optimizer: an OptimSpec, a name such as `"adamw"`, or an optimizer class
+            (default AdamW, lr 1e-3).
         outer_optim_spec: The outer optimizer, as in DiLoCoStrategy (default Nesterov SGD, lr 0.7, momentum 0.9).
         H: Steps between two syncs of the same fragment.
         num_fragments: F, the number of fragments; H must be divisible by F.
