@@ -98,7 +98,7 @@ class _DocContents(HTMLParser):
 
     def __init__(self):
         super().__init__(convert_charrefs=True)
-        self.stack: list[bool] = []  # one per open element: is it an object's doc-contents?
+        self.stack: list[tuple[str, bool]] = []  # one per open element: (tag, is it an object's doc-contents?)
         self.heading = "(top of the page)"
         self.problems: list[str] = []
 
@@ -107,7 +107,7 @@ class _DocContents(HTMLParser):
         classes = (attrs.get("class") or "").split()
         if re.fullmatch(r"h[2-6]", tag) and "doc-heading" in classes and attrs.get("id"):
             self.heading = attrs["id"]
-        if any(self.stack):
+        if any(inside for _, inside in self.stack):
             if tag not in _RENDERED_TAGS:
                 self.problems.append(f"{self.heading}: raw HTML <{tag}> (write it in backticks)")
             elif tag == "a" and "href" not in attrs and "id" not in attrs:
@@ -118,11 +118,13 @@ class _DocContents(HTMLParser):
                     self.problems.append(f"{self.heading}: an admonition box {kind!r}, made from a line "
                                          f"'{kind}:' (Google style reads `Word:` as a section; reword the line)")
         if tag not in _VOID_TAGS:
-            self.stack.append("doc-contents" in classes)
+            self.stack.append((tag, "doc-contents" in classes))
 
     def handle_endtag(self, tag):
-        if self.stack and tag not in _VOID_TAGS:
-            self.stack.pop()
+        # Up to the element this closes: a raw tag a docstring left open (<run_name>) is closed with it.
+        if any(open_tag == tag for open_tag, _ in self.stack):
+            while self.stack.pop()[0] != tag:
+                pass
 
 
 @_needs_mkdocs
@@ -138,9 +140,10 @@ def test_api_pages_hold_no_raw_html_from_docstrings(site):
 
 
 def _api_objects():
-    """(label, griffe object) for every class and function the API pages document: each `::: path` directive's
-    object (a module's: its `members` option), each name in the `__all__` of the modules the directives name
-    objects through, and the public methods declared in each such class."""
+    """What the API pages document, walked with griffe: (label, object) for each `::: path` directive's object (a
+    module's: its docstring and its `members` option, else its `__all__`), each class and function in the
+    `__all__` of the modules the directives name objects through, and the public methods of each such class (its
+    own, and those it inherits from a private base); then the exports that no page shows, with their page."""
     griffe = pytest.importorskip("griffe")
     loader = griffe.GriffeLoader(search_paths=[str(ROOT)], docstring_parser=griffe.Parser.google)
     loader.load("exogym")
