@@ -193,8 +193,8 @@ def _api_objects():
                 target = member.final_target if member.is_alias else member
                 own = target.parent is obj or (target.parent.is_class and target.parent.name.startswith("_")
                                                and target.parent.path.startswith("exogym."))
-                if not name.startswith("_") and own and target.is_function and "property" not in target.labels:
-                    walk(f"{label}.{name}", target)
+                if not name.startswith("_") and own and (target.is_function or "property" in target.labels):
+                    walk(f"{label}.{name}", target)  # (a property: its docstring; it takes no argument)
 
     for label, obj in roots:
         walk(label, obj)
@@ -218,7 +218,7 @@ def _signature(obj):
     """The arguments a reader passes: a function's, or a class's `__init__`'s (mkdocstrings merges it into the
     class), except self/cls and private ones."""
     function = obj.members.get("__init__") if obj.is_class else obj
-    if function is None or function.is_alias:  # an inherited __init__ is checked on the class that declares it
+    if function is None or function.is_alias or "property" in function.labels:  # an inherited __init__ is checked on the class that declares it
         return []
     params = list(function.parameters)
     if params and function.parent.is_class and "staticmethod" not in function.labels:

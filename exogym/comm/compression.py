@@ -49,6 +49,7 @@ class Payload:
 
     @property
     def nbytes(self) -> int:
+        """The bytes sent: those of its tensors."""
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
     def with_tensors(self, tensors: Sequence[torch.Tensor]) -> "Payload":
@@ -192,6 +193,7 @@ class IntQuantizer(Quantizer):
 
     @property
     def qmax(self) -> int:
+        """The largest code: 127 (int8) or 7 (int4); codes are symmetric, -qmax..qmax."""
         return 2 ** (self.bits - 1) - 1  # 127 or 7: symmetric, so -qmax..qmax
 
     def encode(self, x: torch.Tensor, key: Hashable | None = None) -> Payload:
@@ -264,6 +266,7 @@ class _MinifloatQuantizer(Quantizer):
 
     @property
     def packed(self) -> bool:
+        """Whether codes are 4 bits, sent two per byte."""
         return self.exponent_bits + self.mantissa_bits + 1 == 4
 
     def _codes(self, y: torch.Tensor) -> torch.Tensor:

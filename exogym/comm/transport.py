@@ -76,6 +76,7 @@ class Group:
 
     @property
     def size(self) -> int:
+        """The number of members."""
         return len(self.ranks)
 
     def __contains__(self, rank: object) -> bool:

@@ -52,6 +52,7 @@ class Partition:
 
     @property
     def sizes(self) -> list[int]:
+        """Per node, its number of examples."""
         return [len(idx) for idx in self.indices]
 
     def label_histograms(self) -> list[list[int]]:

@@ -71,6 +71,7 @@ class CharVocab:
 
     @property
     def size(self) -> int:
+        """The number of characters (ids are 0..size-1)."""
         return len(self.chars)
 
     def __len__(self) -> int:

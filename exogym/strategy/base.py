@@ -204,14 +204,17 @@ class Strategy(metaclass=_StrategyType):
 
     @property
     def max_steps(self) -> int:
+        """The run's length in steps (known from `setup()` on)."""
         return self._context().max_steps
 
     @property
     def steps_per_epoch(self) -> int:
+        """Steps in one pass over this node's shard (known from `setup()` on)."""
         return self._context().steps_per_epoch
 
     @property
     def shard_size(self) -> int:
+        """This node's number of training examples (known from `setup()` on)."""
         return self._context().shard_size
 
     def _context(self) -> NodeContext:

@@ -236,6 +236,7 @@ class DiLoCoStrategy(ModularStrategy):
 
     @property
     def H(self) -> int:
+        """Inner steps per round."""
         return self.modules[0].H
 
 

@@ -163,6 +163,7 @@ class AveragingCommunicator(CommunicationModule):
 
     @property
     def clients_per_round(self) -> int:
+        """The nodes sampled each round: max(1, round(C*K)) with client sampling C."""
         return _clients_per_round(self.client_sampling, self.num_nodes)
 
     def participants(self, round_index: int) -> list[int]:
@@ -213,6 +214,7 @@ class AveragingCommunicator(CommunicationModule):
 
     @property
     def sits_nodes_out(self) -> bool:
+        """True with client sampling: unsampled nodes sit whole rounds out."""
         return self.client_sampling < 1
 
     def skip_compute(self, local_step: int) -> bool:
@@ -381,4 +383,9 @@ class FedAvgStrategy(ModularStrategy):
 
     @property
     def H(self) -> int:
+        """Local steps per round.
+
+        1 when neither H nor `local_epochs` is given, and with `local_epochs` (whose rounds are passes over each
+        node's shard).
+        """
         return self.modules[0].H

@@ -76,4 +76,5 @@ class SPARTADiLoCoStrategy(ModularStrategy):
 
     @property
     def H(self) -> int:
+        """Inner steps per DiLoCo round."""
         return self.modules[1].H

@@ -328,4 +328,5 @@ class StreamingDiLoCoStrategy(ModularStrategy):
 
     @property
     def H(self) -> int:
+        """Steps between two syncs of the same fragment."""
         return self.modules[0].H
