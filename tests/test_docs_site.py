@@ -8,6 +8,7 @@ The API checks walk the objects themselves (griffe, the loader mkdocstrings uses
 public methods of every such class. A class or function added to one of those `__all__` is checked the day it lands."""
 
 import collections
+import html
 import importlib.util
 import os
 import re
@@ -137,6 +138,20 @@ def test_api_pages_hold_no_raw_html_from_docstrings(site):
         parser.feed(page.read_text())
         problems += [f"api/{page.parent.name}: {p}" for p in parser.problems]
     assert not problems, "the API reference shows what a docstring did not mean:\n" + "\n".join(problems)
+
+
+@_needs_mkdocs
+@pytest.mark.skipif(importlib.util.find_spec("ruff") is None and importlib.util.find_spec("black") is None,
+                    reason='mkdocstrings wraps signatures with ruff or black: pip install -e ".[docs]"')
+def test_long_signatures_wrap(site):
+    # fit's 41 keywords once made one 1,445-character line; mkdocs.yml's line_length is 88.
+    long_lines = []
+    for page in sorted((site / "api").glob("*/index.html")):
+        for signature in re.findall(r'doc-signature[^>]*><pre>(.*?)</pre>', page.read_text(), re.S):
+            text = html.unescape(re.sub(r"<[^>]+>", "", signature))
+            long_lines += [f"api/{page.parent.name}: {line[:60]}... ({len(line)} characters)"
+                           for line in text.splitlines() if len(line) > 100]
+    assert not long_lines, "signatures that do not wrap:\n" + "\n".join(long_lines)
 
 
 def _api_objects():
