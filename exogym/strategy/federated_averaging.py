@@ -337,7 +337,7 @@ class FedAvgStrategy(ModularStrategy):
 
     Args:
         optim_spec: The inner optimizer: an OptimSpec, a name such as `"adamw"`, or an optimizer class
-            (default plain SGD).
+            (default plain SGD, lr 0.01).
         max_norm: Clip the global gradient norm to this before each local step.
         H: A round is H local steps on every node (default 1).
         island_size: Each round the nodes are shuffled (shared seed) into islands of this size that average
