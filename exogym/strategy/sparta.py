@@ -74,6 +74,7 @@ class SparseCommunicator(CommunicationModule):
 
     Raises:
         ValueError: A value out of range or an unknown mode.
+        TypeError: `compression` is not a dense Quantizer.
     """
 
     def __init__(self, p_sparta: float = 0.005, *, sparsification_mode: str = "random", async_delay: int = 0,
@@ -247,6 +248,7 @@ class TopKSparseCommunicator(CommunicationModule):
 
     Raises:
         ValueError: A value out of range.
+        TypeError: `compression` is not a Quantizer of the values.
     """
 
     def __init__(self, p_sparta: float = 0.005, *, quantization_bits: int | None = None,
