@@ -93,7 +93,7 @@ class Trainer:
             node_timeout: float | None = DEFAULT_NODE_TIMEOUT, dataloader_kwargs: dict[str, Any] | None = None,
             max_memory_usage: float | None = None, port: int | None = None,
             extra_config: dict[str, Any] | None = None, execution: str = "sequential",
-            processes: int = 1) -> torch.nn.Module:
+            processes: int = 1, ignored_settings: dict[str, tuple[Any, str]] | None = None) -> torch.nn.Module:
         """Train with `strategy` on `num_nodes` nodes; return the global model (by default the nodes' average).
 
         batch_size is per node (the global batch is num_nodes x batch_size); minibatch_size splits it
@@ -222,7 +222,7 @@ class Trainer:
         claim = claim_run_folders(logger, resumed.run_name if resumed.run_name is not None else run_name,
                                   default_run_name({"strategy": type(o.strategy).__name__, "num_nodes": o.num_nodes}),
                                   extra_roots=["logs"] if default_ckpt and is_main else [], overwrite=o.overwrite,
-                                  resume_after=resumed.after) if is_main else None
+                                  resume_after=resumed.after, checkpoint_dir=o.checkpoint_dir) if is_main else None
         run_name = claim.name if claim is not None else resumed.run_name or run_name or default_run_name(config)
         config["run_name"] = run_name
         run = _Run(config=config, logger=logger, claim=claim, memory_cap=memory_cap, devices=devices)
