@@ -194,10 +194,15 @@ class Strategy(metaclass=Adaptable):
         """Subclasses communicate and update, then call this: it advances the LR schedule and the step count."""
         if self.scheduler is not None:
             self.scheduler.step()
-            if getattr(self, "rank", 0) == 0:
-                for callback in self.lr_callbacks:
-                    callback(self.current_lr())
         self.local_step += 1
+        self._lr_stepped()
+
+    def _lr_stepped(self) -> None:
+        """After the LR schedule stepped: node 0 hands the next step's lr to each of lr_callbacks (the original's
+        hook, which its loggers used)."""
+        if self.scheduler is not None and getattr(self, "rank", 0) == 0:
+            for callback in self.lr_callbacks:
+                callback(self.current_lr())
 
     def finish(self) -> None:
         """Called on every node up after its last step, before the final validation: a strategy whose global
