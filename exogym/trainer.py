@@ -104,7 +104,8 @@ class Trainer:
         logs/<run_name>/ (config.json, train.csv, val.csv, summary.json); False for none.
         A run folder belongs to one run: it is claimed atomically before any node starts. The default
         run_name (strategy, nodes, time) gets a -2, -3, ... suffix when taken; an explicit run_name (fit's, or
-        the logger's) whose folder holds a run is an error, unless overwrite=True (that run's folder, and other
+        the logger's) whose folder holds a run that has ended moves that run aside to <name>.<when it started>
+        (exogym.runs.rerun; one still running is an error), unless overwrite=True (that run's folder, and other
         runs' checkpoints in checkpoint_dir, are deleted) or the run resumes from that run's own checkpoint: it
         then continues in the same folder, whose train.csv holds the whole run once.
 

@@ -6,7 +6,8 @@ per step / per evaluation, written every `log_interval` steps), summary.json at 
 
 A run folder belongs to one run (exogym.runs.folder): `fit` claims `<log_dir>/<run_name>/` for the
 CSV and TensorBoard loggers atomically before any node starts; a taken default name gets a -2, -3
-suffix, a taken explicit name is an error unless fit(overwrite=True), or the run resumes itself.
+suffix, a taken explicit name's ended run is moved aside (exogym.runs.rerun) unless fit(overwrite=True) replaces
+it, or the run resumes itself.
 A run that fails before any training row was written leaves no CSV run folder behind.
 
 On a full disk nothing is left half-written (exogym.runs.disk): config.json and summary.json appear whole or not
