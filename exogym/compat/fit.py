@@ -33,8 +33,7 @@ ORIGINAL_FIT_ORDER = ("num_epochs", "strategy", "num_nodes", "max_steps", "devic
                       "minibatch_size", "shuffle", "val_size", "val_interval", "autocast", "checkpoint_interval",
                       "correlation_interval", "save_dir", "dataloader_kwargs")
 _FIT_ORDER = ("strategy", "num_nodes")
-# The keywords only the original's fit has: passing any of them (even as None, as its scripts do) makes a call one
-# in the original's spelling.
+# The keywords only the original's fit has (accepted even as None, as its scripts pass them).
 ORIGINAL_ONLY = ("save_dir", "wandb_project", "log_x_axis", "gradient_accumulation", "disable_logging") + \
     tuple(FIT_ALIASES)
 _ISSUED: set[str] = set()  # run names this process generated (two in one second never share one)
