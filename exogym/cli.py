@@ -107,6 +107,14 @@ def _number(*, positive: bool = False, below_one: bool = False) -> Callable[[str
     return parse
 
 
+def _failure_rate(text: str) -> float:
+    """A per-step failure probability a run can use: at 1 every node fails at every step, so none trains."""
+    value = _number(below_one=True)(text)
+    if value == 1:
+        raise argparse.ArgumentTypeError(f"must be below 1 (at 1 every node fails at every step), got {text}")
+    return value
+
+
 def _text(text: str) -> str:
     """A name or path that must not be empty ("" would silently mean the current folder or the default device)."""
     if not text.strip():
@@ -135,7 +143,7 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cosine", action="store_true", help="cosine-anneal the LR after warmup")
     p.add_argument("--active-nodes", default=None, choices=["doubling", "halving", "ramp_up", "ramp_down"],
                    help="an elastic compute pool, the DiLoCo paper's schedules (default: none, every node every step)")
-    p.add_argument("--failure-rate", type=_number(below_one=True), default=0.0,
+    p.add_argument("--failure-rate", type=_failure_rate, default=0.0,
                    help="each node fails with this probability per step (seeded by --seed)")
     p.add_argument("--downtime", type=_int_at_least(1), default=20, help="steps a failed node stays down")
     p.add_argument("--val-interval", type=_int_at_least(1), default=None,
@@ -158,6 +166,9 @@ def _fit(args: argparse.Namespace, strategy_name: str, run_name: str | None):
         model, train, val = get_task(args.task).build()
     except RuntimeError as e:  # the loaders' own messages: data not there, no network, a bad hash; each says the fix
         raise UsageError(f"could not load the {args.task} data: {e}") from e
+    if val is not None and args.val_size > len(val):
+        raise UsageError(f"--val-size {args.val_size} is more than the {len(val):,} validation examples of the "
+                         f"{args.task} task; use --val-size {len(val)} or less")
     logger = CSVLogger(args.log_dir, run_name)
     trainer = Trainer(model, train, val)
     failures = RandomFailures(args.failure_rate, args.downtime, args.seed) if args.failure_rate else None
