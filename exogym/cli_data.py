@@ -34,7 +34,8 @@ def cmd_data_shakespeare(args: argparse.Namespace) -> int:
 
     folder = args.original_layout
     if not folder.strip() or Path(folder).exists() and not Path(folder).is_dir():
-        raise ValueError(f"--original-layout must name a folder, got {folder!r}" + (" (a file)" if folder.strip() else ""))
+        raise ValueError(f"--original-layout must name a folder, got {folder!r}"
+                         + (" (a file)" if folder.strip() else ""))
     splits = [tuple(s) for s in args.split] if args.split else list(ORIGINAL_SPLITS)
     try:
         paths = write_original_layout(folder, block_sizes=args.block_size or ORIGINAL_BLOCK_SIZES, splits=splits,

@@ -58,7 +58,8 @@ def test_the_warning_and_the_errors_stay_where_they_are_true():
         EveryH(step=1)
     with pytest.raises(TypeError, match=r"EveryH got optimizer="):
         EveryH(optimizer=None)  # a property of the base class
-    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) 'H'"):  # your own composition: H= was meant for a module
+    # your own composition: H= was meant for a module
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) 'H'"):
         from exogym.strategy import CommunicateOptimizeStrategy
         CommunicateOptimizeStrategy([], H=2)
 
@@ -110,7 +111,8 @@ def test_fit_shows_the_same_signature_and_records_what_the_adapters_ignored():
     trainer.fit(num_epochs=1, max_steps=2, strategy=SimpleReduceStrategy(), num_nodes=2, batch_size=8,
                 save_dir="ck", run_name="ign", **FIT)
     ignored = json.loads(Path("logs/ign/config.json").read_text())["ignored"]
-    assert ignored["save_dir"] == {"value": "ck", "reason": "no checkpoint_interval: nothing is saved (as the original)"}
+    assert ignored["save_dir"] == {"value": "ck",
+                                   "reason": "no checkpoint_interval: nothing is saved (as the original)"}
     trainer.fit(SimpleReduceStrategy(), 2, max_steps=2, batch_size=8, run_name="plain", **FIT)
     assert "ignored" not in json.loads(Path("logs/plain/config.json").read_text())  # nothing carried over
 

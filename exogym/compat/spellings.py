@@ -120,7 +120,8 @@ def pop_ignored_strategy_keywords(cls: type, kwargs: dict[str, Any]) -> dict[str
         shown = ", ".join(f"{k}={v!r}" for k, v in ignored.items())
         warnings.warn(f"{owner} has no {' or '.join(ignored)}, so {shown} has no effect (the original EXO Gym accepted "
                       "and ignored it too); drop it to silence this warning", UserWarning, stacklevel=caller_level())
-    return {k: (v, f"{owner} has no {k} (the original EXO Gym accepted and ignored it too)") for k, v in ignored.items()}
+    why = "(the original EXO Gym accepted and ignored it too)"
+    return {k: (v, f"{owner} has no {k} {why}") for k, v in ignored.items()}
 
 
 def _respelled(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:

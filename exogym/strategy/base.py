@@ -108,7 +108,8 @@ class Strategy(metaclass=Adaptable):
         """A strategy of your own keeps the keywords its constructor passed on to Strategy.__init__ as attributes
         (EveryH(H=2).H == 2), as the original EXO Gym did; one that would replace what the strategy already has (a
         method, a property, an attribute set before) is refused. The built-in strategies refuse unknown keywords."""
-        taken = sorted(k for k in extra if k in self.__dict__ or _behaviour(inspect.getattr_static(type(self), k, None)))
+        taken = sorted(k for k in extra
+                       if k in self.__dict__ or _behaviour(inspect.getattr_static(type(self), k, None)))
         if taken:
             raise TypeError(f"{type(self).__name__} got {', '.join(f'{k}=' for k in taken)}, which would replace what "
                             f"a strategy already has ({', '.join(taken)}); give your setting another name")

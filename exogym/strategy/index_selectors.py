@@ -86,7 +86,8 @@ def flat_indices(picked: Any, param: torch.Tensor, selector: Any) -> torch.Tenso
             raise ValueError(f"{type(selector).__name__}.get_indices returned indices outside 0..{param.numel() - 1} "
                              f"for a parameter of shape {tuple(param.shape)}")
         return flat
-    got = f"a {picked.dtype} tensor of shape {tuple(picked.shape)}" if isinstance(picked, torch.Tensor) else repr(picked)
+    got = (f"a {picked.dtype} tensor of shape {tuple(picked.shape)}" if isinstance(picked, torch.Tensor)
+           else repr(picked))
     raise TypeError(f"{type(selector).__name__}.get_indices must return a bool mask of the parameter's shape "
                     f"{tuple(param.shape)} or 1-D integer indices, got {got}")
 
