@@ -4,9 +4,10 @@ One rule for every way `fit` is called: when the folders of an explicit run name
 is kept by renaming its folders to `<name>.<when it started>` (exogym.runs.folder.move_aside) and a warning names
 both; the new run then writes where the name points, where a script reads. Its folders are the run folder under
 every log root and, when checkpoint_dir holds checkpoints of the run of that name, the checkpoint folder (all
-renamed with one time stamp). Not moved: a run still running (claiming the name then fails, naming it), a folder
-holding files of no run (claiming refuses it, naming them), and nothing when overwrite=True (the run is replaced)
-or resume_from= continues it (fit does not call this then).
+renamed with one time stamp). Not moved: a run still running, or one whose process ended without recording how
+(killed, out of memory: its marker still says running; it is one to resume), whose name claiming then refuses,
+naming it; a folder holding files of no run (claiming refuses it, naming them); nothing when overwrite=True (the
+run is replaced) or resume_from= continues it (fit does not call this then).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def keep_earlier_run(run_folders: Sequence[str | os.PathLike], name: str,
     if checkpoint_dir is not None and _holds_checkpoints_of(Path(checkpoint_dir), name) \
             and Path(checkpoint_dir) not in folders:
         folders.append(Path(checkpoint_dir))
+    if any(read_marker(f).get("status") == "running" for f in folders):
+        return []  # running, or killed without a word: left for resume_from= (claiming names it)
     moved = move_aside(folders)
     if moved:
         old, new = ", ".join(str(a) for a, _ in moved), ", ".join(str(b) for _, b in moved)
