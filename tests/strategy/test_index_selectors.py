@@ -103,3 +103,21 @@ def test_the_selector_keyword_of_the_original_and_wrong_answers():
     with pytest.raises(TypeError, match=r"Floats.get_indices must return a bool mask of the parameter's shape"):
         fit(SparseCommunicator(Floats(0.1)), nodes=2, steps=1)
     assert IndexSelector(0.5).get_indices(torch.zeros(2, 3), 0).all()  # the base class: every entry
+
+
+def test_the_shared_streams_leave_the_nodes_own_untouched():
+    from exogym.strategy.index_selectors import shared_random
+
+    def draws():
+        return torch.rand(3).tolist(), np.random.rand(2).tolist(), random.random()
+
+    torch.manual_seed(1), np.random.seed(1), random.seed(1)
+    expected = draws()
+    torch.manual_seed(1), np.random.seed(1), random.seed(1)
+    with shared_random(0, 5, 2):
+        inside = draws()
+    assert draws() == expected  # the node's streams continue as if nothing had drawn
+    with shared_random(0, 5, 2):
+        assert draws() == inside  # the same (seed, iteration, parameter): the same draws, on every node
+    with shared_random(0, 6, 2):
+        assert draws() != inside
