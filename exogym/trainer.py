@@ -105,7 +105,7 @@ class Trainer:
             node_timeout: float | None = DEFAULT_NODE_TIMEOUT, dataloader_kwargs: dict[str, Any] | None = None,
             max_memory_usage: float | None = None, port: int | None = None,
             extra_config: dict[str, Any] | None = None, execution: str = "sequential",
-            processes: int = 1) -> torch.nn.Module:
+            processes: int = 1, ignored_settings: dict[str, tuple[Any, str]] | None = None) -> torch.nn.Module:
         """Train with `strategy` on `num_nodes` nodes and return the global model (by default the nodes' average).
 
         The measurements land in `self.record` (a `RunRecord`) and go to `logger` every `log_interval` steps.
@@ -138,10 +138,11 @@ class Trainer:
             logger: A Logger, a list of them, or False for none. Default: a CSVLogger writing
                 `logs/<run_name>/` (`config.json`, `train.csv`, `val.csv`, `summary.json`).
             run_name: The run folder's name. The default (strategy, nodes, time) gets a `-2`, `-3`, ... suffix
-                when taken; an explicit name (fit's, or the logger's) whose folder holds a run is a
-                RunFolderError, unless `overwrite=True` or the run resumes from that run's own checkpoint: it
-                then continues in the same folder, whose `train.csv` holds the whole run once. A run folder
-                belongs to one run: it is claimed atomically before any node starts.
+                when taken; an explicit name (fit's, or the logger's) whose folder holds a run that has ended
+                moves that run aside to `<name>.<when it started>` (`exogym.runs.rerun`; one still running is an
+                error), unless `overwrite=True` or the run resumes from that run's own checkpoint: it then
+                continues in the same folder, whose `train.csv` holds the whole run once. A run folder belongs to
+                one run: it is claimed atomically before any node starts.
             overwrite: Reuse a taken run folder: that run's folder, and other runs' checkpoints in
                 `checkpoint_dir`, are deleted.
             checkpoint_interval: Save every node's full state every N steps and at the end.
@@ -201,6 +202,8 @@ class Trainer:
                 processes. Results agree with one process to float rounding (only sums across processes
                 reassociate); bytes and simulated time are exactly those of one
                 ([processes](../processes.md)).
+            ignored_settings: Settings that had no effect, handed on by an adapter of the original's spellings
+                (`exogym.adapters`): `{name: (value, why)}`, listed apart in `config.json` under `"ignored"`.
 
         Returns:
             The global model: a new module (the model given to the Trainer is never modified).
@@ -208,7 +211,8 @@ class Trainer:
         Raises:
             TypeError: A misspelled keyword (naming the accepted ones) or an argument of the wrong type.
             ValueError: An argument out of range or inconsistent with another, before any node starts.
-            RunFolderError: The run folder, or the checkpoint folder, holds another run.
+            RunFolderError: The run folder, or the checkpoint folder, holds a run still running (or one that
+                ended without recording how, to be resumed) or files of no run.
             CheckpointError: `resume_from` describes a different run (every difference listed).
             DiskFullError: The checkpoint folder cannot hold one checkpoint, or a disk fills up during the run.
             NodeTimeoutError: A node is stuck longer than `node_timeout`.
@@ -278,7 +282,7 @@ class Trainer:
         claim = claim_run_folders(logger, resumed.run_name if resumed.run_name is not None else run_name,
                                   default_run_name({"strategy": type(o.strategy).__name__, "num_nodes": o.num_nodes}),
                                   extra_roots=["logs"] if default_ckpt and is_main else [], overwrite=o.overwrite,
-                                  resume_after=resumed.after) if is_main else None
+                                  resume_after=resumed.after, checkpoint_dir=o.checkpoint_dir) if is_main else None
         run_name = claim.name if claim is not None else resumed.run_name or run_name or default_run_name(config)
         config["run_name"] = run_name
         run = _Run(config=config, logger=logger, claim=claim, memory_cap=memory_cap, devices=devices)

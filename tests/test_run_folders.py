@@ -62,15 +62,18 @@ def test_default_names_in_the_same_second_each_get_their_own_folder(monkeypatch)
     assert len(list(Path("again").iterdir())) == 2
 
 
-def test_a_taken_explicit_name_is_an_error_before_any_node_starts_unless_overwrite():
+def test_a_taken_explicit_name_moves_the_earlier_run_aside_unless_overwrite():
     _trainer().fit(_strategy(), 2, max_steps=6, run_name="exp", **FIT)
     before = Path("logs/exp/train.csv").read_text()
-    with pytest.raises(RunFolderError, match=r"run folder 'logs/exp' already holds a run \(completed.*overwrite=True"):
-        _trainer(Untouchable()).fit(_strategy(), 2, max_steps=3, run_name="exp", **FIT)
-    with pytest.raises(RunFolderError, match="logs/exp"):  # the logger's own run_name is the same name
+    with pytest.warns(UserWarning, match=r"logs/exp held an earlier run, which is kept, moved to logs/exp\.\d{8}-"):
+        _trainer().fit(_strategy(), 2, max_steps=3, run_name="exp", **FIT)
+    kept = [p for p in Path("logs").iterdir() if p.name != "exp"]
+    assert len(kept) == 1 and (kept[0] / "train.csv").read_text() == before  # 6 rows, untouched, kept
+    assert _steps("logs/exp/train.csv") == [1, 2, 3]
+    Path("logs/exp", MARKER).write_text(Path("logs/exp", MARKER).read_text().replace('"completed"', '"running"'))
+    with pytest.raises(RunFolderError, match="logs/exp"):  # a run still running there: refused, nothing moved
         _trainer(Untouchable()).fit(_strategy(), 2, max_steps=3, logger=CSVLogger(run_name="exp"), **FIT)
-    assert Path("logs/exp/train.csv").read_text() == before  # 6 rows, untouched
-    assert _steps("logs/exp/train.csv") == list(range(1, 7))
+    Path("logs/exp", MARKER).write_text(Path("logs/exp", MARKER).read_text().replace('"running"', '"completed"'))
 
     _trainer().fit(_strategy(), 2, max_steps=3, run_name="exp", overwrite=True, **FIT)
     assert _steps("logs/exp/train.csv") == [1, 2, 3]  # replaced, as asked, not mixed
@@ -135,8 +138,10 @@ def test_csv_and_tensorboard_loggers_share_one_claim():
     pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
     _trainer().fit(_strategy(), 2, max_steps=2, logger=[CSVLogger(), TensorBoardLogger()], run_name="both", **FIT)
     assert list(Path("logs/both").glob("events.out.tfevents.*")) and Path("logs/both/train.csv").exists()
-    with pytest.raises(RunFolderError, match="logs/both"):
-        _trainer(Untouchable()).fit(_strategy(), 2, max_steps=2, logger=TensorBoardLogger(run_name="both"), **FIT)
+    with pytest.warns(UserWarning, match=r"logs/both held an earlier run, which is kept, moved to logs/both\."):
+        _trainer().fit(_strategy(), 2, max_steps=2, logger=TensorBoardLogger(run_name="both"), **FIT)
+    kept = [p for p in Path("logs").iterdir() if p.name != "both"]  # the run of both loggers moved aside as one
+    assert len(kept) == 1 and list(kept[0].glob("events.out.tfevents.*")) and (kept[0] / "train.csv").exists()
 
 
 def test_unwritable_checkpoint_and_log_folders_fail_before_any_node_starts():
