@@ -193,21 +193,9 @@ def _table(rows: list[tuple[str, object]]) -> str:
     return "\n".join(lines)
 
 
-def _refuse_existing(args: argparse.Namespace, folders: Sequence[Path], fix: str) -> None:
-    """Run folders are not replaced unless --overwrite says so: an earlier run's folder stops the command
-    before anything trains."""
-    taken = [str(f) for f in folders if f.exists()]
-    if taken and not args.overwrite:
-        raise UsageError(f"run folder{'s' if len(taken) > 1 else ''} {', '.join(taken)} already "
-                         f"exist{'' if len(taken) > 1 else 's'} (an earlier run); {fix}, or delete "
-                         f"{'them' if len(taken) > 1 else 'it'} (or pass --overwrite to replace "
-                         f"{'them' if len(taken) > 1 else 'it'})")
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     if args.run_name is not None:  # "" too: it is not a name, and never means the default
         check_run_name(args.run_name)
-        _refuse_existing(args, [Path(args.log_dir) / args.run_name], "pass another --run-name")
     record, run_dir = _fit(args, args.strategy, args.run_name)
     print("\n" + _table([(args.strategy, record)]))
     print(f"\nrun folder: {run_dir}")
@@ -226,7 +214,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
             check_run_name(run_name)
         except ValueError as e:
             raise UsageError(f"--prefix {args.prefix!r} makes the run name {run_name!r}: {e}") from None
-    _refuse_existing(args, [Path(args.log_dir) / r for r in runs.values()], "pass another --prefix")
     for name in names:  # every strategy's settings, also against --nodes, before the first run starts
         STRATEGY_BUILDERS[name](args).check_nodes(args.nodes)
     out = Path(args.out)

@@ -93,10 +93,10 @@ def test_compare_never_replaces_a_run_folder(capsys):
     Path("logs/c-ddp").mkdir(parents=True)
     (Path("logs/c-ddp") / "keep.txt").write_text("an earlier run")
     _one_line_error(capsys, ["compare", "--strategies", "ddp", "diloco", "--prefix", "c-", "--steps", "2"],
-                    "logs/c-ddp already exists", "pass another --prefix, or delete it")
+                    "the run folder 'logs/c-ddp' already holds files (keep.txt)", "pass overwrite=True")
     assert not Path("logs/c-diloco").exists()  # refused before anything trained
     assert (Path("logs/c-ddp") / "keep.txt").read_text() == "an earlier run"
-    _one_line_error(capsys, ["run", "--run-name", "c-ddp", "--steps", "2"], "pass another --run-name")
+    _one_line_error(capsys, ["run", "--run-name", "c-ddp", "--steps", "2"], "already holds files (keep.txt)")
     assert main(["run", "--run-name", "c-ddp", "--steps", "2", "--quiet", "--overwrite"]) == 0  # asked for
 
 

@@ -191,14 +191,17 @@ def test_processes_racing_for_the_same_names_never_share_a_folder(tmp_path):
     assert len(defaults) == 40 * racers  # and every default claim got a folder of its own
 
 
-def test_compare_rerun_refuses_to_replace_its_folders_unless_overwrite(capsys):
+def test_compare_rerun_moves_the_earlier_runs_aside_unless_overwrite(capsys):
+    # One rule for every call style, the command line's too: a rerun never fails and never loses a run.
     pytest.importorskip("matplotlib", reason="compare draws plots")
     args = ["compare", "--task", "synthetic", "--strategies", "ddp", "--nodes", "2", "--steps", "4",
             "--val-interval", "2", "--quiet", "--out", "cmp.png", "--prefix", "c-"]
     assert main(args) == 0
     first = Path("logs/c-ddp/train.csv").read_text()
-    capsys.readouterr()
-    assert main(args) == 2  # a one-line error naming the folder, before anything trains
-    assert "logs/c-ddp already exists" in capsys.readouterr().err
-    assert Path("logs/c-ddp/train.csv").read_text() == first
+    with pytest.warns(UserWarning, match="held an earlier run, which is kept, moved to"):
+        assert main(args) == 0
+    kept = [p for p in Path("logs").iterdir() if p.name.startswith("c-ddp.")]
+    assert len(kept) == 1 and (kept[0] / "train.csv").read_text() == first
+    assert Path("logs/c-ddp/train.csv").is_file()
     assert main(args + ["--overwrite"]) == 0
+    assert [p.name for p in Path("logs").iterdir() if p.name.startswith("c-ddp.")] == [kept[0].name]
