@@ -5,45 +5,16 @@ ended: "failed" (with the error) or "interrupted" (SIGINT or SIGTERM, with the c
 from __future__ import annotations
 
 import contextlib
-import signal
-import threading
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 from exogym.backends.errors import NodeProcessError
 from exogym.engine.node import NonFiniteLoss
+from exogym.launch.signals import interrupt_signal
 from exogym.runs.checkpoint import CheckpointError, find_checkpoint
 from exogym.runs.record import NodeLog, first_non_finite
 
-__all__ = ["RunInterrupted", "interrupt_on_sigterm", "trace_non_finite", "ending", "signal_of"]
-
-
-class RunInterrupted(KeyboardInterrupt):
-    """The run was stopped by a signal (SIGTERM: a scheduler's preemption, `kill`, a container stopping); like
-    Ctrl-C's KeyboardInterrupt, which it is a kind of. `signal_name` says which."""
-
-    def __init__(self, signal_name: str):
-        super().__init__(f"the run was stopped by {signal_name}")
-        self.signal_name = signal_name
-
-
-@contextlib.contextmanager
-def interrupt_on_sigterm() -> Iterator[None]:
-    """While fit runs, SIGTERM raises RunInterrupted where the run is (on the main thread, and only where SIGTERM
-    has its default action: a handler of the caller's own is left alone); the default is put back after."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        yield
-        return
-
-    def stop(signum: int, frame: Any) -> None:
-        raise RunInterrupted("SIGTERM")
-
-    signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+__all__ = ["trace_non_finite", "ending"]
 
 
 def trace_non_finite(error: BaseException, logs: Sequence[NodeLog]) -> BaseException:
@@ -82,11 +53,4 @@ def ending(error: BaseException, checkpoint_root: Path | None) -> dict[str, Any]
     if checkpoint_root is not None:
         with contextlib.suppress(CheckpointError, OSError):
             newest = str(find_checkpoint(checkpoint_root))
-    return {"status": "interrupted", "signal": signal_of(error), "resume_from": newest}
-
-
-def signal_of(interrupt: BaseException) -> str:
-    """Which signal a KeyboardInterrupt stands for: RunInterrupted's, a handler's that raised
-    KeyboardInterrupt("SIGTERM") (a sweep worker, a simulating process), else Ctrl-C's SIGINT."""
-    name = getattr(interrupt, "signal_name", None) or str(interrupt)
-    return name if name in signal.Signals.__members__ else "SIGINT"
+    return {"status": "interrupted", "signal": interrupt_signal(error).name, "resume_from": newest}

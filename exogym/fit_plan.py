@@ -19,7 +19,7 @@ from exogym.cluster.membership import Membership
 from exogym.data.partition import Partition
 from exogym.data.sharding import NodeBatches
 from exogym.engine.devices import MemoryCap
-from exogym.engine.plan import RunPlan
+from exogym.engine.plan import RunPlan, RunSinks
 from exogym.fit_end import ending
 from exogym.fit_setup import check_node_memory, take_ignored_settings, versions
 from exogym.runs.checkpoint import NodeState, check_resume, find_checkpoint, load_checkpoint, read_manifest
@@ -187,7 +187,8 @@ class FitRun:
     devices: list[torch.device]
     bar: RunProgress | None = None
     plan: RunPlan | None = None
-    runner: Callable[[RunPlan], list[Any]] | None = None
+    sinks: RunSinks | None = None
+    launcher: Any = None  # the exogym.launch.Launcher that runs the plan
     started: float = field(default_factory=time.perf_counter)
 
     def abandon(self) -> None:
@@ -203,8 +204,8 @@ class FitRun:
         record = None
         if self.plan is not None:
             with contextlib.suppress(Exception):  # e.g. a full disk under the logger: the record keeps the row
-                self.plan.live.log_newest_row()
-            record = RunRecord.from_nodes(self.plan.live.partial_logs(), config=self.config,
+                self.sinks.live.log_newest_row()
+            record = RunRecord.from_nodes(self.sinks.live.partial_logs(), config=self.config,
                                           global_batch=self.config["global_batch"],
                                           wall_time_s=time.perf_counter() - self.started)
         end = ending(error, self.plan.checkpoints.root if self.plan is not None and self.plan.checkpoints else None)

@@ -17,6 +17,7 @@ from exogym.data.partition import Partition, dirichlet_partition, shards_partiti
 from exogym.data.sharding import DatasetOrFactory, NodeBatches, fixed_batches, is_factory, node_dataset
 from exogym.runs.loggers import CSVLogger, Logger, MultiLogger, WandbLogger, _FolderLogger
 from exogym.cluster.network import Network
+from exogym.launch.environment import Environment, detect_environment
 from exogym.runs.disk import format_bytes
 from exogym.runs.folder import RunClaim, check_run_name, claim_run
 from exogym.cluster.simtime import TimeModel
@@ -116,7 +117,7 @@ def available_memory_bytes() -> int | None:
 
 
 def check_node_memory(num_nodes: int, *, model: torch.nn.Module | None = None, one_replica: bool = False,
-                      devices: Sequence[torch.device] | None = None) -> None:
+                      devices: Sequence[torch.device] | None = None, environment: Environment | None = None) -> None:
     """Refuse, before any node's data or model is built, more nodes than this machine's memory can hold.
 
     The estimate is a lower bound: NODE_OVERHEAD_BYTES per node, and each node on a CPU (not a GPU: devices, one
@@ -127,7 +128,7 @@ def check_node_memory(num_nodes: int, *, model: torch.nn.Module | None = None, o
     available = available_memory_bytes()
     if available is None:
         return
-    here = _nodes_on_this_machine(num_nodes)
+    here = (environment or detect_environment()).nodes_on_this_machine(num_nodes)
     on_cpu = here if not devices else -(-here * sum(d.type != "cuda" for d in devices) // len(devices))
     params = sum(p.numel() * p.element_size() for p in model.parameters()) if model is not None else 0
     buffers = sum(b.numel() * b.element_size() for b in model.buffers()) if model is not None else 0
@@ -145,14 +146,6 @@ def check_node_memory(num_nodes: int, *, model: torch.nn.Module | None = None, o
     raise ValueError(f"num_nodes={num_nodes} needs at least {format_bytes(need)} of memory on this machine "
                      f"({' + '.join(parts)}), but {format_bytes(available)} is available; use at most {fits} nodes"
                      f"{', a smaller model' if len(parts) > 1 else ''}, or free some memory")
-
-
-def _nodes_on_this_machine(num_nodes: int) -> int:
-    """All of them; under torchrun (WORLD_SIZE and LOCAL_WORLD_SIZE set), this machine's share."""
-    world, local = os.environ.get("WORLD_SIZE", ""), os.environ.get("LOCAL_WORLD_SIZE", "")
-    if world.isdigit() and local.isdigit() and 0 < int(local) <= int(world):
-        return -(-num_nodes * int(local) // int(world))
-    return num_nodes
 
 
 def build_val_batches(data: DatasetOrFactory | None, *, num_nodes: int, val_size: int, batch_size: int,

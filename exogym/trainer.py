@@ -14,24 +14,23 @@ import torch
 from exogym._validation import check_int
 from exogym.adapters import adaptable
 from exogym.backends.errors import DEFAULT_NODE_TIMEOUT
-from exogym.backends.sim import run_sim
-from exogym.backends.sim.processes import run_sim_launched, run_sim_processes
 from exogym.backends.sim.fused.choose import choose_execution
-from exogym.backends.torch.launch import launch_for_fit, run_torch
 from exogym.cluster.membership import RandomFailures, build_membership
 from exogym.cluster.network import Network
 from exogym.data.loader_options import loader_options
 from exogym.data.sharding import DatasetOrFactory, is_factory
 from exogym.engine.config import RunConfig
 from exogym.engine.devices import DeviceLike, memory_fraction, resolve_node_devices
-from exogym.engine.plan import RunPlan
+from exogym.engine.plan import RunPlan, RunSinks
 from exogym.engine.rng import GlobalRNGState
-from exogym.fit_end import ending, interrupt_on_sigterm, trace_non_finite
+from exogym.fit_end import ending, trace_non_finite
 from exogym.fit_plan import (FitArguments, FitRun as _Run, RunData, check_arguments, check_processes,
                              keeps_one_replica, resume_point, run_config)
 from exogym.fit_setup import (announce, build_node_batches, build_time_model, build_val_batches, check_node_memory,
                               check_trainable, claim_run_folders, partition_data, peak_memory_mb, resolve_logger,
                               run_name_of)
+from exogym.launch import BACKENDS as _BACKENDS, Launcher, choose_launcher, detect_environment
+from exogym.launch.environment import Environment
 from exogym.runs.checkpoint import CheckpointPlan, check_checkpoint_space
 from exogym.runs.fingerprint import run_fingerprint
 from exogym.runs.folder import check_writable
@@ -42,8 +41,7 @@ from exogym.strategy.base import Strategy
 
 __all__ = ["Trainer", "LocalTrainer", "BACKENDS"]
 
-_RUNNERS = {"sim": run_sim, "torch": run_torch}
-BACKENDS = tuple(_RUNNERS)
+BACKENDS = tuple(_BACKENDS)
 
 
 class Trainer:
@@ -165,11 +163,11 @@ class Trainer:
             o.port, self._next_port = self._next_port, self._next_port + 1
         check_arguments(o)
         check_processes(o)
-        run = self._plan(o)  # everything that can be checked is, before any node starts
+        run = self._plan(o, detect_environment())  # everything that can be checked is, before any node starts
         results = self._run(run)
         return self._finish(run, results)
 
-    def _plan(self, o: FitArguments) -> _Run:
+    def _plan(self, o: FitArguments, environment: Environment) -> _Run:
         """Validate the run against the model and data, build every node's data, the record's config, the run
         folder and the plan a backend starts."""
         time_model = build_time_model(o.num_nodes, o.network, o.node_speeds, o.device_flops, o.compute_time)
@@ -180,15 +178,16 @@ class Trainer:
         run_name = run_name_of(logger, o.run_name)  # None: a default name is claimed below
         if o.backend not in BACKENDS:
             raise ValueError(f"unknown backend {o.backend!r}; use one of {list(BACKENDS)}")
-        # Under torchrun (RANK, WORLD_SIZE set) backend="torch" runs only this process's node, backend="sim" this
-        # process's block of nodes; rank 0 logs.
-        launch = launch_for_fit(o.backend, o.num_nodes, processes=o.processes,
-                                checkpoint_dir_shared=o.checkpoint_interval is None or o.checkpoint_dir is not None
-                                or run_name is not None)
-        is_main = launch is None or launch.rank == 0
+        # Under torchrun backend="torch" runs only this process's node, backend="sim" this process's block of nodes;
+        # rank 0 logs.
+        launcher = choose_launcher(environment, o.backend, o.num_nodes, processes=o.processes, port=o.port,
+                                   checkpoint_dir_shared=o.checkpoint_interval is None or o.checkpoint_dir is not None
+                                   or run_name is not None)
+        is_main = launcher.is_main
         logger = logger if is_main else None
-        devices = self._node_devices(o, launch)
-        check_node_memory(o.num_nodes, model=self.model, one_replica=keeps_one_replica(o.strategy), devices=devices)
+        devices = self._node_devices(o, launcher)
+        check_node_memory(o.num_nodes, model=self.model, one_replica=keeps_one_replica(o.strategy), devices=devices,
+                          environment=environment)
         memory_cap = memory_fraction(o.max_memory_usage, devices)
         loader = loader_options(o.dataloader_kwargs, devices)
         if o.autocast and any(d.type == "cuda" and not torch.cuda.is_bf16_supported() for d in devices):
@@ -237,18 +236,18 @@ class Trainer:
                     check_checkpoint_space(checkpoints.root, self.model, o.num_nodes)
                     run.claim = checkpoints.check_owner(overwrite=o.overwrite, claim=run.claim)
             run.bar = RunProgress(data.total_steps, initial=resumed.step) if o.progress and is_main else None
-            live = LiveLog(logger, [launch.rank] if launch is not None and o.backend == "torch" else range(o.num_nodes),
-                           global_batch=o.num_nodes * o.batch_size, log_interval=o.log_interval,
+            live = LiveLog(logger, launcher.live_nodes(o.num_nodes), global_batch=o.num_nodes * o.batch_size, log_interval=o.log_interval,
                            last_step=data.total_steps, progress=run.bar)
             if resumed.states is not None:
                 live.add_resumed([state.log for state in resumed.states])  # the run's steps before its checkpoint
             run.plan = RunPlan(model=self.model, strategy=o.strategy, node_batches=data.node_batches,
-                               val_batches=data.val_batches, devices=devices, cfg=cfg, seed=o.seed, live=live,
+                               val_batches=data.val_batches, devices=devices, cfg=cfg, seed=o.seed,
                                checkpoints=checkpoints, resume=resumed.states, node_timeout=o.node_timeout,
-                               port=o.port, execution=execution,
-                               on_stuck=run.fail)  # a node stuck in native code: the folder says so, then exit
-            run.runner = _runner(o.backend, launch, o.processes)
-            config["processes"] = launch.world_size if launch is not None and o.backend == "sim" else o.processes
+                               execution=execution)
+            # a node stuck in native code: the folder says so, then the process exits
+            run.sinks = RunSinks(live, on_stuck=run.fail)
+            run.launcher = launcher
+            config["processes"] = launcher.processes if o.backend == "sim" else o.processes
             if logger is not None:
                 logger.start(config)
         except BaseException:
@@ -256,13 +255,12 @@ class Trainer:
             raise
         return run
 
-    def _node_devices(self, o: FitArguments, launch: Any) -> list[torch.device]:
+    def _node_devices(self, o: FitArguments, launcher: Launcher) -> list[torch.device]:
         """Each node's device (fit's device/devices, else the Trainer's); checkpoint_dir checked writable."""
         devices = resolve_node_devices(
             o.num_nodes, o.device if o.device is not None or o.devices is not None else self.device,
             o.devices if o.devices is not None or o.device is not None else self.devices)
-        if launch is not None:
-            devices = launch.node_devices(devices)
+        devices = launcher.node_devices(devices)
         if o.checkpoint_dir is not None:
             check_writable(o.checkpoint_dir, "checkpoint_dir")
         return devices
@@ -293,11 +291,10 @@ class Trainer:
         run.started = time.perf_counter()
         caller_rng = GlobalRNGState.capture()  # the caller's random streams are theirs: put them back after
         try:
-            with interrupt_on_sigterm():
-                run.memory_cap.apply()
-                return run.runner(run.plan)
+            run.memory_cap.apply()
+            return run.launcher.launch(run.plan, run.sinks)
         except BaseException as e:
-            error = trace_non_finite(e, run.plan.live.partial_logs())
+            error = trace_non_finite(e, run.sinks.live.partial_logs())
             self.record = run.fail(error)  # what the nodes trained, also on the exception
             with contextlib.suppress(AttributeError):  # an exception type without a __dict__ keeps its own form
                 error.record, error.run_folder = self.record, run.folder
@@ -337,15 +334,6 @@ def _note_interrupted(error: BaseException, run: _Run, steps: int) -> None:
     where = f" (run folder {run.folder})" if run.folder else ""
     if hasattr(error, "add_note"):
         error.add_note(f"exogym: the run was interrupted after {steps} trained step(s){where}; {how}")
-
-
-def _runner(backend: str, launch: Any, processes: int) -> Callable[[RunPlan], list[Any]]:
-    """What starts the nodes: the sim in this process, over several (fit's processes, or torchrun's), or torch's."""
-    if backend == "sim" and launch is not None:
-        return lambda plan: run_sim_launched(plan, launch.rank, launch.world_size)
-    if backend == "sim" and processes > 1:
-        return lambda plan: run_sim_processes(plan, processes)
-    return _RUNNERS[backend]
 
 
 LocalTrainer = Trainer

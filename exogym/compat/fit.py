@@ -17,7 +17,6 @@ Settings that had no effect are listed apart in config.json (exogym.fit_setup.no
 from __future__ import annotations
 
 import inspect
-import os
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -194,10 +193,11 @@ def _keep_earlier_run(merged: dict[str, Any], checkpoints: Path | None) -> None:
     """Rerunning a command written for the original: a run name whose folders hold a run that has ended moves that
     run aside (kept, renamed for when it started), so this run writes where the script reads. A running one is
     left alone (fit then refuses, naming it). Default names never collide, so there is nothing to do for them."""
+    from exogym.launch.environment import detect_environment
     from exogym.runs.folder import move_aside
     from exogym.runs.loggers import Logger, _FolderLogger
 
-    if os.environ.get("RANK", "0") != "0":
+    if not detect_environment().is_main:
         return  # under torchrun the process of rank 0 holds the run folders (the others write none)
     logger = merged.get("logger")
     given = [logger] if isinstance(logger, Logger) else list(logger) if isinstance(logger, (list, tuple)) else []

@@ -1,10 +1,11 @@
-"""RunPlan: everything a backend needs to start the nodes of one validated run."""
+"""RunPlan: everything a backend needs to start the nodes of one validated run (data only, sent to every process);
+RunSinks: where one process's nodes report while they run (process-local, never sent)."""
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -13,11 +14,34 @@ from exogym.data.sharding import NodeBatches
 from exogym.engine.config import RunConfig
 from exogym.engine.execution import Execution
 from exogym.engine.node import TrainNode
-from exogym.runs.record import LiveLog
 from exogym.engine.rng import GlobalRNGState, NodeRNG, NumpyBaton, node_seed
 from exogym.strategy.context import KeepOnce, own_copy
 
-__all__ = ["RunPlan"]
+__all__ = ["RunPlan", "RunSinks", "RowSink"]
+
+
+class RowSink(Protocol):
+    """Where a node's rows go while it runs: the run's LiveLog in the caller, or a process's pipe to it."""
+
+    def add_rows(self, rank: int, rows: list[dict[str, float]]) -> None: ...
+
+    def add_row(self, table: str, row: dict[str, float]) -> None: ...
+
+
+@dataclass
+class RunSinks:
+    """Where the nodes of one process report while they run; made in that process, never pickled.
+
+    Attributes:
+        live: the nodes' rows (every 10 steps, and when the run stops): the run's LiveLog in the caller, a
+            forwarder to it in a launched process.
+        on_stuck: called (from the sim's watchdog thread) with the NodeTimeoutError when a node stays stuck in
+            native code past node_timeout and a grace period; the process then exits
+            (exogym.backends.sim.watchdog). None: the message goes to stderr only.
+    """
+
+    live: RowSink
+    on_stuck: Callable[[BaseException], None] | None = None
 
 
 @dataclass
@@ -35,29 +59,23 @@ class RunPlan:
     devices: list[torch.device]
     cfg: RunConfig
     seed: int
-    live: LiveLog  # the sim shares one across nodes; a torch.distributed process keeps its own
     checkpoints: CheckpointPlan | None = None
     resume: list[NodeState] | None = None  # per node, from load_checkpoint
     node_timeout: float | None = None  # seconds a node may run without progress (fit's node_timeout); None: no limit
-    port: int | None = None  # backend='torch' spawned by fit: the rendezvous port (None: a free one)
     execution: str = "sequential"  # or "fused" (sim backend: one batched forward/backward, exogym.backends.sim.fused)
-    # Called (from the sim's watchdog thread) with the NodeTimeoutError when a node stays stuck in native code past
-    # node_timeout and a grace period; the process then exits (exogym.backends.sim.watchdog). Not sent to other
-    # processes: a simulating process reports to the caller instead. None: the message goes to stderr only.
-    on_stuck: Callable[[BaseException], None] | None = None
 
     @property
     def num_nodes(self) -> int:
         return self.cfg.num_nodes
 
-    def make_node(self, rank: int, start_time: float, *, execution: Execution | None = None,
+    def make_node(self, rank: int, start_time: float, live: RowSink, *, execution: Execution | None = None,
                   keep_once: KeepOnce = own_copy) -> TrainNode:
         # Each node trains its own copy of the model and the strategy (a resumed node then loads its saved
         # state into them); the user's objects stay untouched.
         state = self.resume[rank] if self.resume is not None else None
         model, strategy = copy.deepcopy(self.model), copy.deepcopy(self.strategy)
         return TrainNode(rank, model, strategy, self.node_batches[rank], self.val_batches if rank == 0 else None,
-                         self.devices[rank], self.cfg, start_time, self.live, resume=state,
+                         self.devices[rank], self.cfg, start_time, live, resume=state,
                          checkpoints=self.checkpoints, execution=execution, keep_once=keep_once)
 
     def node_rng(self, rank: int, baton: NumpyBaton | None = None) -> NodeRNG:

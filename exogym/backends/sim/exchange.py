@@ -36,25 +36,9 @@ from exogym.backends.sim.baton import CollectiveCall, Pending
 from exogym.backends.sim.crossing import OPS
 from exogym.comm.transport import CollectiveError
 
-__all__ = ["Exchange", "Crossing", "block_of", "blocks"]
+__all__ = ["Exchange", "Crossing"]
 
 _CONFIRM_S = 1.0  # and a deadlock is declared when every process has told so twice, this far apart
-
-
-def blocks(num_nodes: int, processes: int) -> list[range]:
-    """Contiguous blocks of nodes, one per process, sizes differing by at most one (the first ones larger)."""
-    size, extra = divmod(num_nodes, processes)
-    out, start = [], 0
-    for p in range(processes):
-        n = size + (p < extra)
-        out.append(range(start, start + n))
-        start += n
-    return out
-
-
-def block_of(num_nodes: int, processes: int) -> list[int]:
-    """The process of each node."""
-    return [p for p, b in enumerate(blocks(num_nodes, processes)) for _ in b]
 
 
 def _hash(*parts: Any) -> int:
