@@ -1,15 +1,14 @@
 """The parts of one Trainer.fit call: its arguments checked, its data, where it resumes, the record's config, and
-the run on its way (what must be closed, released or reported however the run ends)."""
+the plan they make (FitPlan: data, before anything is claimed, started or printed)."""
 
 from __future__ import annotations
 
-import contextlib
 import math
-import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -19,18 +18,14 @@ from exogym.cluster.membership import Membership
 from exogym.data.partition import Partition
 from exogym.data.sharding import NodeBatches
 from exogym.engine.devices import MemoryCap
-from exogym.engine.plan import RunPlan, RunSinks
-from exogym.fit_end import ending
+from exogym.engine.plan import RunPlan
 from exogym.fit_setup import check_node_memory, take_ignored_settings, versions
 from exogym.runs.checkpoint import NodeState, check_resume, find_checkpoint, load_checkpoint, read_manifest
-from exogym.runs.folder import RunClaim
 from exogym.runs.loggers import Logger
-from exogym.runs.progress import RunProgress
-from exogym.runs.record import RunRecord
 from exogym.strategy.base import Strategy
 
-__all__ = ["FitArguments", "check_arguments", "check_processes", "RunData", "ResumePoint", "resume_point", "run_config", "FitRun",
-           "keeps_one_replica"]
+__all__ = ["FitArguments", "check_arguments", "check_processes", "RunData", "ResumePoint", "resume_point", "run_config", "FitPlan",
+           "CheckpointSpec", "keeps_one_replica"]
 
 
 class FitArguments(SimpleNamespace):
@@ -110,10 +105,11 @@ class ResumePoint:
     run_name: str | None = None  # the resumed run's own name, when it continues in its own folder
     after: int | None = None  # that folder's rows after this step are dropped
     record: dict[str, Any] | None = None  # what the record's config says of the resume
+    message: str | None = None  # what the run's start says of the resume
 
 
 def resume_point(resume_from: Any, fingerprint: dict[str, Any], devices: list[torch.device], *,
-                 run_name: str | None, extend: bool, max_steps: int, announce: bool) -> ResumePoint:
+                 run_name: str | None, extend: bool, max_steps: int) -> ResumePoint:
     """The same run, or a refusal listing what differs, before any node starts."""
     if resume_from is None:
         return ResumePoint(uuid.uuid4().hex)
@@ -129,8 +125,7 @@ def resume_point(resume_from: Any, fingerprint: dict[str, Any], devices: list[to
         point.record["extended"] = {
             "from_max_steps": manifest["fingerprint"]["max_steps"], "to_max_steps": max_steps,
             "lr_schedule": "kept its original length: after it ends, its last learning rate continues"}
-    if announce:
-        print(f"exogym: resuming run {manifest.get('run_name')!r} from step {manifest['step']} ({folder})", flush=True)
+    point.message = f"exogym: resuming run {manifest.get('run_name')!r} from step {manifest['step']} ({folder})"
     return point
 
 
@@ -175,51 +170,54 @@ def run_config(o: FitArguments, *, model: torch.nn.Module, data: RunData, time_m
     return config
 
 
-@dataclass
-class FitRun:
-    """One run on its way: the plan a backend starts, and what must be closed, released or reported however the
-    run ends."""
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """Where and how often a run saves: `root` None is the run folder's checkpoints/ (known once it is claimed)."""
 
+    root: Path | None
+    interval: int
+    keep: int
+
+
+@dataclass
+class FitPlan:
+    """What a fit call will do, checked and built before anything is claimed, started or printed
+    (exogym.lifecycle.RunLifecycle does those).
+
+    Attributes:
+        run: the plan the launcher's processes run (its checkpoints are set once the run folder is claimed).
+        launcher: who runs it.
+        config: the record's config (run_name and processes are added as the run opens).
+        logger: the run's loggers (None: none, or not the main process).
+        run_name: the run's explicit name (None: a default name is claimed).
+        resumed: where the run starts.
+        fingerprint: what a checkpoint of this run must match.
+        checkpoints: where and how often it saves (None: it does not).
+        default_checkpoints: the checkpoints go under logs/<run_name>/ (fit's checkpoint_dir was not given).
+        overwrite: fit's overwrite.
+        devices: each node's device.
+        memory_cap: the device memory caps applied while the run runs.
+        time_model: the simulated time's model, for the run's announcement.
+        log_interval: every log_interval-th step's row goes to the loggers.
+        processes: what the record's config says of the processes.
+        is_main: this process holds the run folders and the loggers.
+        show_progress: the announcement and the progress bar are shown.
+    """
+
+    run: RunPlan
+    launcher: Any
     config: dict[str, Any]
     logger: Logger | None
-    claim: RunClaim | None
-    memory_cap: MemoryCap
+    run_name: str | None
+    resumed: ResumePoint
+    fingerprint: dict[str, Any]
+    checkpoints: CheckpointSpec | None
+    default_checkpoints: bool
+    overwrite: bool
     devices: list[torch.device]
-    bar: RunProgress | None = None
-    plan: RunPlan | None = None
-    sinks: RunSinks | None = None
-    launcher: Any = None  # the exogym.launch.Launcher that runs the plan
-    started: float = field(default_factory=time.perf_counter)
-
-    def abandon(self) -> None:
-        """Nothing ran: the bar goes, and the claimed run folder is given back."""
-        if self.bar is not None:
-            self.bar.close()
-        if self.claim is not None:
-            self.claim.abandon()
-
-    def fail(self, error: BaseException) -> RunRecord | None:
-        """The nodes ran and stopped part-way: the record of every step they all completed (also to the loggers),
-        and the loggers and the run folder say how the run ended (exogym.fit_end.ending)."""
-        record = None
-        if self.plan is not None:
-            with contextlib.suppress(Exception):  # e.g. a full disk under the logger: the record keeps the row
-                self.sinks.live.log_newest_row()
-            record = RunRecord.from_nodes(self.sinks.live.partial_logs(), config=self.config,
-                                          global_batch=self.config["global_batch"],
-                                          wall_time_s=time.perf_counter() - self.started)
-        end = ending(error, self.plan.checkpoints.root if self.plan is not None and self.plan.checkpoints else None)
-        if self.bar is not None:
-            self.bar.close()
-        if self.logger is not None:
-            self.logger.finish({**end, **(record.summary() if record is not None else {})})
-        if self.claim is not None:
-            self.claim.release(end["status"], end.get("error"))
-        return record
-
-    @property
-    def folder(self) -> str | None:
-        """The run folder (the first, when the loggers write several), once claimed; None when there is none (a
-        run that failed before its first training row gives its folder back)."""
-        folders = [f for f in self.claim.folders if f.is_dir()] if self.claim is not None else []
-        return str(folders[0]) if folders else None
+    memory_cap: MemoryCap
+    time_model: Any
+    log_interval: int
+    processes: int
+    is_main: bool
+    show_progress: bool

@@ -1,11 +1,9 @@
-"""Trainer.fit: validate everything, assemble the nodes, run them on a backend, return the global model."""
+"""Trainer.fit: validate everything into a plan, open the run (exogym.lifecycle), launch it (exogym.launch), return
+the global model."""
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import os
-import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -21,22 +19,18 @@ from exogym.data.loader_options import loader_options
 from exogym.data.sharding import DatasetOrFactory, is_factory
 from exogym.engine.config import RunConfig
 from exogym.engine.devices import DeviceLike, memory_fraction, resolve_node_devices
-from exogym.engine.plan import RunPlan, RunSinks
-from exogym.engine.rng import GlobalRNGState
-from exogym.fit_end import ending, trace_non_finite
-from exogym.fit_plan import (FitArguments, FitRun as _Run, RunData, check_arguments, check_processes,
+from exogym.engine.plan import RunPlan
+from exogym.fit_plan import (CheckpointSpec, FitArguments, FitPlan, RunData, check_arguments, check_processes,
                              keeps_one_replica, resume_point, run_config)
-from exogym.fit_setup import (announce, build_node_batches, build_time_model, build_val_batches, check_node_memory,
-                              check_trainable, claim_run_folders, partition_data, peak_memory_mb, resolve_logger,
-                              run_name_of)
+from exogym.fit_setup import (build_node_batches, build_time_model, build_val_batches, check_node_memory,
+                              check_trainable, partition_data, resolve_logger, run_name_of)
+from exogym.lifecycle import RunLifecycle
 from exogym.launch import BACKENDS as _BACKENDS, Launcher, choose_launcher, detect_environment
 from exogym.launch.environment import Environment
-from exogym.runs.checkpoint import CheckpointPlan, check_checkpoint_space
 from exogym.runs.fingerprint import run_fingerprint
 from exogym.runs.folder import check_writable
-from exogym.runs.loggers import Logger, default_run_name
-from exogym.runs.progress import RunProgress
-from exogym.runs.record import LiveLog, RunRecord
+from exogym.runs.loggers import Logger
+from exogym.runs.record import RunRecord
 from exogym.strategy.base import Strategy
 
 __all__ = ["Trainer", "LocalTrainer", "BACKENDS"]
@@ -163,19 +157,26 @@ class Trainer:
             o.port, self._next_port = self._next_port, self._next_port + 1
         check_arguments(o)
         check_processes(o)
-        run = self._plan(o, detect_environment())  # everything that can be checked is, before any node starts
-        results = self._run(run)
-        return self._finish(run, results)
+        plan = self._plan(o, detect_environment())  # everything that can be checked is, before any node starts
+        run = RunLifecycle(plan)
+        run.open()
+        try:
+            results = run.launch()
+        finally:
+            self.record = run.record  # what the nodes trained, also when they stopped part-way
+        model = run.complete(results)
+        self.record = run.record
+        return model
 
-    def _plan(self, o: FitArguments, environment: Environment) -> _Run:
-        """Validate the run against the model and data, build every node's data, the record's config, the run
-        folder and the plan a backend starts."""
+    def _plan(self, o: FitArguments, environment: Environment) -> FitPlan:
+        """Validate the run against the model and data; build every node's data, the record's config and the plan
+        a launcher starts. Nothing is claimed, started or printed here (exogym.lifecycle does that)."""
         time_model = build_time_model(o.num_nodes, o.network, o.node_speeds, o.device_flops, o.compute_time)
         minibatch_size = o.batch_size if o.minibatch_size is None else o.minibatch_size
         if minibatch_size > o.batch_size or o.batch_size % minibatch_size:
             raise ValueError(f"minibatch_size must divide batch_size={o.batch_size}, got {minibatch_size}")
         logger = resolve_logger(o.logger, o.run_name)
-        run_name = run_name_of(logger, o.run_name)  # None: a default name is claimed below
+        run_name = run_name_of(logger, o.run_name)  # None: a default name is claimed as the run opens
         if o.backend not in BACKENDS:
             raise ValueError(f"unknown backend {o.backend!r}; use one of {list(BACKENDS)}")
         # Under torchrun backend="torch" runs only this process's node, backend="sim" this process's block of nodes;
@@ -209,51 +210,24 @@ class Trainer:
             optim_spec=getattr(o.strategy, "optim_spec", None), one_replica=keeps_one_replica(o.strategy))
         config = run_config(o, model=self.model, data=data, time_model=time_model, devices=devices, loader=loader,
                             execution=(execution, execution_why))
-        if o.progress and is_main:
-            announce(config, time_model)
         fingerprint = run_fingerprint(config, self.model, [nb.shard_size for nb in data.node_batches])
         resumed = resume_point(o.resume_from, fingerprint, devices, run_name=run_name, extend=o.extend_run,
-                               max_steps=data.total_steps, announce=o.progress and is_main)
+                               max_steps=data.total_steps)
         if resumed.record is not None:
             config["resumed"] = resumed.record
-        # The run folder(s), claimed last: everything that can be checked before any node starts has been.
-        default_ckpt = o.checkpoint_dir is None and o.checkpoint_interval is not None
-        claim = claim_run_folders(logger, resumed.run_name if resumed.run_name is not None else run_name,
-                                  default_run_name({"strategy": type(o.strategy).__name__, "num_nodes": o.num_nodes}),
-                                  extra_roots=["logs"] if default_ckpt and is_main else [], overwrite=o.overwrite,
-                                  resume_after=resumed.after) if is_main else None
-        run_name = claim.name if claim is not None else resumed.run_name or run_name or default_run_name(config)
-        config["run_name"] = run_name
-        run = _Run(config=config, logger=logger, claim=claim, memory_cap=memory_cap, devices=devices)
-        try:
-            checkpoints = None
-            if o.checkpoint_interval is not None or o.checkpoint_dir is not None:  # a folder alone: one, at the end
-                root = Path(o.checkpoint_dir) if o.checkpoint_dir is not None else Path("logs") / run_name / "checkpoints"
-                checkpoints = CheckpointPlan(check_writable(root, "checkpoint_dir"),
-                                             o.checkpoint_interval or data.total_steps, o.keep_checkpoints, config,
-                                             resumed.run_id, fingerprint)
-                if is_main:  # the process claiming the run folders holds the checkpoint folder for the run
-                    check_checkpoint_space(checkpoints.root, self.model, o.num_nodes)
-                    run.claim = checkpoints.check_owner(overwrite=o.overwrite, claim=run.claim)
-            run.bar = RunProgress(data.total_steps, initial=resumed.step) if o.progress and is_main else None
-            live = LiveLog(logger, launcher.live_nodes(o.num_nodes), global_batch=o.num_nodes * o.batch_size, log_interval=o.log_interval,
-                           last_step=data.total_steps, progress=run.bar)
-            if resumed.states is not None:
-                live.add_resumed([state.log for state in resumed.states])  # the run's steps before its checkpoint
-            run.plan = RunPlan(model=self.model, strategy=o.strategy, node_batches=data.node_batches,
-                               val_batches=data.val_batches, devices=devices, cfg=cfg, seed=o.seed,
-                               checkpoints=checkpoints, resume=resumed.states, node_timeout=o.node_timeout,
-                               execution=execution)
-            # a node stuck in native code: the folder says so, then the process exits
-            run.sinks = RunSinks(live, on_stuck=run.fail)
-            run.launcher = launcher
-            config["processes"] = launcher.processes if o.backend == "sim" else o.processes
-            if logger is not None:
-                logger.start(config)
-        except BaseException:
-            run.abandon()
-            raise
-        return run
+        checkpoints = None
+        if o.checkpoint_interval is not None or o.checkpoint_dir is not None:  # a folder alone: one, at the end
+            checkpoints = CheckpointSpec(Path(o.checkpoint_dir) if o.checkpoint_dir is not None else None,
+                                         o.checkpoint_interval or data.total_steps, o.keep_checkpoints)
+        run = RunPlan(model=self.model, strategy=o.strategy, node_batches=data.node_batches,
+                      val_batches=data.val_batches, devices=devices, cfg=cfg, seed=o.seed, resume=resumed.states,
+                      node_timeout=o.node_timeout, execution=execution)
+        return FitPlan(run=run, launcher=launcher, config=config, logger=logger, run_name=run_name, resumed=resumed,
+                       fingerprint=fingerprint, checkpoints=checkpoints,
+                       default_checkpoints=o.checkpoint_dir is None and o.checkpoint_interval is not None,
+                       overwrite=o.overwrite, devices=devices, memory_cap=memory_cap, time_model=time_model,
+                       log_interval=o.log_interval, processes=launcher.processes if o.backend == "sim" else o.processes,
+                       is_main=is_main, show_progress=o.progress and is_main)
 
     def _node_devices(self, o: FitArguments, launcher: Launcher) -> list[torch.device]:
         """Each node's device (fit's device/devices, else the Trainer's); checkpoint_dir checked writable."""
@@ -285,55 +259,6 @@ class Trainer:
                 raise ValueError(f"{type(o.strategy).__name__} cannot run with failures or active_nodes (see its "
                                  "docstring); drop them or use another strategy")
         return RunData(split, node_batches, steps_per_epoch, total_steps, val_batches, val_size, membership)
-
-    def _run(self, run: _Run) -> list[Any]:
-        """Start the nodes on the backend; the caller's random streams and memory caps are put back after."""
-        run.started = time.perf_counter()
-        caller_rng = GlobalRNGState.capture()  # the caller's random streams are theirs: put them back after
-        try:
-            run.memory_cap.apply()
-            return run.launcher.launch(run.plan, run.sinks)
-        except BaseException as e:
-            error = trace_non_finite(e, run.sinks.live.partial_logs())
-            self.record = run.fail(error)  # what the nodes trained, also on the exception
-            with contextlib.suppress(AttributeError):  # an exception type without a __dict__ keeps its own form
-                error.record, error.run_folder = self.record, run.folder
-            if isinstance(error, KeyboardInterrupt):
-                _note_interrupted(error, run, len(self.record.train) if self.record is not None else 0)
-            if error is e:
-                raise
-            raise error from None
-        finally:
-            caller_rng.restore()
-            run.memory_cap.reset()
-
-    def _finish(self, run: _Run, results: list[Any]) -> torch.nn.Module:
-        """The record of the run (also to the loggers and the run folder), and the global model as a new module."""
-        logs, final_state = [log for log, _ in results], results[0][1]
-        config = run.config
-        self.record = RunRecord.from_nodes(logs, config=config, global_batch=config["global_batch"],
-                                           wall_time_s=time.perf_counter() - run.started,
-                                           peak_memory_mb=peak_memory_mb(run.devices))
-        if run.bar is not None:
-            run.bar.close(self.record.summary())
-        if run.logger is not None:
-            run.logger.finish({"status": "completed", **self.record.summary()})
-        if run.claim is not None:
-            run.claim.release("completed")
-        final_model = copy.deepcopy(self.model).to(run.devices[0])
-        final_model.load_state_dict(final_state, strict=True)
-        return final_model
-
-
-def _note_interrupted(error: BaseException, run: _Run, steps: int) -> None:
-    """Say where an interrupted run stands and how to continue it."""
-    checkpoints = run.plan.checkpoints if run.plan is not None else None
-    newest = ending(error, checkpoints.root if checkpoints is not None else None)["resume_from"]
-    how = (f"continue it with fit(..., resume_from={newest!r})" if newest is not None else
-           "it had no checkpoint to resume from (fit's checkpoint_interval saves them)")
-    where = f" (run folder {run.folder})" if run.folder else ""
-    if hasattr(error, "add_note"):
-        error.add_note(f"exogym: the run was interrupted after {steps} trained step(s){where}; {how}")
 
 
 LocalTrainer = Trainer
