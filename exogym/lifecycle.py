@@ -17,8 +17,10 @@ import torch
 
 from exogym.engine.plan import RunSinks
 from exogym.engine.rng import GlobalRNGState
+from exogym.cluster.simtime import TimeModel
+from exogym.fit_loggers import claim_run_folders
+from exogym.fit_nodes import peak_memory_mb
 from exogym.fit_plan import FitPlan
-from exogym.fit_setup import announce, claim_run_folders, peak_memory_mb
 from exogym.run_end import COMPLETED, INTERRUPTED, Ending, trace_non_finite
 from exogym.runs.checkpoint import CheckpointPlan, check_checkpoint_space
 from exogym.runs.folder import RunClaim, check_writable
@@ -26,7 +28,7 @@ from exogym.runs.loggers import default_run_name
 from exogym.runs.progress import RunProgress
 from exogym.runs.record import LiveLog, RunRecord
 
-__all__ = ["RunLifecycle"]
+__all__ = ["RunLifecycle", "announce"]
 
 
 class RunLifecycle:
@@ -188,3 +190,18 @@ class RunLifecycle:
         run that failed before its first training row gives its folder back)."""
         folders = [f for f in self.claim.folders if f.is_dir()] if self.claim is not None else []
         return str(folders[0]) if folders else None
+
+
+def announce(config: dict[str, Any], time_model: TimeModel | None) -> None:
+    """The derived numbers of a run, shown once at its start."""
+    c = config
+    print(f"exogym: {c['strategy']} on {c['num_nodes']} node(s) [{c['backend']}, {c['devices'][0]}], "
+          f"{c['parameters']:,} parameters; batch {c['batch_size']}/node = {c['global_batch']} global; "
+          f"{c['max_steps']} steps ({c['steps_per_epoch']} per epoch); validation on {c['val_size']} examples "
+          f"every {c['val_interval']} steps", flush=True)
+    if time_model is not None:
+        compute = ("measured wall time" if time_model.measured else
+                   f"counted FLOPs at {', '.join(f'{f:.3g}' for f in sorted(set(time_model.device_flops)))} "
+                   "FLOP/s per node")
+        print(f"exogym: simulated time on {time_model.network}; compute from {compute}; node speeds "
+              f"{list(time_model.node_speeds)}", flush=True)

@@ -4,7 +4,6 @@ the global model."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -12,23 +11,14 @@ import torch
 from exogym._validation import check_int
 from exogym.adapters import adaptable
 from exogym.backends.errors import DEFAULT_NODE_TIMEOUT
-from exogym.backends.sim.fused.choose import choose_execution
-from exogym.cluster.membership import RandomFailures, build_membership
+from exogym.cluster.membership import RandomFailures
 from exogym.cluster.network import Network
-from exogym.data.loader_options import loader_options
 from exogym.data.sharding import DatasetOrFactory, is_factory
-from exogym.engine.config import RunConfig
-from exogym.engine.devices import DeviceLike, memory_fraction, resolve_node_devices
-from exogym.engine.plan import RunPlan
-from exogym.fit_plan import (CheckpointSpec, FitArguments, FitPlan, RunData, check_arguments, check_processes,
-                             keeps_one_replica, resume_point, run_config)
-from exogym.fit_setup import (build_node_batches, build_time_model, build_val_batches, check_node_memory,
-                              check_trainable, partition_data, resolve_logger, run_name_of)
+from exogym.engine.devices import DeviceLike
+from exogym.fit_config import FitConfig, take_ignored_settings
+from exogym.fit_plan import build_plan
+from exogym.launch import BACKENDS as _BACKENDS, detect_environment
 from exogym.lifecycle import RunLifecycle
-from exogym.launch import BACKENDS as _BACKENDS, Launcher, choose_launcher, detect_environment
-from exogym.launch.environment import Environment
-from exogym.runs.fingerprint import run_fingerprint
-from exogym.runs.folder import check_writable
 from exogym.runs.loggers import Logger
 from exogym.runs.record import RunRecord
 from exogym.strategy.base import Strategy
@@ -152,12 +142,14 @@ class Trainer:
         spawns the node processes (default: a free one the OS picks); unused by the sim and under torchrun.
         extra_config: a dict recorded in config.json under "extra" (the original's fit(kwargs=...)).
         """
-        o = FitArguments(**{k: v for k, v in locals().items() if k != "self"})
-        if o.port is None and self._next_port is not None:  # the original's start_port: one port per fit call
-            o.port, self._next_port = self._next_port, self._next_port + 1
-        check_arguments(o)
-        check_processes(o)
-        plan = self._plan(o, detect_environment())  # everything that can be checked is, before any node starts
+        arguments = {k: v for k, v in locals().items() if k != "self"}
+        ignored = take_ignored_settings()  # what an adapter of this call dropped: config.json lists it apart
+        if port is None and self._next_port is not None:  # the original's start_port: one port per fit call
+            arguments["port"], self._next_port = self._next_port, self._next_port + 1
+        config = FitConfig.from_arguments(arguments, ignored=ignored)
+        # Everything that can be checked is, before any node starts; nothing is claimed or started yet.
+        plan = build_plan(config, model=self.model, train_dataset=self.train_dataset, val_dataset=self.val_dataset,
+                          device=self.device, devices=self.devices, environment=detect_environment())
         run = RunLifecycle(plan)
         run.open()
         try:
@@ -167,98 +159,6 @@ class Trainer:
         model = run.complete(results)
         self.record = run.record
         return model
-
-    def _plan(self, o: FitArguments, environment: Environment) -> FitPlan:
-        """Validate the run against the model and data; build every node's data, the record's config and the plan
-        a launcher starts. Nothing is claimed, started or printed here (exogym.lifecycle does that)."""
-        time_model = build_time_model(o.num_nodes, o.network, o.node_speeds, o.device_flops, o.compute_time)
-        minibatch_size = o.batch_size if o.minibatch_size is None else o.minibatch_size
-        if minibatch_size > o.batch_size or o.batch_size % minibatch_size:
-            raise ValueError(f"minibatch_size must divide batch_size={o.batch_size}, got {minibatch_size}")
-        logger = resolve_logger(o.logger, o.run_name)
-        run_name = run_name_of(logger, o.run_name)  # None: a default name is claimed as the run opens
-        if o.backend not in BACKENDS:
-            raise ValueError(f"unknown backend {o.backend!r}; use one of {list(BACKENDS)}")
-        # Under torchrun backend="torch" runs only this process's node, backend="sim" this process's block of nodes;
-        # rank 0 logs.
-        launcher = choose_launcher(environment, o.backend, o.num_nodes, processes=o.processes, port=o.port,
-                                   checkpoint_dir_shared=o.checkpoint_interval is None or o.checkpoint_dir is not None
-                                   or run_name is not None)
-        is_main = launcher.is_main
-        logger = logger if is_main else None
-        devices = self._node_devices(o, launcher)
-        check_node_memory(o.num_nodes, model=self.model, one_replica=keeps_one_replica(o.strategy), devices=devices,
-                          environment=environment)
-        memory_cap = memory_fraction(o.max_memory_usage, devices)
-        loader = loader_options(o.dataloader_kwargs, devices)
-        if o.autocast and any(d.type == "cuda" and not torch.cuda.is_bf16_supported() for d in devices):
-            raise ValueError("autocast=True trains in bfloat16, which this GPU does not support; use autocast=False")
-        data = self._data(o, loader)
-        check_trainable(self.model)  # before the execution probe, which would build an optimizer of nothing
-        cfg = RunConfig(num_nodes=o.num_nodes, max_steps=data.total_steps, batch_size=o.batch_size,
-                        minibatch_size=minibatch_size, val_interval=o.val_interval,
-                        log_interval=max(o.log_interval, 10),  # the nodes' host syncs of the loss; loggers: below
-                        autocast=o.autocast, validate=data.val_batches is not None,
-                        diagnostics_interval=o.diagnostics_interval, time_model=time_model,
-                        steps_per_epoch=data.steps_per_epoch, membership=data.membership,
-                        shard_sizes=tuple(nb.shard_size for nb in data.node_batches),
-                        shard_steps=tuple(nb.steps_per_epoch for nb in data.node_batches))
-        execution, execution_why = choose_execution(
-            o.execution, model=self.model, first_batch=lambda: next(data.node_batches[0].iterate(from_step=0)),
-            num_nodes=o.num_nodes, devices=devices, backend=o.backend, minibatch_size=minibatch_size,
-            autocast=o.autocast, seed=o.seed, resume_from=o.resume_from,
-            optim_spec=getattr(o.strategy, "optim_spec", None), one_replica=keeps_one_replica(o.strategy))
-        config = run_config(o, model=self.model, data=data, time_model=time_model, devices=devices, loader=loader,
-                            execution=(execution, execution_why))
-        fingerprint = run_fingerprint(config, self.model, [nb.shard_size for nb in data.node_batches])
-        resumed = resume_point(o.resume_from, fingerprint, devices, run_name=run_name, extend=o.extend_run,
-                               max_steps=data.total_steps)
-        if resumed.record is not None:
-            config["resumed"] = resumed.record
-        checkpoints = None
-        if o.checkpoint_interval is not None or o.checkpoint_dir is not None:  # a folder alone: one, at the end
-            checkpoints = CheckpointSpec(Path(o.checkpoint_dir) if o.checkpoint_dir is not None else None,
-                                         o.checkpoint_interval or data.total_steps, o.keep_checkpoints)
-        run = RunPlan(model=self.model, strategy=o.strategy, node_batches=data.node_batches,
-                      val_batches=data.val_batches, devices=devices, cfg=cfg, seed=o.seed, resume=resumed.states,
-                      node_timeout=o.node_timeout, execution=execution)
-        return FitPlan(run=run, launcher=launcher, config=config, logger=logger, run_name=run_name, resumed=resumed,
-                       fingerprint=fingerprint, checkpoints=checkpoints,
-                       default_checkpoints=o.checkpoint_dir is None and o.checkpoint_interval is not None,
-                       overwrite=o.overwrite, devices=devices, memory_cap=memory_cap, time_model=time_model,
-                       log_interval=o.log_interval, processes=launcher.processes if o.backend == "sim" else o.processes,
-                       is_main=is_main, show_progress=o.progress and is_main)
-
-    def _node_devices(self, o: FitArguments, launcher: Launcher) -> list[torch.device]:
-        """Each node's device (fit's device/devices, else the Trainer's); checkpoint_dir checked writable."""
-        devices = resolve_node_devices(
-            o.num_nodes, o.device if o.device is not None or o.devices is not None else self.device,
-            o.devices if o.devices is not None or o.device is not None else self.devices)
-        devices = launcher.node_devices(devices)
-        if o.checkpoint_dir is not None:
-            check_writable(o.checkpoint_dir, "checkpoint_dir")
-        return devices
-
-    def _data(self, o: FitArguments, loader: dict[str, Any]) -> RunData:
-        """Every node's batches, the fixed validation batches and who is up when, checked before any node starts."""
-        split = partition_data(self.train_dataset, o.partition, o.dirichlet_alpha, o.num_nodes, o.batch_size, o.seed,
-                               shards_per_node=o.shards_per_node)
-        node_batches = build_node_batches(self.train_dataset, split, num_nodes=o.num_nodes, batch_size=o.batch_size,
-                                          shuffle=o.shuffle, seed=o.seed, loader=loader)
-        steps_per_epoch = min(nb.steps_per_epoch for nb in node_batches)
-        total_steps = o.max_steps if o.max_steps is not None else o.num_epochs * steps_per_epoch
-        val_batches, val_size = build_val_batches(self.val_dataset, num_nodes=o.num_nodes, val_size=o.val_size,
-                                                  batch_size=o.batch_size, seed=o.seed,
-                                                  collate_fn=loader.get("collate_fn"))
-        membership = build_membership(o.num_nodes, total_steps, o.failures, o.active_nodes)
-        if membership is not None:
-            if o.backend != "sim":
-                raise ValueError(f"failures and active_nodes are simulated by backend='sim'; on backend={o.backend!r} "
-                                 "the nodes are real processes that do not fail on a schedule")
-            if not o.strategy.supports_membership_changes:
-                raise ValueError(f"{type(o.strategy).__name__} cannot run with failures or active_nodes (see its "
-                                 "docstring); drop them or use another strategy")
-        return RunData(split, node_batches, steps_per_epoch, total_steps, val_batches, val_size, membership)
 
 
 LocalTrainer = Trainer

@@ -11,7 +11,7 @@ original's scripts expect of a rerun and of their run folders:
   command can be run again and loses nothing (this library's own spelling keeps refusing a taken run_name);
 - save_dir= is the folder of checkpoints when checkpoint_interval is given, and nothing is written otherwise;
 - log_x_axis without W&B has no effect, said by one warning.
-Settings that had no effect are listed apart in config.json (exogym.fit_setup.note_ignored_settings).
+Settings that had no effect are listed apart in config.json (exogym.fit_config.note_ignored_settings).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def fit_arguments(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
     _loggers(merged, ignored)
     if not merged.get("overwrite") and merged.get("resume_from") is None:
         _keep_earlier_run(merged, checkpoints)
-    from exogym.fit_setup import note_ignored_settings
+    from exogym.fit_config import note_ignored_settings
     note_ignored_settings(ignored)  # last: nothing here raises after it
     return merged
 
