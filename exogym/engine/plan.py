@@ -15,7 +15,7 @@ from exogym.engine.config import RunConfig
 from exogym.engine.execution import Execution
 from exogym.engine.node import TrainNode
 from exogym.engine.rng import GlobalRNGState, NodeRNG, NumpyBaton, node_seed
-from exogym.strategy.context import KeepOnce, own_copy
+from exogym.strategy.context import KeepOnce, keep_once_per_node
 
 __all__ = ["RunPlan", "RunSinks", "RowSink"]
 
@@ -69,7 +69,7 @@ class RunPlan:
         return self.cfg.num_nodes
 
     def make_node(self, rank: int, start_time: float, live: RowSink, *, execution: Execution | None = None,
-                  keep_once: KeepOnce = own_copy) -> TrainNode:
+                  keep_once: KeepOnce = keep_once_per_node) -> TrainNode:
         # Each node trains its own copy of the model and the strategy (a resumed node then loads its saved
         # state into them); the user's objects stay untouched.
         state = self.resume[rank] if self.resume is not None else None

@@ -16,7 +16,7 @@ from exogym._validation import check_int, check_number
 from exogym.comm.compression import Quantizer, TopK, compressor_from
 from exogym.comm.collectives import alive_ranks
 from exogym.strategy.base import trainable_parameters
-from exogym.strategy.context import kept_once
+from exogym.strategy.context import keep_once
 from exogym.strategy.communicate_optimize_strategy import (CommunicationModule, ModularStrategy, compressor_state,
                                                            round_generator)
 from exogym.comm.mean import mean_, start_mean
@@ -147,7 +147,7 @@ class SparseCommunicator(CommunicationModule):
             return torch.randperm(n, generator=_parameter_generator(self.seed, _SHUFFLED, 0, index))
 
         # Drawn once per parameter and the same on every node: kept once for the run (outside one, drawn anew)
-        perm = kept_once(self, ("sparta_permutation", self.seed, index, n), draw)
+        perm = keep_once(self, ("sparta_permutation", self.seed, index, n), draw)
         parts = num_parts(self.p_sparta, n)
         w = t % parts
         size, extra = divmod(n, parts)

@@ -1,7 +1,7 @@
 """Collectives whose members live in several processes: fit(processes=P), or torchrun with backend="sim".
 
 Each process runs the sim over its own block of nodes. A collective's local members meet as in one process; once
-the last of them has arrived, the process sends its part (exogym.backends.sim.crossing) to the group's leader, the
+the last of them has arrived, the process sends its part (exogym.backends.sim.collective_parts) to the group's leader, the
 lowest process holding a member, with torch.distributed point-to-point messages (gloo, through host memory), and
 the leader sends every other holder its reply. Each message carries a header first: the collective's identity
 (its group and sequence number), its signature and, per local member, its rank, step, arrival time and whether
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from exogym.backends.sim.baton import CollectiveCall, Pending
-from exogym.backends.sim.crossing import OPS
+from exogym.backends.sim.collective_parts import OPS
 from exogym.comm.transport import CollectiveError
 
 __all__ = ["Exchange", "Crossing"]

@@ -23,10 +23,10 @@ from exogym.engine.rng import NumpyBaton
 if TYPE_CHECKING:
     from exogym.engine.plan import RunPlan, RunSinks
 
-__all__ = ["run_sim", "run_hosted", "SIM", "KeptOnce"]
+__all__ = ["run_sim", "run_hosted", "SIM", "KeepOnceStore"]
 
 
-class KeptOnce:
+class KeepOnceStore:
     """The store behind NodeContext.keep_once for the nodes of one sim run: one object per key, made by the first
     node to ask (DDP's replica, DiLoCo's outer model, SPARTA's permutations), shared by every node after it."""
 
@@ -104,7 +104,7 @@ def run_sim(plan: "RunPlan", sinks: "RunSinks", *, local: Sequence[int] | None =
     execution = SequentialExecution() if plan.execution == "sequential" else FusedExecution(FusedEngine(
         plan.model, len(local), plan.devices[local[0]], minibatch_size=plan.cfg.minibatch_size,
         autocast=plan.cfg.autocast, seed=plan.seed, baton=baton, first_rank=local[0]))
-    keep_once = KeptOnce()  # one store for this process's nodes: what every node holds identically is held once
+    keep_once = KeepOnceStore()  # one store for this process's nodes: what every node holds identically is held once
 
     def node_body(r: int) -> Any:
         # The node's model and strategy are copied on its first turn, not all K up front: state a strategy keeps
