@@ -67,3 +67,8 @@ def test_other_datasets_and_dataloader_options_are_sent_whole():
     assert keep_rows_read(plain, 0, 2) is plain
     loaded = _batches(_data(), rank=0, loader={"num_workers": 0, "pin_memory": False})
     assert keep_rows_read(loaded, 0, 2) is loaded
+
+
+def test_a_run_of_many_epochs_is_sent_the_whole_dataset():
+    whole = _batches(_data(), rank=1)  # 12 steps an epoch
+    assert keep_rows_read(whole, 0, 12 * 4) is not whole and keep_rows_read(whole, 0, 12 * 4 + 1) is whole

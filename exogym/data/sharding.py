@@ -154,12 +154,16 @@ class _Rows(Dataset):
         return tuple(t[j] for t in self.tensors)
 
 
+_NARROW_EPOCHS = 4  # the longest run (in epochs touched) whose nodes are sent only the rows they read
+
+
 def keep_rows_read(batches: NodeBatches, from_step: int, to_step: int) -> NodeBatches:
     """Node batches holding only the examples they yield from step `from_step` up to `to_step`, with the same
     batches for those steps (a process is sent its own nodes' examples, not the whole dataset).
 
-    Only a TensorDataset, or a Subset of one, is narrowed, and only without DataLoader options (whose workers may
-    read ahead); any other dataset is kept whole.
+    Only a TensorDataset, or a Subset of one, is narrowed, only without DataLoader options (whose workers may read
+    ahead), and only for a run of at most _NARROW_EPOCHS epochs (a longer one reads most of the data anyway, and
+    listing its indices would cost more than it saves); any other dataset is kept whole.
 
     Args:
         batches: a node's batches over the whole dataset.
@@ -172,6 +176,9 @@ def keep_rows_read(batches: NodeBatches, from_step: int, to_step: int) -> NodeBa
     ds = batches.ds
     base = ds.dataset if isinstance(ds, Subset) else ds
     if batches.loader or not isinstance(base, TensorDataset) or to_step <= from_step:
+        return batches
+    spe = batches.steps_per_epoch
+    if (to_step - 1) // spe - from_step // spe + 1 > _NARROW_EPOCHS:
         return batches
     read = [i for _, idx in zip(range(to_step - from_step), batches.index_batches(from_step)) for i in idx]
     if isinstance(ds, Subset):
