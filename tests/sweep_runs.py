@@ -36,9 +36,9 @@ def slow(config: dict, run) -> object:
     return tiny({**config, "slow": True, "steps": 30}, run)
 
 
-def kill_sweep(out: str, resume: bool = False) -> None:
+def kill_sweep(out: str, resume: str = "") -> None:
     """The kill test's sweep, started as `python -c "import sweep_runs; sweep_runs.kill_sweep(out)"` (so that its
     functions are sweep_runs.*, whichever process runs them)."""
     from exogym.sweep import grid, sweep
-    sweep(slow, grid(H=[2, 4, 5], seed=[0]), out=out, workers=2, checkpoint_interval=5, resume=resume,
-          progress=False)
+    sweep(slow, grid(H=[2, 4, 5], seed=[0]), out=out, workers=None if resume else 2, checkpoint_interval=5,
+          resume=bool(resume), progress=False)
