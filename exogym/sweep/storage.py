@@ -67,7 +67,7 @@ def check_url(url: str) -> None:
                          f"got {url!r}; leave it out for the default (a journal file in the sweep folder)")
     try:
         from sqlalchemy.engine import make_url
-        make_url(url).get_dialect()
+        make_url(url).get_dialect().import_dbapi()  # the driver itself, not only SQLAlchemy's name for it
     except ImportError as e:
         fix = POSTGRES if scheme.startswith("postgres") else f"the driver of {scheme!r}"
         raise ImportError(f"storage {shown_url(url)}: its database driver is not installed ({e}); install it: {fix}") \
@@ -136,7 +136,8 @@ def _reason(e: BaseException) -> str:
     return f"{type(orig).__name__}: {text[:200]}"
 
 
-def open_storage(url: str, *, folder: Path, heartbeat: int, grace: int, max_retry: int | None) -> Any:
+def open_storage(url: str, *, folder: Path, heartbeat: int, grace: int, max_retry: int | None,
+                 patience: float = 600.0) -> Any:
     """The Optuna storage of a sweep: the journal file in `folder` for url "default", else an RDBStorage with
     Optuna's heartbeat (a stale trial is failed and queued again at most max_retry times)."""
     optuna = import_optuna("a sweep")
@@ -156,11 +157,14 @@ def open_storage(url: str, *, folder: Path, heartbeat: int, grace: int, max_retr
     kwargs: dict[str, Any] = {"pool_pre_ping": True}  # a connection the server dropped (a restart) is replaced
     if url.startswith("sqlite"):
         kwargs = {"connect_args": {"timeout": 60}}
-    with warnings.catch_warnings():  # Optuna calls its heartbeat experimental
-        warnings.simplefilter("ignore")
-        return _PatientRDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=heartbeat, grace_period=grace,
-                                  heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
-                                      max_retry=max_retry))  # queues a stale trial again
+
+    def connect() -> Any:
+        with warnings.catch_warnings():  # Optuna calls its heartbeat experimental
+            warnings.simplefilter("ignore")
+            return _PatientRDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=heartbeat, grace_period=grace,
+                                      heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
+                                          max_retry=max_retry))  # queues a stale trial again
+    return patient(connect, url=url, patience=patience, what="the study (connecting)")
 
 
 def disk_error(e: OSError) -> str:

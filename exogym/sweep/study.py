@@ -67,17 +67,23 @@ class SweepStudy:
         self.search, self.trials = definition.search, definition.trials
         self.url, self.patience, self.worker_id = definition.url, definition.storage_patience, worker_id
         self.storage = open_storage(definition.storage, folder=definition.path, heartbeat=definition.heartbeat,
-                                    grace=definition.grace, max_retry=definition.max_retry)
+                                    grace=definition.grace, max_retry=definition.max_retry,
+                                    patience=definition.storage_patience)
         self.beats = definition.storage != "default" and not definition.storage.startswith("sqlite")
         seed = definition.sampler_seed + worker
         sampler = optuna.samplers.TPESampler(seed=seed) if self.search == "tpe" else \
             optuna.samplers.RandomSampler(seed=seed)
         name = definition.study_name
+        self.created = False
         if create:
-            self.study = self._patient(lambda: optuna.create_study(
-                storage=self.storage, study_name=name, direction=self.objective.direction, sampler=sampler,
-                load_if_exists=True), "a new study")
-        else:
+            try:  # one maker: the database refuses a second study of this name, and that process joins it
+                self.study = self._patient(lambda: optuna.create_study(
+                    storage=self.storage, study_name=name, direction=self.objective.direction, sampler=sampler),
+                    "a new study")
+                self.created = True
+            except optuna.exceptions.DuplicatedStudyError:
+                create = False
+        if not create:
             try:
                 self.study = self._patient(lambda: optuna.load_study(storage=self.storage, study_name=name,
                                                                      sampler=sampler), "the study")
@@ -91,8 +97,14 @@ class SweepStudy:
         return patient(call, url=self.url, patience=self.patience, what=what)
 
     # -- setting the study up --------------------------------------------------------------------------------
-    def stored_definition(self) -> dict[str, Any] | None:
-        return self._patient(lambda: self.study.user_attrs.get("exogym_sweep"))
+    def stored_definition(self, wait: float = 0.0) -> dict[str, Any] | None:
+        """The sweep's definition kept on the study (waiting up to `wait` s for its maker to write it)."""
+        deadline = time.monotonic() + wait
+        while True:
+            data = self._patient(lambda: self.study.user_attrs.get("exogym_sweep"))
+            if data is not None or time.monotonic() >= deadline:
+                return data
+            time.sleep(0.2)
 
     def describe_as(self, data: dict[str, Any]) -> None:
         self._patient(lambda: self.study.set_user_attr("exogym_sweep", data))
@@ -124,7 +136,9 @@ class SweepStudy:
     def fail_stale(self) -> None:
         """Optuna's fail_stale_trials (a storage with a heartbeat): stale trials failed and queued again."""
         if self.beats:
-            self._patient(lambda: self.optuna.storages.fail_stale_trials(self.study))
+            with warnings.catch_warnings():  # Optuna calls it experimental
+                warnings.simplefilter("ignore")
+                self._patient(lambda: self.optuna.storages.fail_stale_trials(self.study))
 
     def has_work(self) -> bool:
         """Whether a trial is waiting or a search has budget left. While other workers' trials run on a storage

@@ -379,13 +379,13 @@ def _set_up(definition: Definition, given: Definition, *, resume: bool, retry_fa
     """Open (or create) the study, check a study made elsewhere is this sweep, queue the grid, requeue what a
     resume runs again."""
     study = definition.open_study(create=True)
-    stored = study.stored_definition()
+    stored = None if study.created else study.stored_definition(wait=30.0)
     if stored is None:
         study.describe_as({k: v for k, v in definition.to_json().items() if k != "folder"})
     else:
         _check_same(Definition.from_json({**stored, "folder": definition.folder}), given,
                     f"study {definition.study_name!r} of {definition.shown_storage}")
-    if stored is None or resume:  # the study's maker queues the grid (a resume finishes an interrupted queueing)
+    if study.created or resume:  # the study's maker queues the grid (a resume finishes an interrupted queueing)
         study.queue_grid()
     if resume:
         if definition.storage == "default":
