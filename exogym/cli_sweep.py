@@ -315,11 +315,15 @@ def _start(args: argparse.Namespace, training_options: Callable, builders: dict,
         check_int("--seeds: a seed", seed, minimum=0, maximum=MAX_SEED)
     if joined.is_grid:
         check_grid_size(joined)  # a grid too large is refused with its count before anything is listed
+    examples = len(_task_data(args.task)[1])  # the data loads (or says why not) before any trial starts
     for config in (joined.configurations() if joined.is_grid else []):  # every run's settings checked before any trial
         values = argparse.Namespace(**{**run.fixed, **config})
         builders[config.get("strategy", run.fixed.get("strategy"))](values).check_nodes(values.nodes)
         check_node_memory(values.nodes)
-    _task_data(args.task)  # the data loads (or says why not) before any trial starts
+        if -(-examples // values.nodes) < values.batch_size:  # as fit refuses it: every run of it would fail
+            raise ValueError(f"--nodes {values.nodes} --batch-size {values.batch_size}: the {args.task} training data "
+                             f"has {examples} examples, fewer than one step needs (nodes x batch size = "
+                             f"{values.nodes * values.batch_size}); use fewer nodes or a smaller --batch-size")
     _check_model_metric(args.task, args.objective)
     swept = joined.names
     out = args.resume if resume else args.out

@@ -17,6 +17,7 @@ one.
 from __future__ import annotations
 
 import errno
+import json
 import re
 import sys
 import time
@@ -108,6 +109,9 @@ def patient(call: Callable[[], T], *, url: str, patience: float, what: str = "th
         try:
             return call()
         except Exception as e:
+            damage = _damage(e, url)
+            if damage is not None:
+                raise StorageUnavailable(damage) from None
             if not is_operational(e):
                 raise
             left = deadline - time.monotonic()
@@ -121,6 +125,27 @@ def patient(call: Callable[[], T], *, url: str, patience: float, what: str = "th
                              f"({_reason(e)}); retrying at {at}, giving up after {patience:g} s (storage_patience)")
             time.sleep(wait)
             delay = min(delay * 2, 30.0)
+
+
+def _chain(e: BaseException | None) -> list[BaseException]:
+    seen: list[BaseException] = []
+    while e is not None and all(e is not s for s in seen):
+        seen.append(e)
+        e = e.__cause__ or e.__context__
+    return seen
+
+
+def _damage(e: BaseException, url: str) -> str | None:
+    """One line for a journal file that cannot be read (damaged) or written (a full disk), else None."""
+    if "://" in url:
+        return None
+    for inner in _chain(e):
+        if isinstance(inner, OSError) and inner.errno is not None:
+            return f"cannot write the study file {url}: {disk_error(inner)}"
+        if isinstance(inner, json.JSONDecodeError):
+            return (f"the study file {url} cannot be read ({inner}): it is damaged; move it away and start the sweep "
+                    "again in a new folder (the run folders beside it are kept)")
+    return None
 
 
 def _stderr(line: str) -> None:
