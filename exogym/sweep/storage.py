@@ -184,11 +184,22 @@ def open_storage(url: str, *, folder: Path, heartbeat: int, grace: int, max_retr
         kwargs = {"connect_args": {"timeout": 60}}
 
     def connect() -> Any:
-        with warnings.catch_warnings():  # Optuna calls its heartbeat experimental
-            warnings.simplefilter("ignore")
-            return _PatientRDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=heartbeat, grace_period=grace,
-                                      heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
-                                          max_retry=max_retry))  # queues a stale trial again
+        from sqlalchemy import exc
+
+        for attempt in range(5):
+            try:
+                with warnings.catch_warnings():  # Optuna calls its heartbeat experimental
+                    warnings.simplefilter("ignore")
+                    return _PatientRDBStorage(
+                        url, engine_kwargs=kwargs, heartbeat_interval=heartbeat, grace_period=grace,
+                        heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
+                            max_retry=max_retry))  # queues a stale trial again
+            except (exc.IntegrityError, exc.ProgrammingError):
+                # Two machines starting on an empty database both create Optuna's tables; the second to commit
+                # is refused ("already exists"). Its next try finds them made.
+                if attempt == 4:
+                    raise
+                time.sleep(0.5 + attempt)
     return patient(connect, url=url, patience=patience, what="the study (connecting)")
 
 
