@@ -5,7 +5,6 @@ command line's --resume."""
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import re
 import signal
@@ -17,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from exogym.sweep import grid, load, sweep
-from sweep_runs import slow
 
 optuna = pytest.importorskip("optuna")
 HERE = Path(__file__).parent

@@ -12,8 +12,9 @@ values, run with every seed; its results are the mean and spread over the seeds.
 for the built-in tasks from the command line. docs/sweeps.md tells the whole story.
 
 Modules, one job each: space (grid and search spaces), objective (what is optimised), runs (one run in its run
-folder), study (Optuna's study: the bookkeeping), storage (where the study lives, outages), workers
-(worker processes), results (table, best, frontier), plots (frontier and heatmap), sweep (the whole of it).
+folder), study (Optuna's study: the bookkeeping), storage (where the study lives, outages), definition (sweep.json),
+workers (worker processes), results (table, best, frontier), plots (frontier and heatmap), dashboard
+(optuna-dashboard), sweep (the whole of it).
 """
 
 from exogym.sweep.objective import Objective

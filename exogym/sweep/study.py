@@ -25,9 +25,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from exogym.sweep.objective import Objective
 from exogym.sweep.runs import RunOutcome, config_status, read_outcome
-from exogym.sweep.space import Choice, Float, Int, Space, Value, config_key, run_name
+from exogym.sweep.space import Choice, Float, Int, Value, config_key, run_name
 from exogym.sweep.storage import import_optuna, open_storage, patient
 
 __all__ = ["SweepStudy", "Entry", "REASONS", "GRID_BATCH"]

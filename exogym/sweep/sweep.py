@@ -20,26 +20,24 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import importlib
 import inspect
-import json
 import multiprocessing
 import os
 import shutil
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from exogym.sweep.definition import DEFINITION, Definition, check_same, read_definition, write_json
 from exogym.sweep.objective import Objective
 from exogym.sweep.progress import SweepProgress
 from exogym.sweep.report import SweepResult
 from exogym.sweep.space import Space, check_grid_size
-from exogym.sweep.storage import JOURNAL, StorageUnavailable, SweepStopped, check_url, disk_error, import_optuna, shown_url
+from exogym.sweep.storage import JOURNAL, StorageUnavailable, SweepStopped, check_url, disk_error, import_optuna
 from exogym.sweep.study import SweepStudy
 from exogym.sweep.workers import (EXIT_NO_MAIN_GUARD, EXIT_WORKER_ERROR, WorkerPool, check_picklable,
                                   cores_available, work)
@@ -47,74 +45,8 @@ from exogym.sweep.workers import (EXIT_NO_MAIN_GUARD, EXIT_WORKER_ERROR, WorkerP
 __all__ = ["sweep", "load", "SweepResult", "SEARCHES"]
 
 SEARCHES = ("grid", "random", "tpe")
-_DEFINITION = "sweep.json"
 NO_MAIN_GUARD = ("the sweep script starts a sweep when it is imported, and every worker process imports it: put "
                  "the sweep(...) call under `if __name__ == \"__main__\":`")
-
-
-@dataclass
-class Definition:
-    """What sweep.json holds: everything needed to resume or join the sweep, or to read its results."""
-
-    folder: str
-    space: Space
-    objective: Objective
-    search: str
-    trials: int | None
-    storage: str  # a database URL, or "default" (a JournalStorage file: <folder>/study.journal)
-    study_name: str
-    sampler_seed: int
-    checkpoint_interval: int | None
-    run: str  # "module:qualname" of the run function (or of a callable object's class)
-    run_repr: str = ""  # a callable object's repr (its settings), compared on resume
-    command: list[str] | None = None  # a CLI sweep: its fixed part (see cli_sweep)
-    flags: dict[str, str] = field(default_factory=dict)  # a CLI sweep: parameter -> option
-    argv: list[str] | None = None  # a CLI sweep: its command line, which --resume parses again
-    workers: int = 1  # worker processes, and torch threads each: a resume runs the same unless told otherwise
-    threads: int = 1
-    heartbeat: int = 10  # a database's heartbeat (s); a trial silent for grace seconds is failed and queued again
-    grace: int = 60
-    max_retry: int = 2  # times a configuration whose worker died is queued again
-    storage_patience: float = 600.0  # seconds a worker waits for an unreachable storage before it gives up
-
-    @property
-    def path(self) -> Path:
-        return Path(self.folder)
-
-    @property
-    def url(self) -> str:
-        """The storage as messages name it: the journal file, or the database URL."""
-        return str(self.path / JOURNAL) if self.storage == "default" else self.storage
-
-    @property
-    def shown_storage(self) -> str:
-        return f"the journal file {self.path / JOURNAL}" if self.storage == "default" else shown_url(self.storage)
-
-    def open_study(self, *, create: bool = False, worker: int = 0, worker_id: str = "") -> SweepStudy:
-        """The sweep's study; worker i's sampler is seeded sampler_seed + i, so that workers starting together do
-        not propose the same configurations."""
-        return SweepStudy(self, create=create, worker=worker, worker_id=worker_id)
-
-    def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "space": self.space.to_json(), "objective": self.objective.to_json()}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "Definition":
-        return cls(**{**data, "space": Space.from_json(data["space"]),
-                      "objective": Objective.from_json(data["objective"])})
-
-    def load_run(self) -> Callable[..., Any]:
-        module, _, name = self.run.partition(":")
-        try:
-            target: Any = importlib.import_module(module)
-            for part in name.split("."):
-                target = getattr(target, part)
-            if self.run_repr:
-                raise ImportError  # a callable object: its settings cannot be rebuilt from here
-        except (ImportError, AttributeError):
-            raise ValueError(f"this sweep runs {self.run!r}, which cannot be imported from here; rerun the script "
-                             "that started it with resume=True") from None
-        return target
 
 
 def _int(name: str, value: Any, low: int) -> None:
@@ -175,27 +107,10 @@ def _describe(run: Callable[..., Any]) -> tuple[str, str]:
     return f"{type(run).__module__}:{type(run).__qualname__}", repr(run)
 
 
-def _write_json(path: Path, data: dict[str, Any], *, exclusive: bool) -> None:
-    """JSON written whole (a temporary file renamed, or linked when `exclusive`: FileExistsError if taken)."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-    try:
-        tmp.write_text(json.dumps(data, indent=1) + "\n")
-        if exclusive:
-            os.link(tmp, path)
-        else:
-            os.replace(tmp, path)
-    except OSError as e:
-        if isinstance(e, FileExistsError):
-            raise
-        raise OSError(f"cannot write {path}: {disk_error(e)}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _claim(folder: Path, definition: Definition) -> bool:
     """Write the sweep folder's sweep.json, atomically; an existing sweep or other files stop the sweep. Returns
     whether the folder was made here (a failed start removes it)."""
-    if (folder / _DEFINITION).exists():
+    if (folder / DEFINITION).exists():
         raise ValueError(f"{str(folder)!r} holds a sweep already; resume it (resume=True, or exogym sweep "
                          f"--resume {folder}), or give another out=")
     if folder.exists() and any(folder.iterdir()):
@@ -207,7 +122,7 @@ def _claim(folder: Path, definition: Definition) -> bool:
     except OSError as e:
         raise OSError(f"cannot make the sweep folder {folder}: {disk_error(e)}") from None
     try:
-        _write_json(folder / _DEFINITION, definition.to_json(), exclusive=True)
+        write_json(folder / DEFINITION, definition.to_json(), exclusive=True)
     except FileExistsError:
         raise ValueError(f"{str(folder)!r} was claimed by another sweep starting at the same time; resume it "
                          "or give another out=") from None
@@ -219,41 +134,9 @@ def _unclaim(folder: Path, made: bool) -> None:
     if made:
         shutil.rmtree(folder, ignore_errors=True)
     else:
-        for name in (_DEFINITION, JOURNAL, ".lock", ".locks", "runs"):
+        for name in (DEFINITION, JOURNAL, ".lock", ".locks", "runs"):
             path = folder / name
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-
-
-def read_definition(folder: str | os.PathLike) -> Definition:
-    path = Path(folder) / _DEFINITION
-    if not path.exists():
-        raise FileNotFoundError(f"{str(folder)!r} holds no sweep (no {_DEFINITION}); start one there instead")
-    try:
-        definition = Definition.from_json(json.loads(path.read_text()))
-    except (ValueError, TypeError, KeyError) as e:
-        raise ValueError(f"{path} cannot be read ({type(e).__name__}: {e}): it is damaged or from another version; "
-                         "start the sweep again in a new folder") from None
-    definition.folder = str(Path(folder).resolve())  # where it is now (a sweep folder may be moved or copied)
-    return definition
-
-
-def _differences(stored: Definition, given: Definition) -> list[str]:
-    return [f"{what}: stored {a} , given {b}" for what, a, b in (
-        ("space", stored.space.describe(), given.space.describe()),
-        ("objective", stored.objective.describe(), given.objective.describe()),
-        ("search", stored.search, given.search),
-        ("run function", stored.run.split(":")[-1], given.run.split(":")[-1]),  # a script's module is __main__
-        ("run function's settings", stored.run_repr, given.run_repr)) if a != b]
-
-
-def _check_same(stored: Definition, given: Definition, where: str) -> None:
-    diffs = _differences(stored, given)
-    if stored.search != "grid" and given.trials is not None and given.trials < (stored.trials or 0):
-        diffs.append(f"trials: stored {stored.trials}, given {given.trials} (a search may be extended, not cut)")
-    if diffs:
-        raise ValueError(f"the sweep in {where} was started differently; resuming or joining it with other settings "
-                         f"would mix two experiments: {'; '.join(diffs)}. Use the same settings, or another out= "
-                         "(and study name)")
 
 
 @contextlib.contextmanager
@@ -334,12 +217,12 @@ def sweep(run: Callable[[dict[str, Any], Any], Any], space: Space, *, out: str |
                        storage_patience=storage_patience)
     if resume:
         definition = read_definition(folder)
-        _check_same(definition, given, repr(str(folder)))
+        check_same(definition, given, repr(str(folder)))
         definition.trials = trials if trials is not None and definition.search != "grid" else definition.trials
         definition.workers = workers or definition.workers
         if workers is not None:
             definition.threads = _threads(definition.workers)
-        _write_json(folder / _DEFINITION, definition.to_json(), exclusive=False)
+        write_json(folder / DEFINITION, definition.to_json(), exclusive=False)
         made = None
     else:
         definition = given
@@ -383,7 +266,7 @@ def _set_up(definition: Definition, given: Definition, *, resume: bool, retry_fa
     if stored is None:
         study.describe_as({k: v for k, v in definition.to_json().items() if k != "folder"})
     else:
-        _check_same(Definition.from_json({**stored, "folder": definition.folder}), given,
+        check_same(Definition.from_json({**stored, "folder": definition.folder}), given,
                     f"study {definition.study_name!r} of {definition.shown_storage}")
     if study.created or resume:  # the study's maker queues the grid (a resume finishes an interrupted queueing)
         study.queue_grid()
