@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 
 from exogym._validation import MAX_SEED, check_int
 from exogym.cluster.network import PRESETS
-from exogym.fit_setup import check_node_memory
+from exogym.fit_nodes import check_node_memory
 from exogym.sweep.objective import metric_name, parse_bytes
 from exogym.sweep.space import Choice, Float, Int, Space, check_grid_size, space
 from exogym.sweep.storage import StorageUnavailable, SweepStopped
