@@ -122,8 +122,14 @@ class TrainNode:
         final = global_state_dict(self.model, s, comm, result=self.rank == 0)
         self.log.comm = {"bytes_sent": comm.stats.bytes_sent, "payload_bytes": comm.stats.payload_bytes,
                          "bytes_by_op": dict(comm.stats.bytes_by_op), "calls_by_op": dict(comm.stats.calls_by_op)}
+        if comm.stats.bytes_received:
+            self.log.comm["bytes_received"] = comm.stats.bytes_received
         if cfg.time_model is not None:
             self.log.comm["sim_time"] = comm.clock.as_dict()
+        server = comm.served() if self.rank == 0 and hasattr(comm, "served") else None
+        if server is not None:  # a strategy's server runs with node 0: its record goes with node 0's log
+            self.log.comm["server"] = {"updates": server.updates, "bytes_sent": server.stats.bytes_sent,
+                                       "bytes_received": server.stats.bytes_received}
         return self.log, (final if self.rank == 0 else None)
 
     def _record_step(self, comm: Transport, loss: torch.Tensor | None, metrics: dict[str, torch.Tensor],

@@ -13,6 +13,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from exogym.backends.sim.baton import Baton, CollectiveCall, CollectiveError, Pending
+from exogym.backends.sim.postoffice import SimRecvWork, SimSendWork
+from exogym.comm.messages import Message, Server
 from exogym.comm.transport import TransportBase, Group, ReduceOp, make_group, payload_nbytes, tensor_nbytes
 from exogym.cluster.membership import Membership
 from exogym.cluster.simtime import TimeModel
@@ -255,6 +257,35 @@ class SimTransport(TransportBase):
 
     def new_group(self, ranks: Sequence[int]) -> Group:
         return make_group(ranks, self.num_nodes)
+
+    # ---- point-to-point messages and the server (exogym.backends.sim.postoffice) -------------------
+    def send_message(self, message: Message, *, blocking: bool) -> SimSendWork | None:
+        message.sent_at = self.clock.now
+        self.baton.post.post(message)
+        work = SimSendWork(self.clock, message)
+        if blocking:
+            work.wait()
+            return None
+        return work
+
+    def receive_message(self, src: int | None, tag: int | None, into: torch.Tensor | None, *,
+                        blocking: bool) -> Message | SimRecvWork:
+        work = SimRecvWork(self, src, tag, into)
+        return work.wait() if blocking else work
+
+    def serve(self, make: Callable[[], Server]) -> Server:
+        return self.baton.post.serve(make)
+
+    def read_server(self, read: Callable[[Server], Any]) -> Any:
+        post = self.baton.post
+        if post.server is None:
+            raise RuntimeError("read_server: the run has no server (declare one with exogym.comm.serve)")
+        post.observe(self.rank, self.clock.now)
+        return read(post.server)
+
+    def served(self) -> Server | None:
+        """The run's server, if a strategy declared one (its record goes with node 0's log)."""
+        return self.baton.post.server
 
 
 

@@ -1,0 +1,201 @@
+"""The sim backend's point-to-point messages: a discrete-event queue on the simulated clock.
+
+Events, in one heap ordered by (simulated time, kind, rank, sequence):
+- a message arriving (kind 0): at sent_at + the network's transfer time, ordered among equal times by the
+  sender's rank (the server's, -1, first) and the sender's own count; it goes into the receiver's mailbox, or,
+  meant for the server, is handled by the server there and then (on the hub, between the nodes' turns);
+- a node that wants to observe at its clock t (kind 1, ordered by rank): a `recv`, an `irecv`'s wait or a
+  `read_server` first lets every event before t (and every message arriving at t) happen.
+
+The invariant: whatever a node or the server reads (a message taken, the server's state) depends on simulated
+time only. A node computes alone between observations, and its computation can reach another node only
+through a message, which arrives at its own time and waits in the heap until every earlier event has
+happened: the hub takes the next event only when no node is ready to run (the nodes that are ready have not
+yet observed anything at their clocks, and every observation goes back through the heap). A two-node
+interleaving that would break it without the heap: node 1 (clock 9) sends at 9 and arrives at 10 while node 0
+(clock 2, not yet run) would send at 2 and arrive at 3; the server handling node 1's message first would apply
+the updates out of order. With the heap, node 1's message waits at 10 while node 0 runs, and node 0's
+arrives first.
+
+Ties are broken by fixed keys (rank, then the sender's count), so the same seed gives the same bits however
+the host schedules. Collectives and messages in one run: a node blocked in a collective is no event; the
+messages it sends after leaving carry its clock from then on.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from exogym.cluster.network import SERVER
+from exogym.comm.messages import Message, Server
+from exogym.comm.transport import MessageError
+
+if TYPE_CHECKING:
+    from exogym.backends.sim.baton import Baton
+    from exogym.cluster.simtime import TimeModel
+
+__all__ = ["PostOffice"]
+
+_ARRIVE, _OBSERVE = 0, 1
+
+
+class PostOffice:
+    """The messages in flight, the nodes' mailboxes and the run's server, for the nodes under one baton."""
+
+    def __init__(self, baton: "Baton", num_nodes: int, time_model: "TimeModel | None", *, spans_processes: bool):
+        self.baton, self.num_nodes = baton, num_nodes
+        self.network = time_model.network if time_model is not None else None
+        self.spans_processes = spans_processes
+        self._events: list[tuple] = []
+        self._order = itertools.count()
+        self._mail: dict[int, list[Message]] = {r: [] for r in range(num_nodes)}
+        self._wants: dict[int, tuple[int | None, int | None, str]] = {}  # rank -> (src, tag, what) it waits for
+        self._sent: dict[int, int] = {}  # per sender, messages sent so far
+        self.server: Server | None = None
+        self.handled = 0  # messages the server has handled
+
+    # ---- the heap ------------------------------------------------------------------------------
+    def has_events(self) -> bool:
+        return bool(self._events)
+
+    def _check(self) -> None:
+        if self.spans_processes:
+            raise NotImplementedError("point-to-point messages and servers run in one process for now: use "
+                                      "processes=1 (the default) with this strategy")
+
+    def post(self, message: Message) -> None:
+        """Put a message on the wire at message.sent_at; it arrives after the network's transfer time."""
+        self._check()
+        seconds = 0.0 if self.network is None else self.network.message_seconds(message.nbytes, message.src,
+                                                                                 message.dst)
+        message.arrives_at = message.sent_at + seconds
+        message.seq = self._sent.get(message.src, 0)
+        self._sent[message.src] = message.seq + 1
+        heapq.heappush(self._events, (message.arrives_at, _ARRIVE, message.src, message.seq, next(self._order),
+                                      message))
+
+    def next_event(self) -> None:
+        """Let the earliest event happen (the hub calls it when no node is ready)."""
+        _, kind, _, _, _, item = heapq.heappop(self._events)
+        if kind == _OBSERVE:
+            self.baton.wake(item)
+        else:
+            self._deliver(item)
+
+    def observe(self, rank: int, at: float) -> None:
+        """Node `rank` is about to read something at its clock `at`: every earlier event happens first."""
+        self.baton.arrivals += 1  # progress, for the watchdog
+        key = (at, _OBSERVE, rank)
+        if self.baton.idle_but(rank) and (not self._events or self._events[0][:3] > key):
+            return  # nothing is due before it and no node is ready: it reads now, without a switch
+        heapq.heappush(self._events, (at, _OBSERVE, rank, 0, next(self._order), rank))
+        self.baton.sleep(rank)
+
+    # ---- nodes ---------------------------------------------------------------------------------
+    def _deliver(self, message: Message) -> None:
+        if message.dst == SERVER:
+            self._handle(message)
+            return
+        self._mail[message.dst].append(message)  # arrival order: the heap's order
+        want = self._wants.get(message.dst)
+        if want is not None and _matches(message, want[0], want[1]):
+            del self._wants[message.dst]
+            self.baton.wake_receiver(message.dst)
+
+    def take(self, rank: int, src: int | None, tag: int | None, what: Callable[[], str]) -> Message:
+        """The first message for `rank` from `src` with `tag` that has arrived; waits for one if none has (the
+        node must have observed at its clock first)."""
+        while True:
+            box = self._mail[rank]
+            for i, m in enumerate(box):
+                if _matches(m, src, tag):
+                    return box.pop(i)
+            self._check()
+            self._wants[rank] = (src, tag, what())
+            self.baton.await_message(rank, self._wants[rank][2])
+
+    def describe_waiting(self) -> list[str]:
+        return [f"  node {r}: {what}" for r, (_, _, what) in sorted(self._wants.items())]
+
+    # ---- the server ----------------------------------------------------------------------------
+    def serve(self, make: Callable[[], Server]) -> Server:
+        self._check()
+        if self.server is None:
+            server = make()
+            if not isinstance(server, Server):
+                raise TypeError(f"serve(make) needs make() to return an exogym.comm.Server, got "
+                                f"{type(server).__name__}")
+            server._post = self
+            self.server = server
+        return self.server
+
+    def _handle(self, message: Message) -> None:
+        server = self.server
+        if server is None:
+            raise MessageError(f"{message.describe()}: the run has no server (a strategy declares one with "
+                               "exogym.comm.serve in its setup)")
+        server.now = message.arrives_at
+        server.stats.bytes_received += message.nbytes
+        try:
+            with torch.no_grad():
+                server.receive(message)
+        except Exception as e:
+            raise MessageError(f"the server ({type(server).__name__}) raised while handling {message.describe()} "
+                               f"(message {self.handled + 1} it handled): {type(e).__name__}: {e}") from e
+        self.handled += 1
+
+
+def _matches(m: Message, src: int | None, tag: int | None) -> bool:
+    return (src is None or m.src == src) and (tag is None or m.tag == tag)
+
+
+class SimSendWork:
+    """isend's handle: wait() brings the sender's clock to the message's arrival (the transfer is communication)."""
+
+    def __init__(self, clock: Any, message: Message):
+        self._clock, self._message, self._done = clock, message, False
+
+    def is_completed(self) -> bool:
+        return self._done
+
+    def wait(self, timeout: Any = None) -> bool:
+        if not self._done:
+            self._done = True
+            extra = self._message.arrives_at - self._clock.now
+            if extra > 0:
+                self._clock.comm_s += extra
+                self._clock.now = self._message.arrives_at
+        return True
+
+
+class SimRecvWork:
+    """irecv's handle: wait() takes the message (in arrival order) and returns it."""
+
+    def __init__(self, transport: Any, src: int | None, tag: int | None, into: torch.Tensor | None):
+        self._t, self._src, self._tag, self._into = transport, src, tag, into
+        self._message: Message | None = None
+
+    def is_completed(self) -> bool:
+        return self._message is not None
+
+    def wait(self, timeout: Any = None) -> Message:
+        if self._message is not None:
+            return self._message
+        t, post = self._t, self._t.baton.post
+        post.observe(t.rank, t.clock.now)
+        who = "any node" if self._src is None else "the server" if self._src == SERVER else f"node {self._src}"
+        m = post.take(t.rank, self._src, self._tag, lambda: (
+            f"recv from {who}" + ("" if self._tag is None else f" with tag {self._tag}")
+            + f" at step {t.step}, since {t.clock.now:.6g} s"))
+        if m.arrives_at > t.clock.now:  # waited for it: idle
+            t.clock.wait_s += m.arrives_at - t.clock.now
+            t.clock.now = m.arrives_at
+        t.stats.bytes_received += m.nbytes
+        if self._into is not None:
+            self._into.copy_(m.tensor)
+        self._message = m
+        return m
