@@ -11,9 +11,10 @@ from exogym.strategy.sparta_diloco import SPARTADiLoCoStrategy
 from exogym.strategy.demo import DeMo, DeMoStrategy
 from exogym.strategy.dgc import DGCStrategy
 from exogym.strategy.streaming_diloco import StreamingDiLoCoCommunicator, StreamingDiLoCoStrategy
+from exogym.strategy.async_diloco import AsyncDiLoCoStrategy
 
 __all__ = ["Strategy", "SimpleReduceStrategy", "OptimSpec",
            "CommunicateOptimizeStrategy", "CommunicationModule", "AveragingCommunicator", "SparseCommunicator",
            "DiLoCoCommunicator", "DiLoCoStrategy", "FedAvgStrategy", "SPARTAStrategy", "SPARTADiLoCoStrategy",
            "DeMo", "DeMoStrategy", "DGCStrategy", "TopKSparseCommunicator", "StreamingDiLoCoCommunicator",
-           "StreamingDiLoCoStrategy"]
+           "StreamingDiLoCoStrategy", "AsyncDiLoCoStrategy"]
