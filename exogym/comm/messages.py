@@ -95,6 +95,16 @@ class Server:
         self.stats.add("send", message.nbytes, message.nbytes)
         self._post.post(message)
 
+    def wake_at(self, at: float) -> None:
+        """Have `wake(at)` called at simulated time `at` (no earlier than now), in order with the arrivals (a
+        timer: a grace window that closes with no message arriving)."""
+        if not at >= self.now:
+            raise ValueError(f"wake_at({at!r}) is before the server's clock {self.now!r}")
+        self._post.wake_server(at)
+
+    def wake(self, at: float) -> None:
+        """Called at the time a `wake_at` asked for (self.now is it). Nothing by default."""
+
     def record_update(self, **row: float) -> None:
         """One applied update, for trainer.record.updates: node, staleness, weight, and whatever else applies."""
         self.updates.append({"sim_time_s": self.now, **row})

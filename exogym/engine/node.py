@@ -75,6 +75,7 @@ class TrainNode:
         self.step = 0
         self._unflushed: list[_StepRecord] = []  # the steps since the last flush
         self._step_flops: float | None = None
+        self._measured_s = 0.0  # the last step's measured compute seconds (compute_time="measured")
         self._tokens = self.log.rows[-1].get("tokens", 0) if self.log.rows else 0
         self._eval_model: torch.nn.Module | None = None
         self._call = None  # how the model is called (model(batch) or model(**batch)), decided on the first batch
@@ -104,6 +105,7 @@ class TrainNode:
             batch = next(batches)  # drawn even when the node sits out: its data position is a function of the step
             loss, metrics = None, {}  # a node that sits out the step logs no loss (and no compute time)
             if not self._up(self.step + 1):  # down: no compute, no collectives, until it comes up again
+                self._pass_down_time(comm)
                 self._record_step(comm, None, {}, s.current_lr())
                 self._after_step(comm, self.step + 1)
                 continue
@@ -145,7 +147,11 @@ class TrainNode:
         if self.rank not in m.alive(step):
             return False
         joiners = m.joiners(step)
-        if joiners:  # every node up at this step takes part (some send, the joiners receive)
+        rejoin = getattr(self.strategy, "rejoin_from_server", None)
+        if joiners and rejoin is not None:  # the strategy's server hands the joiner the global state; nobody waits
+            if self.rank in joiners:
+                rejoin()
+        elif joiners:  # every node up at this step takes part (some send, the joiners receive)
             self.execution.release(self.rank, self.model)  # a survivor's state is sent whole
             hand_over_state(self.model, self.strategy, step, list(m.survivors(step)), list(joiners))
         return True
@@ -206,6 +212,17 @@ class TrainNode:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
+    def _pass_down_time(self, comm: Transport) -> None:
+        """A strategy whose nodes run on their own clocks (clock_runs_while_down) has a node that is down spend a
+        step's compute time idle, so that it comes back at the time its step count says, not in the past. Other
+        strategies' down nodes keep their clocks (their collectives realign them)."""
+        model = self.cfg.time_model
+        if model is None or not getattr(self.strategy, "clock_runs_while_down", False):
+            return
+        seconds = model.compute_seconds(self.rank, flops=self._step_flops or 0.0, measured_s=self._measured_s)
+        comm.clock.now += seconds
+        comm.clock.wait_s += seconds
+
     def _timed_forward_backward(self, batch: Any, comm: Transport) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Forward/backward, advancing the node's virtual clock by its compute time when time is simulated."""
         model = self.cfg.time_model
@@ -214,6 +231,7 @@ class TrainNode:
                                                               measure=model is not None and model.measured)
         if flops is not None:
             self._step_flops = flops
+        self._measured_s = seconds
         if model is not None:
             comm.clock.add_compute(model.compute_seconds(self.rank, flops=self._step_flops or 0.0,
                                                          measured_s=seconds))

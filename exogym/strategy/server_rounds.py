@@ -22,7 +22,9 @@ from exogym.comm import messages as msg
 from exogym.strategy.base import Strategy, frozen_state, trainable_parameters
 from exogym.strategy.optim import OptimSpec, ensure_optim_spec
 
-__all__ = ["FlatServer", "ServerRoundsStrategy", "flat_parameters"]
+__all__ = ["FlatServer", "ServerRoundsStrategy", "flat_parameters", "JOIN"]
+
+JOIN = 1  # the tag of a node's request for the global model when it comes back after being down
 
 
 def flat_parameters(model: torch.nn.Module) -> torch.Tensor:
@@ -48,6 +50,9 @@ class FlatServer(msg.Server):
         self.speed: dict[int, float] = {}  # node -> inner steps per second in its last round
 
     def receive(self, message: msg.Message) -> None:
+        if message.tag == JOIN:  # a node coming back: the global model as it stands, nothing applied
+            self.send(message.src, self.theta, meta={"version": self.version, "H": self.steps_for(message.src)})
+            return
         staleness = self.version - int(message.meta["version"])
         if message.meta["seconds"] > 0:
             self.speed[message.src] = message.meta["steps"] / message.meta["seconds"]
@@ -81,7 +86,7 @@ class ServerRoundsStrategy(Strategy):
 
     _default_inner = OptimSpec(torch.optim.AdamW, lr=1e-3)
     collectives_match_steps = True
-    supports_membership_changes = False  # a node down would keep a stale round open; not handled yet
+    clock_runs_while_down = True  # a node down spends its steps idle, and comes back at its time (TrainNode)
 
     def __init__(self, optim_spec: OptimSpec | str | type | None = None, *, H: int = 100, lr: float | None = None,
                  dynamic_local_updates: bool = False, max_norm: float | None = None, **kwargs: Any):
@@ -118,7 +123,7 @@ class ServerRoundsStrategy(Strategy):
         self._clip_grads()
         self.optim.step()
         self._steps += 1
-        if self._steps >= self._H or self.local_step + 1 == self.max_steps:
+        if self._steps >= self._H:
             self._exchange()
         super().step()
 
@@ -134,8 +139,22 @@ class ServerRoundsStrategy(Strategy):
         self._version, self._H = int(reply.meta["version"]), int(reply.meta["H"])
         self._steps, self._round_began = 0, msg.now()
 
+    @torch.no_grad()
+    def rejoin_from_server(self) -> None:
+        """A node coming back after being down: its unsent round is lost; it asks the server for the global model
+        (an empty request, the model back) and starts a round from it. Nobody else waits."""
+        msg.send(torch.zeros(0, dtype=self._start.dtype), msg.SERVER, tag=JOIN)
+        reply = msg.recv(src=msg.SERVER)
+        self._start = reply.tensor
+        self._load(reply.tensor)
+        self._version, self._H = int(reply.meta["version"]), int(reply.meta["H"])
+        self._steps, self._round_began = 0, msg.now()
+
     def finish(self) -> None:
-        """Every node's last update is in before the global model is read: the nodes meet once, at the end."""
+        """The last, shorter round is sent; then every node's last update is in before the global model is read:
+        the nodes meet once, at the end."""
+        if self._steps:
+            self._exchange()
         from exogym.comm.collectives import barrier
         barrier()
 

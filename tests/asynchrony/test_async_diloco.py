@@ -131,3 +131,23 @@ def test_arguments_are_checked(kw, message):
 def test_the_boundary_values_are_accepted():
     AsyncDiLoCoStrategy(H=1, outer_momentum=0.0, staleness="polynomial", staleness_power=0.0)
     AsyncDiLoCoStrategy(delayed_nesterov=True, nesterov_delay=1)
+
+
+def test_a_node_down_never_stalls_the_server_and_comes_back_with_the_current_global_model():
+    # node 2 is down for steps 2..5: nodes 0 and 1 go on; at step 6 node 2 asks the server for theta
+    toy.REGISTRY["theta"] = []
+    t = Trainer(replay.Pull(), replay.data())
+    t.fit(Logged(OptimSpec(torch.optim.SGD, lr=ETA), H=H), 3, batch_size=B, max_steps=8, node_speeds=SPEEDS,
+          device_flops=replay.flops_per_step(B), network=Network(bandwidth="inf", latency=LAT),
+          failures=[(2, 2, 6)], **FIT)
+    rows = t.record.updates
+    by_node = {n: [u for u in rows if u["node"] == n] for n in range(3)}
+    assert len(by_node[0]) == 4 and len(by_node[1]) == 4  # never stalled: every round of the nodes up applied
+    # node 2 lost its half round (step 1) and made one round (steps 6-7) and the last step (8) after coming back
+    assert [u["steps"] for u in by_node[2]] == [2, 1]
+    # its first update after coming back started from the version the server had when it asked (small staleness)
+    first_back = by_node[2][0]
+    before = [u for u in rows if u["sim_time_s"] < first_back["sim_time_s"]]
+    assert first_back["staleness"] < len(before)
+    # down time passes on its clock: 4 steps idle at its speed (4 s each)
+    assert t.record.sim_time_per_node[2]["wait_s"] >= 4 * 4.0

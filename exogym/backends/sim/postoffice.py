@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 __all__ = ["PostOffice"]
 
 _ARRIVE, _OBSERVE = 0, 1
+_WAKE = "wake"  # a server timer: an arrival-kind event from the server to itself
 
 
 class PostOffice:
@@ -83,6 +84,8 @@ class PostOffice:
         _, kind, _, _, _, item = heapq.heappop(self._events)
         if kind == _OBSERVE:
             self.baton.wake(item)
+        elif isinstance(item, tuple):  # (_WAKE, at): the server's timer
+            self._run_server(f"its timer at {item[1]:.6g} s", item[1], lambda s: s.wake(item[1]))
         else:
             self._deliver(item)
 
@@ -133,20 +136,27 @@ class PostOffice:
             self.server = server
         return self.server
 
+    def wake_server(self, at: float) -> None:
+        heapq.heappush(self._events, (at, _ARRIVE, SERVER, -1, next(self._order), (_WAKE, at)))
+
     def _handle(self, message: Message) -> None:
-        server = self.server
-        if server is None:
+        if self.server is None:
             raise MessageError(f"{message.describe()}: the run has no server (a strategy declares one with "
                                "exogym.comm.serve in its setup)")
-        server.now = message.arrives_at
-        server.stats.bytes_received += message.nbytes
+        self.server.stats.bytes_received += message.nbytes
+        self._run_server(f"{message.describe()} (message {self.handled + 1} it handled)", message.arrives_at,
+                         lambda s: s.receive(message))
+        self.handled += 1
+
+    def _run_server(self, what: str, at: float, call: Callable[[Server], None]) -> None:
+        server = self.server
+        server.now = at
         try:
             with torch.no_grad():
-                server.receive(message)
+                call(server)
         except Exception as e:
-            raise MessageError(f"the server ({type(server).__name__}) raised while handling {message.describe()} "
-                               f"(message {self.handled + 1} it handled): {type(e).__name__}: {e}") from e
-        self.handled += 1
+            raise MessageError(f"the server ({type(server).__name__}) raised while handling {what}: "
+                               f"{type(e).__name__}: {e}") from e
 
 
 def _matches(m: Message, src: int | None, tag: int | None) -> bool:
