@@ -13,9 +13,10 @@ from exogym.strategy.dgc import DGCStrategy
 from exogym.strategy.streaming_diloco import StreamingDiLoCoCommunicator, StreamingDiLoCoStrategy
 from exogym.strategy.async_diloco import AsyncDiLoCoStrategy
 from exogym.strategy.fedbuff import FedBuffStrategy
+from exogym.strategy.decoupled_diloco import DecoupledDiLoCoStrategy
 
 __all__ = ["Strategy", "SimpleReduceStrategy", "OptimSpec",
            "CommunicateOptimizeStrategy", "CommunicationModule", "AveragingCommunicator", "SparseCommunicator",
            "DiLoCoCommunicator", "DiLoCoStrategy", "FedAvgStrategy", "SPARTAStrategy", "SPARTADiLoCoStrategy",
            "DeMo", "DeMoStrategy", "DGCStrategy", "TopKSparseCommunicator", "StreamingDiLoCoCommunicator",
-           "StreamingDiLoCoStrategy", "AsyncDiLoCoStrategy", "FedBuffStrategy"]
+           "StreamingDiLoCoStrategy", "AsyncDiLoCoStrategy", "FedBuffStrategy", "DecoupledDiLoCoStrategy"]
