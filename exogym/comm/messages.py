@@ -35,8 +35,8 @@ from exogym.cluster.network import SERVER
 from exogym.comm import transport as _comm
 from exogym.comm.transport import MessageError
 
-__all__ = ["SERVER", "Message", "MessageError", "Server", "send", "isend", "recv", "irecv", "serve", "read_server",
-           "now"]
+__all__ = ["SERVER", "Message", "MessageError", "Server", "send", "isend", "recv", "irecv", "poll", "serve",
+           "read_server", "now"]
 
 _META_BYTES = 8  # one int or float of a message's meta
 
@@ -176,6 +176,15 @@ def recv(tensor: torch.Tensor | None = None, src: int | None = None, *, tag: int
     if src is not None:
         _check_dst(src, c.num_nodes, c.rank)
     return c.receive_message(src, tag, tensor, blocking=True)
+
+
+def poll(src: int | None = None, *, tag: int | None = None) -> list[Message]:
+    """Every message from `src` (None: any sender) with `tag` (None: any) that has arrived by this node's clock, in
+    arrival order; [] if none has. Never waits."""
+    c = _comm.current_transport()
+    if src is not None:
+        _check_dst(src, c.num_nodes, c.rank)
+    return c.poll_messages(src, tag)
 
 
 def serve(make: Callable[[], Server]) -> Server | None:

@@ -221,6 +221,9 @@ class TransportBase:
     def receive_message(self, src: int | None, tag: int | None, into: torch.Tensor | None, *, blocking: bool) -> Any:
         raise NotImplementedError(f"{type(self).__name__} has no point-to-point messages")
 
+    def poll_messages(self, src: int | None, tag: int | None) -> list[Any]:
+        raise NotImplementedError(f"{type(self).__name__} has no point-to-point messages")
+
     def serve(self, make: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} cannot run a server")
 

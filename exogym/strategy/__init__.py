@@ -14,9 +14,10 @@ from exogym.strategy.streaming_diloco import StreamingDiLoCoCommunicator, Stream
 from exogym.strategy.async_diloco import AsyncDiLoCoStrategy
 from exogym.strategy.fedbuff import FedBuffStrategy
 from exogym.strategy.decoupled_diloco import DecoupledDiLoCoStrategy
+from exogym.strategy.gossip import GossipStrategy
 
 __all__ = ["Strategy", "SimpleReduceStrategy", "OptimSpec",
            "CommunicateOptimizeStrategy", "CommunicationModule", "AveragingCommunicator", "SparseCommunicator",
            "DiLoCoCommunicator", "DiLoCoStrategy", "FedAvgStrategy", "SPARTAStrategy", "SPARTADiLoCoStrategy",
            "DeMo", "DeMoStrategy", "DGCStrategy", "TopKSparseCommunicator", "StreamingDiLoCoCommunicator",
-           "StreamingDiLoCoStrategy", "AsyncDiLoCoStrategy", "FedBuffStrategy", "DecoupledDiLoCoStrategy"]
+           "StreamingDiLoCoStrategy", "AsyncDiLoCoStrategy", "FedBuffStrategy", "DecoupledDiLoCoStrategy", "GossipStrategy"]

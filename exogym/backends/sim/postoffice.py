@@ -121,6 +121,13 @@ class PostOffice:
             self._wants[rank] = (src, tag, what())
             self.baton.await_message(rank, self._wants[rank][2])
 
+    def take_arrived(self, rank: int, src: int | None, tag: int | None) -> list[Message]:
+        """Every message for `rank` from `src` with `tag` that has arrived (the node observed at its clock first)."""
+        box = self._mail[rank]
+        taken = [m for m in box if _matches(m, src, tag)]
+        self._mail[rank] = [m for m in box if not _matches(m, src, tag)]
+        return taken
+
     def describe_waiting(self) -> list[str]:
         return [f"  node {r}: {what}" for r, (_, _, what) in sorted(self._wants.items())]
 

@@ -273,6 +273,13 @@ class SimTransport(TransportBase):
         work = SimRecvWork(self, src, tag, into)
         return work.wait() if blocking else work
 
+    def poll_messages(self, src: int | None, tag: int | None) -> list[Message]:
+        post = self.baton.post
+        post.observe(self.rank, self.clock.now)
+        taken = post.take_arrived(self.rank, src, tag)
+        self.stats.bytes_received += sum(m.nbytes for m in taken)
+        return taken
+
     def serve(self, make: Callable[[], Server]) -> Server:
         return self.baton.post.serve(make)
 
