@@ -308,6 +308,9 @@ class TrainNode:
             self._eval_model = copy.deepcopy(self.model)
         self._eval_model.load_state_dict(state, strict=True)
         row: dict[str, float] = {"step": done}
+        facts = getattr(self.strategy, "validation_facts", None)
+        if facts is not None:  # e.g. a server's: the simulated time and the updates applied when node 0 read it
+            row.update(facts())
         for prefix, model in (("local", self.model), ("global", self._eval_model)):
             for name, value in self._evaluate(model).items():
                 row[f"{prefix}_{name}"] = value

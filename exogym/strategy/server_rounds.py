@@ -165,6 +165,12 @@ class ServerRoundsStrategy(Strategy):
                  zip(self._names, self._params, theta.split([p.numel() for p in self._params]))}
         return {**frozen_state(self.model), **state}
 
+    def validation_facts(self) -> dict[str, float]:
+        """What a validation row adds (node 0 reads the server): sim_time_s, node 0's clock; updates, the server
+        updates applied by then. Loss against either: `exogym plot --x sim_time_s` or `--x updates`."""
+        version = self._version if self.server is None else msg.read_server(lambda s: s.version)
+        return {"sim_time_s": msg.now(), "updates": version}
+
     def state_dict(self) -> dict[str, dict[str, Any]]:
         state = super().state_dict()
         state["local"].update(start=self._start.clone(), version=self._version, steps=self._steps, H=self._H,
