@@ -230,6 +230,17 @@ class TransportBase:
     def read_server(self, read: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} cannot run a server")
 
+    def pause_for_checkpoint(self) -> None:
+        """Before a checkpoint is saved: a backend whose nodes exchange messages aligns their clocks. Nothing by
+        default."""
+
+    def messages_state(self) -> dict[str, Any] | None:
+        """What of the messages (in flight, the server) the checkpoint keeps, on the node that keeps it."""
+        return None
+
+    def load_messages_state(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot restore messages in flight")
+
     def now(self) -> float:
         """The node's clock: simulated seconds (sim backend), or seconds since the run started."""
         return self.clock.now

@@ -174,6 +174,8 @@ class TrainNode:
         if self.resume is not None:  # the strategy's state (optimizers and all), counts and clock, where they were
             s.load_state_dict(self.resume.strategy)
             comm.restore(self.resume.comm_stats, self.resume.clock)
+            if "messages" in self.resume.strategy:
+                comm.load_messages_state(self.resume.strategy["messages"])
             first_step = self.resume.step
         self.execution.adopt_optimizer(self.rank, self.model, getattr(s, "optim", None))
         self.model.train()
@@ -199,7 +201,12 @@ class TrainNode:
     def _save_checkpoint(self, comm: Transport, done: int) -> None:
         # The global random streams are this node's own while it runs (the backend swapped them in).
         self.execution.release(self.rank, self.model)
-        state = NodeState(done, self.model.state_dict(), self.strategy.state_dict(),
+        comm.pause_for_checkpoint()  # messages: the nodes meet in simulated time, so the checkpoint is a cut
+        strategy_state = self.strategy.state_dict()
+        messages = comm.messages_state()  # in flight, and the server's (one node keeps them)
+        if messages is not None:
+            strategy_state = {**strategy_state, "messages": messages}
+        state = NodeState(done, self.model.state_dict(), strategy_state,
                           GlobalRNGState.capture(self.device).to_plain(), comm.stats, self.log, comm.clock)
         save_node_state(self.checkpoints, self.rank, state)
         comm.barrier(comm.world)  # every node's file is on disk before node 0 publishes the checkpoint

@@ -58,6 +58,7 @@ class PostOffice:
         self._sent: dict[int, int] = {}  # per sender, messages sent so far
         self.server: Server | None = None
         self.handled = 0  # messages the server has handled
+        self.active = False  # a message was posted or a server declared: checkpoints pause the clocks
 
     # ---- the heap ------------------------------------------------------------------------------
     def has_events(self) -> bool:
@@ -71,6 +72,7 @@ class PostOffice:
     def post(self, message: Message) -> None:
         """Put a message on the wire at message.sent_at; it arrives after the network's transfer time."""
         self._check()
+        self.active = True
         seconds = 0.0 if self.network is None else self.network.message_seconds(message.nbytes, message.src,
                                                                                  message.dst)
         message.arrives_at = message.sent_at + seconds
@@ -141,6 +143,7 @@ class PostOffice:
                                 f"{type(server).__name__}")
             server._post = self
             self.server = server
+            self.active = True
         return self.server
 
     def wake_server(self, at: float) -> None:
@@ -164,6 +167,57 @@ class PostOffice:
         except Exception as e:
             raise MessageError(f"the server ({type(server).__name__}) raised while handling {what}: "
                                f"{type(e).__name__}: {e}") from e
+
+
+    # ---- checkpoints: the state at a pause (every node waits in the checkpoint's collective) -----------
+    def state_dict(self) -> dict[str, Any]:
+        """Messages in flight, mailboxes, the senders' counts and the server: plain data and tensors."""
+        events = []
+        for at, kind, rank, seq, order, item in self._events:
+            if kind == _OBSERVE:
+                raise RuntimeError(f"node {item} waits to observe at a checkpoint: the checkpoint was not taken "
+                                   "while every node waited in its collective")
+            events.append({"wake": item[1], "order": order} if isinstance(item, tuple)
+                          else {"message": _plain(item), "order": order})
+        server = self.server
+        return {"events": events, "order": next(self._order) - 1, "sent": dict(self._sent), "handled": self.handled,
+                "mail": {r: [_plain(m) for m in box] for r, box in self._mail.items()},
+                "server": None if server is None else {
+                    "state": server.state_dict(), "now": server.now, "updates": [dict(u) for u in server.updates],
+                    "stats": {"bytes_sent": server.stats.bytes_sent, "bytes_received": server.stats.bytes_received,
+                              "payload_bytes": server.stats.payload_bytes}}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._events = []
+        for e in state["events"]:
+            if "wake" in e:
+                self._events.append((e["wake"], _ARRIVE, SERVER, -1, e["order"], (_WAKE, e["wake"])))
+            else:
+                m = _message(e["message"])
+                self._events.append((m.arrives_at, _ARRIVE, m.src, m.seq, e["order"], m))
+        heapq.heapify(self._events)
+        self._order = itertools.count(state["order"] + 1)
+        self._sent, self.handled = dict(state["sent"]), state["handled"]
+        self._mail = {int(r): [_message(m) for m in box] for r, box in state["mail"].items()}
+        self.active = True
+        if state["server"] is not None:
+            if self.server is None:
+                raise RuntimeError("the checkpoint holds a server's state but this run's strategy declares none")
+            server, saved = self.server, state["server"]
+            server.load_state_dict(saved["state"])
+            server.now, server.updates[:] = saved["now"], [dict(u) for u in saved["updates"]]
+            server.stats.bytes_sent = saved["stats"]["bytes_sent"]
+            server.stats.bytes_received = saved["stats"]["bytes_received"]
+            server.stats.payload_bytes = saved["stats"]["payload_bytes"]
+
+
+def _plain(m: Message) -> dict[str, Any]:
+    return {"src": m.src, "dst": m.dst, "tensor": m.tensor, "tag": m.tag, "meta": dict(m.meta), "sent_at": m.sent_at,
+            "arrives_at": m.arrives_at, "seq": m.seq}
+
+
+def _message(d: dict[str, Any]) -> Message:
+    return Message(d["src"], d["dst"], d["tensor"], d["tag"], dict(d["meta"]), d["sent_at"], d["arrives_at"], d["seq"])
 
 
 def _matches(m: Message, src: int | None, tag: int | None) -> bool:

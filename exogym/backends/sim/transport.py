@@ -290,6 +290,24 @@ class SimTransport(TransportBase):
         post.observe(self.rank, self.clock.now)
         return read(post.server)
 
+    def pause_for_checkpoint(self) -> None:
+        """A run with messages pauses at a checkpoint: every node waits until the last one gets there (their clocks
+        move to its clock, as idle time), so the checkpoint is a cut in simulated time: what is in flight then is
+        saved with it, and a resumed run continues exactly (exogym.backends.sim.postoffice)."""
+        if not self.baton.post.active:
+            return
+        latest = torch.tensor([self.clock.now], dtype=torch.float64)
+        self.all_reduce(latest, ReduceOp.MAX, self.world)
+        self.clock.catch_up(float(latest))
+
+    def messages_state(self) -> dict[str, Any] | None:
+        """The post office's state at the pause (node 0 keeps it in its checkpoint file), or None."""
+        post = self.baton.post
+        return post.state_dict() if post.active and self.rank == 0 else None
+
+    def load_messages_state(self, state: dict[str, Any]) -> None:
+        self.baton.post.load_state_dict(state)
+
     def served(self) -> Server | None:
         """The run's server, if a strategy declared one (its record goes with node 0's log)."""
         return self.baton.post.server
