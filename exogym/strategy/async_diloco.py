@@ -91,6 +91,8 @@ class AsyncDiLoCoStrategy(ServerRoundsStrategy):
             staleness counting the server updates since the node's global model was sent).
         delayed_nesterov: momentum steps only every `nesterov_delay` arrivals (default: num_nodes).
         dynamic_local_updates: scale each node's H by its speed (learned from its rounds; H until known).
+        time_budget_s: a node sits out its remaining steps once its simulated clock reaches this (fast nodes then
+            train more steps than slow ones in the same time; None: every node trains max_steps).
         max_norm: clip each inner step's gradient norm.
 
     Raises:

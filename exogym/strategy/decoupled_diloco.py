@@ -122,6 +122,8 @@ class DecoupledDiLoCoStrategy(ServerRoundsStrategy):
         grace_factor, max_grace: the grace window after the quorum formed, grace_factor x the time it took to
             form, at most max_grace seconds.
         outer_lr, outer_momentum: the syncer's Nesterov outer step.
+        time_budget_s: a node sits out its remaining steps once its simulated clock reaches this (fast nodes then
+            train more steps than slow ones in the same time; None: every node trains max_steps).
         max_norm: clip each inner step's gradient norm.
 
     Raises:
@@ -168,6 +170,9 @@ class DecoupledDiLoCoStrategy(ServerRoundsStrategy):
         self._next = 0  # the fragment sent next
 
     def step(self) -> None:
+        if self._stopped:
+            Strategy.step(self)
+            return
         self._clip_grads()
         self.optim.step()
         self._steps += 1

@@ -68,6 +68,8 @@ class FedBuffStrategy(ServerRoundsStrategy):
         buffer_size: K, the arrivals per server update.
         server_lr: the server's step on the buffer's mean (1.0: FedAvg's averaging).
         staleness: "sqrt" (w = (1 + tau)^-1/2, the paper's) or "constant".
+        time_budget_s: a node sits out its remaining steps once its simulated clock reaches this (fast nodes then
+            train more steps than slow ones in the same time; None: every node trains max_steps).
         max_norm: clip each local step's gradient norm.
 
     Raises:

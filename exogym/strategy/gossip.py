@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 import torch
 
-from exogym._validation import check_int
+from exogym._validation import check_int, check_number
 from exogym.comm import messages as msg
 from exogym.strategy.base import Strategy, trainable_parameters
 from exogym.strategy.optim import OptimSpec, ensure_optim_spec
@@ -75,6 +75,7 @@ class GossipStrategy(Strategy):
         mode: "sync" or "async".
         H: local steps between gossip rounds.
         seed: the random pairs' and the async peers' streams.
+        time_budget_s: async only: a node sits out its remaining steps once its simulated clock reaches this.
         max_norm: clip each local step's gradient norm.
 
     Raises:
@@ -86,7 +87,7 @@ class GossipStrategy(Strategy):
 
     def __init__(self, optim_spec: OptimSpec | str | type | None = None, *, topology: str = "ring",
                  mode: str = "sync", H: int = 1, lr: float | None = None, seed: int = 0,
-                 max_norm: float | None = None, **kwargs: Any):
+                 time_budget_s: float | None = None, max_norm: float | None = None, **kwargs: Any):
         super().__init__(max_norm=max_norm, **kwargs)
         if topology not in TOPOLOGIES:
             raise ValueError(f"topology must be one of {list(TOPOLOGIES)}, got {topology!r}")
@@ -94,6 +95,11 @@ class GossipStrategy(Strategy):
             raise ValueError(f"mode must be 'sync' or 'async', got {mode!r}")
         check_int("H", H, minimum=1)
         check_int("seed", seed, minimum=0)
+        check_number("time_budget_s", time_budget_s, positive=True, allow_none=True)
+        if time_budget_s is not None and mode != "async":
+            raise ValueError("time_budget_s needs mode='async': in sync gossip a node that stops would leave its "
+                             "neighbours waiting")
+        self.time_budget_s = time_budget_s
         self.topology, self.mode, self.H, self.seed = topology, mode, H, seed
         spec = ensure_optim_spec(optim_spec, lr=lr) if optim_spec is not None else None
         self.optim_spec = spec or OptimSpec(self._default_inner.cls, **{**self._default_inner.kwargs,
@@ -106,6 +112,12 @@ class GossipStrategy(Strategy):
         self._rng = random.Random(self.seed * 7919 + rank)
         self._sent = torch.zeros(num_nodes, dtype=torch.int64)  # async: messages sent to each node
         self._taken = torch.zeros(num_nodes, dtype=torch.int64)  # async: messages taken from each node
+        self._stopped = False
+
+    def skip_compute(self) -> bool:
+        if not self._stopped and self.time_budget_s is not None and msg.now() >= self.time_budget_s:
+            self._stopped = True
+        return self._stopped
 
     @torch.no_grad()
     def _load(self, theta: torch.Tensor) -> None:
@@ -113,6 +125,9 @@ class GossipStrategy(Strategy):
             p.copy_(chunk.view_as(p))
 
     def step(self) -> None:
+        if self._stopped:
+            super().step()
+            return
         self._clip_grads()
         self.optim.step()
         if (self.local_step + 1) % self.H == 0 and self.num_nodes > 1:
@@ -171,7 +186,7 @@ class GossipStrategy(Strategy):
     def state_dict(self) -> dict[str, dict[str, Any]]:
         state = super().state_dict()
         state["local"].update(round=self._round, weight=self._weight, rng=self._rng.getstate(),
-                              sent=self._sent.clone(), taken=self._taken.clone())
+                              sent=self._sent.clone(), taken=self._taken.clone(), stopped=self._stopped)
         return state
 
     def load_state_dict(self, state: Mapping[str, Mapping[str, Any]]) -> None:
@@ -180,3 +195,4 @@ class GossipStrategy(Strategy):
         self._round, self._weight = local["round"], local["weight"]
         self._rng.setstate(local["rng"])
         self._sent, self._taken = local["sent"].clone(), local["taken"].clone()
+        self._stopped = local["stopped"]

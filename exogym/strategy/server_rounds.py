@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import torch
 
-from exogym._validation import check_int
+from exogym._validation import check_int, check_number
 from exogym.comm import messages as msg
 from exogym.strategy.base import Strategy, frozen_state, trainable_parameters
 from exogym.strategy.optim import OptimSpec, ensure_optim_spec
@@ -89,9 +89,12 @@ class ServerRoundsStrategy(Strategy):
     clock_runs_while_down = True  # a node down spends its steps idle, and comes back at its time (TrainNode)
 
     def __init__(self, optim_spec: OptimSpec | str | type | None = None, *, H: int = 100, lr: float | None = None,
-                 dynamic_local_updates: bool = False, max_norm: float | None = None, **kwargs: Any):
+                 dynamic_local_updates: bool = False, time_budget_s: float | None = None,
+                 max_norm: float | None = None, **kwargs: Any):
         super().__init__(max_norm=max_norm, **kwargs)
         check_int("H", H, minimum=1)
+        check_number("time_budget_s", time_budget_s, positive=True, allow_none=True)
+        self.time_budget_s = time_budget_s
         if not isinstance(dynamic_local_updates, bool):
             raise TypeError(f"dynamic_local_updates must be True or False, got {dynamic_local_updates!r}")
         self.H, self.dynamic_local_updates = H, dynamic_local_updates
@@ -113,6 +116,15 @@ class ServerRoundsStrategy(Strategy):
         self._start = start  # the global model this round started from
         self._version, self._steps, self._H = 0, 0, self.H
         self._round_began = msg.now()
+        self._stopped = False
+
+    def skip_compute(self) -> bool:
+        """With time_budget_s: once the node's clock has reached it, the node sits out its remaining steps (its
+        unsent steps go to the server at the end), so fast nodes train more steps than slow ones in the same
+        simulated time."""
+        if not self._stopped and self.time_budget_s is not None and msg.now() >= self.time_budget_s:
+            self._stopped = True
+        return self._stopped
 
     @torch.no_grad()
     def _load(self, theta: torch.Tensor) -> None:
@@ -120,6 +132,9 @@ class ServerRoundsStrategy(Strategy):
             p.copy_(chunk.view_as(p))
 
     def step(self) -> None:
+        if self._stopped:
+            Strategy.step(self)
+            return
         self._clip_grads()
         self.optim.step()
         self._steps += 1
@@ -174,7 +189,7 @@ class ServerRoundsStrategy(Strategy):
     def state_dict(self) -> dict[str, dict[str, Any]]:
         state = super().state_dict()
         state["local"].update(start=self._start.clone(), version=self._version, steps=self._steps, H=self._H,
-                              round_began=self._round_began)
+                              round_began=self._round_began, stopped=self._stopped)
         return state
 
     def load_state_dict(self, state: Mapping[str, Mapping[str, Any]]) -> None:
@@ -182,4 +197,4 @@ class ServerRoundsStrategy(Strategy):
         local = state["local"]
         self._start = local["start"].clone()
         self._version, self._steps, self._H = local["version"], local["steps"], local["H"]
-        self._round_began = local["round_began"]
+        self._round_began, self._stopped = local["round_began"], local["stopped"]

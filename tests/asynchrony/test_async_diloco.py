@@ -151,3 +151,16 @@ def test_a_node_down_never_stalls_the_server_and_comes_back_with_the_current_glo
     assert first_back["staleness"] < len(before)
     # down time passes on its clock: 4 steps idle at its speed (4 s each)
     assert t.record.sim_time_per_node[2]["wait_s"] >= 4 * 4.0
+
+
+def test_a_time_budget_lets_fast_nodes_train_more_steps():
+    toy.REGISTRY["theta"] = []
+    t = Trainer(replay.Pull(), replay.data())
+    t.fit(Logged(OptimSpec(torch.optim.SGD, lr=ETA), H=H, time_budget_s=8.0), 3, batch_size=B, max_steps=12,
+          node_speeds=SPEEDS, device_flops=replay.flops_per_step(B), network=Network(bandwidth="inf", latency=LAT),
+          **FIT)
+    steps = [sum(u["steps"] for u in t.record.updates if u["node"] == n) for n in range(3)]
+    # compute 1, 2, 4 s per step plus 1 s per round trip every 2 steps; a node starts a step while its clock is
+    # below 8 s: node 0 at 0,1,3,4,6,7 (6 steps), node 1 at 0,2,5,7 (4), node 2 at 0,4 (2)
+    assert steps == [6, 4, 2]
+    assert [sum(1 for x in row if x == x) for row in t.record.node_loss] == steps  # the rest sat out (nan)
