@@ -86,7 +86,11 @@ class ServerRoundsStrategy(Strategy):
 
     _default_inner = OptimSpec(torch.optim.AdamW, lr=1e-3)
     collectives_match_steps = True
-    clock_runs_while_down = True  # a node down spends its steps idle, and comes back at its time (TrainNode)
+    @property
+    def clock_runs_while_down(self) -> bool:
+        """A node down spends its steps idle and comes back at its time (TrainNode); not once it has stopped at its
+        time budget (its clock stays where it stopped)."""
+        return not self._stopped
 
     def __init__(self, optim_spec: OptimSpec | str | type | None = None, *, H: int = 100, lr: float | None = None,
                  dynamic_local_updates: bool = False, time_budget_s: float | None = None,
