@@ -230,6 +230,9 @@ class TransportBase:
     def read_server(self, read: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} cannot run a server")
 
+    def close_messages(self) -> None:
+        """After the node's last step and its global model: a backend with real messages winds them down."""
+
     def pause_for_checkpoint(self) -> None:
         """Before a checkpoint is saved: a backend whose nodes exchange messages aligns their clocks. Nothing by
         default."""

@@ -122,6 +122,7 @@ class TrainNode:
             self._record_step(comm, loss, metrics, lr)
             self._after_step(comm, self.step + 1)
         final = global_state_dict(self.model, s, comm, result=self.rank == 0)
+        comm.close_messages()  # the torch backend's message threads end with the run (the sim's: nothing to do)
         self.log.comm = {"bytes_sent": comm.stats.bytes_sent, "payload_bytes": comm.stats.payload_bytes,
                          "bytes_by_op": dict(comm.stats.bytes_by_op), "calls_by_op": dict(comm.stats.calls_by_op)}
         if comm.stats.bytes_received:
