@@ -137,6 +137,18 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {x['label']} | {x['final_val_loss']:.4f} | {x['final_val_accuracy']:.2%} | {x['sim_time_s']:.1f} | "
               f"{x['updates'] if x['updates'] is not None else '-'} | {x['steps_per_node']} | {x['goodput']:.2f} |")
 
+    marks = [budget / 4, budget / 2, budget]
+    print("\nLoss against simulated time (the last evaluation at or before each time) and against updates (the first "
+          f"evaluation after {args.rounds} updates: sync DiLoCo's rounds; gossip has none):\n")
+    print("| run | " + " | ".join(f"loss at {t:.0f} s" for t in marks) + f" | loss after {args.rounds} updates |")
+    print("|---|" + "---|" * (len(marks) + 1))
+    for x in results:
+        at = [loss_at(x["curve"], "sim_time_s", t, before=True) for t in marks]
+        after = loss_at(x["curve"], "updates", args.rounds, before=False)
+        print(f"| {x['label']} | " + " | ".join(_fmt(v) for v in at) + f" | {_fmt(after)} |")
+        x["loss_at_s"] = dict(zip((f"{t:.0f}" for t in marks), at))
+        x["loss_after_updates"] = after
+
     print(f"\nUnder failures (each node fails at each step with probability {args.failure_rate}, down 20 steps, "
           "seed 0):\n\n| run | final val loss | simulated s | goodput |\n|---|---|---|---|")
     failures = []
@@ -162,6 +174,20 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         print("\n(install matplotlib for the plots: pip install 'exogym[plot]')")
     print_outputs(written)
+
+
+def loss_at(curve: list[dict], key: str, mark: float, *, before: bool) -> float | None:
+    """The validation loss of the last evaluation with key <= mark (before=True), or of the first with key >= mark."""
+    points = [p for p in curve if p[key] is not None]
+    if before:
+        chosen = [p for p in points if p[key] <= mark + 1e-9]
+        return chosen[-1]["global_loss"] if chosen else None
+    chosen = [p for p in points if p[key] >= mark]
+    return chosen[0]["global_loss"] if chosen else None
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4f}"
 
 
 def _sim_at(record, step: int) -> float:
