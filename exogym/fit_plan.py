@@ -21,7 +21,7 @@ from exogym.data.sharding import NodeBatches
 from exogym.engine.devices import MemoryCap
 from exogym.engine.plan import RunPlan
 from exogym.fit_end import ending
-from exogym.fit_setup import check_node_memory, take_ignored_settings, versions
+from exogym.fit_setup import check_node_memory, versions
 from exogym.runs.checkpoint import NodeState, check_resume, find_checkpoint, load_checkpoint, read_manifest
 from exogym.runs.folder import RunClaim
 from exogym.runs.loggers import Logger
@@ -39,8 +39,9 @@ class FitArguments(SimpleNamespace):
 
 def check_arguments(o: FitArguments) -> None:
     """The checks that need nothing but the arguments themselves, in the order fit lists them. First, the settings
-    an adapter of this call noted as having no effect are taken (o.ignored: config.json lists them apart)."""
-    o.ignored = take_ignored_settings()
+    the argument adapters of this call dropped as having no effect (o.ignored_settings, exogym.adapters) are kept as
+    o.ignored: config.json lists them apart."""
+    o.ignored = {k: {"value": v, "reason": why} for k, (v, why) in (o.ignored_settings or {}).items()}
     if not isinstance(o.strategy, Strategy):
         raise TypeError(f"strategy must be an exogym Strategy instance, got {o.strategy!r}")
     o.strategy.check_constructed()

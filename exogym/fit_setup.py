@@ -6,9 +6,8 @@ Each function validates what it builds and raises before any node starts.
 from __future__ import annotations
 
 import os
-from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -19,31 +18,15 @@ from exogym.runs.loggers import CSVLogger, Logger, MultiLogger, WandbLogger, _Fo
 from exogym.cluster.network import Network
 from exogym.runs.disk import format_bytes
 from exogym.runs.folder import RunClaim, check_run_name, claim_run
+from exogym.runs.rerun import keep_earlier_run
 from exogym.cluster.simtime import TimeModel
 
 __all__ = ["DEFAULT_DEVICE_FLOPS", "NODE_OVERHEAD_BYTES", "available_memory_bytes", "check_node_memory",
            "partition_data", "build_node_batches", "build_val_batches", "build_time_model",
            "resolve_logger", "run_name_of", "claim_run_folders", "announce", "peak_memory_mb", "versions",
-           "note_ignored_settings", "take_ignored_settings", "check_trainable"]
+           "check_trainable"]
 
 DEFAULT_DEVICE_FLOPS = 1e12  # a nominal sustained 1 TFLOP/s per node; pass device_flops for your hardware
-
-# Settings of the fit call about to run that had no effect, noted by an argument adapter (exogym.adapters) of
-# Trainer.fit which dropped them; fit takes them as it starts (check_arguments) and config.json lists them apart.
-_IGNORED: ContextVar[dict[str, dict[str, Any]] | None] = ContextVar("exogym_ignored_settings", default=None)
-
-
-def note_ignored_settings(settings: Mapping[str, tuple[Any, str]]) -> None:
-    """Called by an adapter of Trainer.fit, last, for the call it adapts: {name: (value, why it had no effect)}."""
-    _IGNORED.set({k: {"value": v, "reason": why} for k, (v, why) in settings.items()})
-
-
-def take_ignored_settings() -> dict[str, dict[str, Any]]:
-    """The settings noted for the fit call now starting (empty when none), forgotten once taken."""
-    noted = _IGNORED.get() or {}
-    _IGNORED.set(None)
-    return noted
-
 
 def check_trainable(model: torch.nn.Module) -> None:
     """A run trains something: a model without a parameter that requires a gradient is refused before any node
@@ -268,14 +251,18 @@ def run_name_of(logger: Logger | None, run_name: str | None) -> str | None:
 
 def claim_run_folders(logger: Logger | None, name: str | None, default_name: str, *,
                       extra_roots: Sequence[str | os.PathLike] = (), overwrite: bool = False,
-                      resume_after: int | None = None) -> RunClaim | None:
+                      resume_after: int | None = None,
+                      checkpoint_dir: str | os.PathLike | None = None) -> RunClaim | None:
     """Claim <root>/<name> for the run under every folder its loggers write (and extra_roots: the default
     checkpoint folder's logs/), before any node starts; hand the claimed name to the loggers. resume_after: the
-    run continues in its own folder from its checkpoint at that step (rows after it are dropped). None when
-    nothing is written into a run folder."""
+    run continues in its own folder from its checkpoint at that step (rows after it are dropped). An ended run of
+    the same explicit name is moved aside first, with its checkpoint_dir (exogym.runs.rerun), unless overwrite.
+    None when nothing is written into a run folder."""
     loggers = _loggers(logger)
     folder_loggers = [lg for lg in loggers if isinstance(lg, _FolderLogger)]
     roots = [lg.log_dir for lg in folder_loggers] + [Path(r) for r in extra_roots]
+    if name is not None and not overwrite and resume_after is None:
+        keep_earlier_run([root / name for root in roots], name, checkpoint_dir)
     if not roots:
         return None
     claim = claim_run(roots, name, default_name, overwrite=overwrite, resume=resume_after is not None)

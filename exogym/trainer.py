@@ -93,7 +93,7 @@ class Trainer:
             node_timeout: float | None = DEFAULT_NODE_TIMEOUT, dataloader_kwargs: dict[str, Any] | None = None,
             max_memory_usage: float | None = None, port: int | None = None,
             extra_config: dict[str, Any] | None = None, execution: str = "sequential",
-            processes: int = 1) -> torch.nn.Module:
+            processes: int = 1, ignored_settings: dict[str, tuple[Any, str]] | None = None) -> torch.nn.Module:
         """Train with `strategy` on `num_nodes` nodes; return the global model (by default the nodes' average).
 
         batch_size is per node (the global batch is num_nodes x batch_size); minibatch_size splits it
@@ -104,7 +104,8 @@ class Trainer:
         logs/<run_name>/ (config.json, train.csv, val.csv, summary.json); False for none.
         A run folder belongs to one run: it is claimed atomically before any node starts. The default
         run_name (strategy, nodes, time) gets a -2, -3, ... suffix when taken; an explicit run_name (fit's, or
-        the logger's) whose folder holds a run is an error, unless overwrite=True (that run's folder, and other
+        the logger's) whose folder holds a run that has ended moves that run aside to <name>.<when it started>
+        (exogym.runs.rerun; one still running is an error), unless overwrite=True (that run's folder, and other
         runs' checkpoints in checkpoint_dir, are deleted) or the run resumes from that run's own checkpoint: it
         then continues in the same folder, whose train.csv holds the whole run once.
 
@@ -222,7 +223,7 @@ class Trainer:
         claim = claim_run_folders(logger, resumed.run_name if resumed.run_name is not None else run_name,
                                   default_run_name({"strategy": type(o.strategy).__name__, "num_nodes": o.num_nodes}),
                                   extra_roots=["logs"] if default_ckpt and is_main else [], overwrite=o.overwrite,
-                                  resume_after=resumed.after) if is_main else None
+                                  resume_after=resumed.after, checkpoint_dir=o.checkpoint_dir) if is_main else None
         run_name = claim.name if claim is not None else resumed.run_name or run_name or default_run_name(config)
         config["run_name"] = run_name
         run = _Run(config=config, logger=logger, claim=claim, memory_cap=memory_cap, devices=devices)
