@@ -115,3 +115,38 @@ def test_a_recv_no_send_will_match_is_an_error_naming_the_nodes():
 def test_a_server_that_raises_is_an_error_naming_the_message():
     with pytest.raises(MessageError, match=r"raised while handling message #0 from node 0 to the server \(tag 9"):
         _fit(Talks(tag=9), nodes=2, steps=1)
+
+
+def test_per_direction_caps_and_the_servers_link():
+    # bytes/s: a node's upload, the receiver's download and the link's bandwidth; the slowest sets the pace
+    net = Network(bandwidth="80bps", latency=1.0, node_upload=["40bps", "80bps"], node_download=["80bps", "16bps"],
+                  server_bandwidth="160bps", server_latency=0.5, server_download="40bps")
+    assert net.message_seconds(10, 0, 1) == 1.0 + 10 / 2  # node 1's download: 2 B/s
+    assert net.message_seconds(10, 1, 0) == 1.0 + 10 / 10  # the link: 10 B/s
+    assert net.message_seconds(10, 0, SERVER) == 0.5 + 10 / 5  # node 0's upload and the server's download: 5 B/s
+    assert net.message_seconds(10, SERVER, 1) == 0.5 + 10 / 2  # node 1's download
+    assert net.message_seconds(10, 1, SERVER) == 0.5 + 10 / 5  # the server's download
+    with pytest.raises(ValueError, match="node_upload has 2 entries but the run has num_nodes=3"):
+        net.check_nodes(3)
+    net.check_nodes(2)
+
+
+def test_under_fused_execution_the_event_order_is_the_same_and_the_numbers_agree_to_rounding():
+    # fused execution batches the forward/backward (float rounding differs, as for every strategy); the order of
+    # events is the clock's, so updates, staleness, times and bytes are identical
+    from exogym.strategy import DecoupledDiLoCoStrategy, GossipStrategy
+    for make in (lambda: GossipStrategy(topology="ring", mode="async", lr=0.05),
+                 lambda: DecoupledDiLoCoStrategy(H=2, min_quorum=2, lr=1e-2)):
+        runs = []
+        for execution in ("sequential", "fused"):
+            t = Trainer(toy.TinyMLP(), toy.make_classification(128))
+            model = t.fit(make(), 3, batch_size=8, max_steps=6, node_speeds=[1.0, 0.5, 0.3], network="home",
+                          execution=execution, **FIT)
+            runs.append((t.record, [p.detach().clone() for p in model.parameters()]))
+        (a, pa), (b, pb) = runs
+        assert [{k: v for k, v in u.items() if k != "weight"} for u in a.updates] == \
+            [{k: v for k, v in u.items() if k != "weight"} for u in b.updates]
+        assert a.sim_time_per_node == b.sim_time_per_node and a.bytes_per_node == b.bytes_per_node
+        torch.testing.assert_close(torch.tensor(a.node_loss), torch.tensor(b.node_loss), rtol=1e-5, atol=1e-6)
+        for x, y in zip(pa, pb):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
