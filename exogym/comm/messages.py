@@ -125,7 +125,8 @@ def _check_dst(dst: object, num_nodes: int, src: int) -> int:
     if isinstance(dst, bool) or not isinstance(dst, int) or not (dst == SERVER or 0 <= dst < num_nodes):
         raise ValueError(f"dst must be a node rank in 0..{num_nodes - 1} or SERVER ({SERVER}), got {dst!r}")
     if dst == src:
-        raise ValueError(f"node {src} sent a message to itself; send to another node or to SERVER")
+        raise ValueError(f"node {src} named itself as the other end of a message; a node sends to and receives "
+                         "from other nodes or SERVER")
     return dst
 
 
@@ -148,14 +149,39 @@ def _message(tensor: torch.Tensor, dst: int, tag: int, meta: Mapping[str, float]
 
 
 def isend(tensor: torch.Tensor, dst: int, *, tag: int = 0, meta: Mapping[str, float] | None = None) -> Any:
-    """Send a copy of `tensor` to node `dst` (or SERVER) and return at once; the handle's wait() returns when it
-    has arrived."""
+    """Send a copy of `tensor` to node `dst` (or SERVER) and return at once.
+
+    Args:
+        tensor: what to send (copied now; the caller may change its own at once).
+        dst: a node's rank, or SERVER.
+        tag: an int the receiver may select on.
+        meta: a few int/float values sent with it (8 bytes each).
+
+    Returns:
+        A handle whose wait() returns when the message has arrived (the sender's clock moves to the arrival).
+
+    Raises:
+        ValueError: dst is not a rank or SERVER, or is the sender itself.
+        TypeError: tensor is not a tensor, or meta holds other than str -> int/float.
+    """
     c, message = _message(tensor, dst, tag, meta)
     return c.send_message(message, blocking=False)
 
 
 def send(tensor: torch.Tensor, dst: int, *, tag: int = 0, meta: Mapping[str, float] | None = None) -> None:
-    """Send a copy of `tensor` to node `dst` (or SERVER); returns once it has arrived."""
+    """Send a copy of `tensor` to node `dst` (or SERVER); returns once it has arrived (the transfer is
+    communication time on the sender's clock).
+
+    Args:
+        tensor: what to send (copied now).
+        dst: a node's rank, or SERVER.
+        tag: an int the receiver may select on.
+        meta: a few int/float values sent with it (8 bytes each).
+
+    Raises:
+        ValueError: dst is not a rank or SERVER, or is the sender itself.
+        TypeError: tensor is not a tensor, or meta holds other than str -> int/float.
+    """
     c, message = _message(tensor, dst, tag, meta)
     c.send_message(message, blocking=True)
 
@@ -170,8 +196,20 @@ def irecv(tensor: torch.Tensor | None = None, src: int | None = None, *, tag: in
 
 
 def recv(tensor: torch.Tensor | None = None, src: int | None = None, *, tag: int | None = None) -> Message:
-    """Receive the next message from `src` (None: any sender) with `tag` (None: any), in arrival order; copies
-    its tensor into `tensor` when given, and returns the Message."""
+    """Receive the next message from `src` with `tag`, in arrival order (waiting for it is idle time).
+
+    Args:
+        tensor: if given, the message's tensor is copied into it.
+        src: a node's rank, SERVER, or None for any sender.
+        tag: the tag to match, or None for any.
+
+    Returns:
+        The Message (src, tensor, tag, meta, sent_at, arrives_at).
+
+    Raises:
+        MessageError: no message will ever match (every node that could send is finished or waits itself).
+        ValueError: src is not a rank or SERVER.
+    """
     c = _comm.current_transport()
     if src is not None:
         _check_dst(src, c.num_nodes, c.rank)
