@@ -184,6 +184,10 @@ class GossipStrategy(Strategy):
             missing = int(counts[j, self.rank] - self._taken[j])
             self._fold([msg.recv(src=j) for _ in range(missing)])
 
+    def validation_facts(self) -> dict[str, float]:
+        """A validation row's simulated time: node 0's clock when it validated (the nodes' clocks differ)."""
+        return {"sim_time_s": msg.now()}
+
     def state_dict(self) -> dict[str, dict[str, Any]]:
         state = super().state_dict()
         state["local"].update(round=self._round, weight=self._weight, rng=self._rng.getstate(),
