@@ -11,7 +11,7 @@ from exogym.backends.errors import NodeProcessError, NodeTimeoutError
 from exogym.cluster.membership import RandomFailures
 from exogym.comm.transport import CollectiveError
 from exogym.engine.node import NonFiniteLoss
-from exogym.fit_end import RunInterrupted
+from exogym.launch.signals import RunInterrupted
 from exogym.runs.folder import RunFolderError
 from exogym.runs.disk import DiskFullError
 from exogym.runs.record import RunRecord

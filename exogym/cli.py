@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, NoReturn, Sequence
 
 from exogym._validation import MAX_SEED
-from exogym.fit_end import signal_of
+from exogym.launch.signals import interrupt_signal
 from exogym.runs.folder import check_run_name
 from exogym.runs.plot import X_AXES
 from exogym.strategy import Strategy
@@ -315,7 +315,7 @@ def _report(args: argparse.Namespace, e: BaseException) -> int:
     started = hasattr(e, "run_folder") or hasattr(e, "record") or \
         any("raised in node" in n for n in getattr(e, "__notes__", ()))
     if isinstance(e, KeyboardInterrupt):  # Ctrl-C, or fit's RunInterrupted (SIGTERM), which names its signal
-        name = signal_of(e)
+        name = interrupt_signal(e).name
         text = _one_line(e)
         line = f"interrupted ({'Ctrl-C' if name == 'SIGINT' else name}){': ' + text if text else ''}"
         status = 128 + int(getattr(signal, str(name), signal.SIGINT))

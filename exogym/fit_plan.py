@@ -1,85 +1,184 @@
-"""The parts of one Trainer.fit call: its arguments checked, its data, where it resumes, the record's config, and
-the run on its way (what must be closed, released or reported however the run ends)."""
+"""A fit call's plan: from its checked configuration, the model and the data, everything a run needs before its
+nodes start (every node's data, the record's config, where it resumes, the launcher and the RunPlan its processes
+run), checked against the model, the data and the machine. Building it claims, starts and prints nothing:
+exogym.lifecycle opens the run."""
 
 from __future__ import annotations
 
-import contextlib
-import math
-import time
-import uuid
-from dataclasses import dataclass, field
-from types import SimpleNamespace
-from typing import Any, Callable
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
 
 import torch
 
-from exogym._validation import MAX_SEED, check_int, check_number
-from exogym.backends.sim.fused.choose import EXECUTIONS
-from exogym.cluster.membership import Membership
-from exogym.data.partition import Partition
-from exogym.data.sharding import NodeBatches
-from exogym.engine.devices import MemoryCap
+from exogym._validation import check_number
+from exogym.backends.sim.fused.choose import choose_execution
+from exogym.cluster.network import Network
+from exogym.cluster.simtime import TimeModel
+from exogym.data.loader_options import loader_options
+from exogym.data.sharding import DatasetOrFactory
+from exogym.engine.config import RunConfig
+from exogym.engine.devices import DeviceLike, MemoryCap, memory_fraction, resolve_node_devices
 from exogym.engine.plan import RunPlan
-from exogym.fit_end import ending
-from exogym.fit_setup import check_node_memory, versions
-from exogym.runs.checkpoint import NodeState, check_resume, find_checkpoint, load_checkpoint, read_manifest
-from exogym.runs.folder import RunClaim
+from exogym.fit_config import FitConfig
+from exogym.fit_loggers import resolve_logger, run_name_of
+from exogym.fit_nodes import RunData, build_run_data, check_node_memory, check_trainable
+from exogym.fit_resume import ResumePoint, resume_point
+from exogym.launch import BACKENDS, Launcher, choose_launcher
+from exogym.launch.environment import Environment
+from exogym.runs.fingerprint import run_fingerprint
+from exogym.runs.folder import check_writable
 from exogym.runs.loggers import Logger
-from exogym.runs.progress import RunProgress
-from exogym.runs.record import RunRecord
 from exogym.strategy.base import Strategy
 
-__all__ = ["FitArguments", "check_arguments", "check_processes", "RunData", "ResumePoint", "resume_point", "run_config", "FitRun",
-           "keeps_one_replica"]
+__all__ = ["FitPlan", "CheckpointSpec", "build_plan", "run_config", "build_time_model", "keeps_one_replica",
+           "DEFAULT_DEVICE_FLOPS"]
+
+DEFAULT_DEVICE_FLOPS = 1e12  # a nominal sustained 1 TFLOP/s per node; pass device_flops for your hardware
 
 
-class FitArguments(SimpleNamespace):
-    """fit's keyword arguments, by name (fit's signature is where they are declared and documented)."""
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """Where and how often a run saves: `root` None is the run folder's checkpoints/ (known once it is claimed)."""
+
+    root: Path | None
+    interval: int
+    keep: int
 
 
-def check_arguments(o: FitArguments) -> None:
-    """The checks that need nothing but the arguments themselves, in the order fit lists them. First, the settings
-    the argument adapters of this call dropped as having no effect (o.ignored_settings, exogym.adapters) are kept as
-    o.ignored: config.json lists them apart."""
-    o.ignored = {k: {"value": v, "reason": why} for k, (v, why) in (o.ignored_settings or {}).items()}
-    if not isinstance(o.strategy, Strategy):
-        raise TypeError(f"strategy must be an exogym Strategy instance, got {o.strategy!r}")
-    o.strategy.check_constructed()
-    for name in ("num_nodes", "num_epochs", "batch_size", "val_size", "val_interval", "log_interval",
-                 "keep_checkpoints"):
-        check_int(name, getattr(o, name), minimum=1)
-    check_node_memory(o.num_nodes)  # the per-node overhead alone: num_nodes=10**9 is refused here, at once
-    o.strategy.check_nodes(o.num_nodes)
-    check_int("seed", o.seed, minimum=0, maximum=MAX_SEED)
-    for name in ("max_steps", "minibatch_size", "checkpoint_interval", "diagnostics_interval", "port"):
-        check_int(name, getattr(o, name), minimum=1, allow_none=True)
-    if o.port is not None and o.port > 65535:
-        raise ValueError(f"port must be a TCP port in 1..65535, got {o.port}")
-    if o.extra_config is not None and not isinstance(o.extra_config, dict):
-        raise TypeError(f"extra_config (the original's fit(kwargs=...)) must be a dict, got {o.extra_config!r}")
-    for name in ("extend_run", "overwrite"):
-        if not isinstance(getattr(o, name), bool):
-            raise TypeError(f"{name} must be True or False, got {getattr(o, name)!r}")
-    if o.extend_run and o.resume_from is None:
-        raise TypeError("extend_run=True continues a checkpointed run past its planned length; it needs resume_from=")
-    check_number("node_timeout", o.node_timeout, positive=True, allow_none=True)
-    if o.node_timeout is not None and not math.isfinite(o.node_timeout):
-        raise ValueError(f"node_timeout must be a finite number of seconds or None (no limit), got {o.node_timeout}")
-    if o.overwrite and o.resume_from is not None:
-        raise ValueError("overwrite=True would delete the run that resume_from continues; drop one of them")
-    if o.execution not in EXECUTIONS:
-        raise ValueError(f"execution must be one of {list(EXECUTIONS)}, got {o.execution!r}")
+@dataclass
+class FitPlan:
+    """What a fit call will do, checked and built before anything is claimed, started or printed
+    (exogym.lifecycle.RunLifecycle does those).
+
+    Attributes:
+        run: the plan the launcher's processes run (its checkpoints are set once the run folder is claimed).
+        launcher: who runs it.
+        config: the record's config (run_name and processes are added as the run opens).
+        logger: the run's loggers (None: none, or not the main process).
+        run_name: the run's explicit name (None: a default name is claimed).
+        resumed: where the run starts.
+        fingerprint: what a checkpoint of this run must match.
+        checkpoints: where and how often it saves (None: it does not).
+        checkpoint_dir: fit's checkpoint_dir (an ended run of the same name moves aside with it).
+        default_checkpoints: the checkpoints go under logs/<run_name>/ (fit's checkpoint_dir was not given).
+        overwrite: fit's overwrite.
+        devices: each node's device.
+        memory_cap: the device memory caps applied while the run runs.
+        time_model: the simulated time's model, for the run's announcement.
+        log_interval: every log_interval-th step's row goes to the loggers.
+        processes: what the record's config says of the processes.
+        is_main: this process holds the run folders and the loggers.
+        show_progress: the announcement and the progress bar are shown.
+    """
+
+    run: RunPlan
+    launcher: Launcher
+    config: dict[str, Any]
+    logger: Logger | None
+    run_name: str | None
+    resumed: ResumePoint
+    fingerprint: dict[str, Any]
+    checkpoints: CheckpointSpec | None
+    checkpoint_dir: str | os.PathLike | None
+    default_checkpoints: bool
+    overwrite: bool
+    devices: list[torch.device]
+    memory_cap: MemoryCap
+    time_model: TimeModel | None
+    log_interval: int
+    processes: int
+    is_main: bool
+    show_progress: bool
 
 
-def check_processes(o: FitArguments) -> None:
-    """processes=P: how many processes share the simulation (backend="sim"), each a block of nodes."""
-    check_int("processes", o.processes, minimum=1)
-    if o.processes > 1 and o.backend != "sim":
-        raise ValueError(f"processes={o.processes} spreads the sim backend's nodes over processes; backend={o.backend!r} "
-                         "already runs one process per node: drop processes=")
-    if o.processes > o.num_nodes:
-        raise ValueError(f"processes={o.processes} is more than num_nodes={o.num_nodes}: each process simulates at "
-                         f"least one node; use processes <= {o.num_nodes}")
+def build_plan(c: FitConfig, *, model: torch.nn.Module, train_dataset: DatasetOrFactory,
+               val_dataset: DatasetOrFactory | None, device: DeviceLike | None,
+               devices: Sequence[DeviceLike] | None, environment: Environment) -> FitPlan:
+    """Validate the run against the model, the data and the machine, and build its plan.
+
+    Args:
+        c: the fit call's configuration.
+        model: the Trainer's model (copied to every node, never modified).
+        train_dataset: the Trainer's training data.
+        val_dataset: its validation data, or None.
+        device: the Trainer's default device (fit's device/devices win).
+        devices: the Trainer's default per-node devices.
+        environment: this process's place (alone, or one of torchrun's).
+
+    Returns:
+        The plan.
+
+    Raises:
+        ValueError: a setting that does not fit the model, the data, the machine or the launch.
+        TypeError: a setting of the wrong type.
+        CheckpointError: resume_from names a checkpoint of another run (every difference listed).
+    """
+    s, sim, ln, k = c.schedule, c.simulation, c.launch, c.checkpoint
+    check_node_memory(c.num_nodes, environment=environment)  # the per-node overhead alone: 10**9 nodes, at once
+    time_model = build_time_model(c.num_nodes, sim.network, sim.node_speeds, sim.device_flops, sim.compute_time)
+    if s.minibatch > s.batch_size or s.batch_size % s.minibatch:
+        raise ValueError(f"minibatch_size must divide batch_size={s.batch_size}, got {s.minibatch}")
+    logger = resolve_logger(c.logging.logger, c.logging.run_name)
+    run_name = run_name_of(logger, c.logging.run_name)  # None: a default name is claimed as the run opens
+    if ln.backend not in BACKENDS:
+        raise ValueError(f"unknown backend {ln.backend!r}; use one of {list(BACKENDS)}")
+    # Under torchrun backend="torch" runs only this process's node, backend="sim" this process's block of nodes;
+    # rank 0 logs.
+    launcher = choose_launcher(environment, ln.backend, c.num_nodes, processes=ln.processes, port=ln.port,
+                               checkpoint_dir_shared=k.checkpoint_interval is None or k.checkpoint_dir is not None
+                               or run_name is not None)
+    is_main = launcher.is_main
+    logger = logger if is_main else None
+    node_devices = launcher.node_devices(resolve_node_devices(
+        c.num_nodes, ln.device if ln.device is not None or ln.devices is not None else device,
+        ln.devices if ln.devices is not None or ln.device is not None else devices))
+    if k.checkpoint_dir is not None:
+        check_writable(k.checkpoint_dir, "checkpoint_dir")
+    one_replica = keeps_one_replica(c.strategy)
+    check_node_memory(c.num_nodes, model=model, one_replica=one_replica, devices=node_devices,
+                      environment=environment)
+    memory_cap = memory_fraction(ln.max_memory_usage, node_devices)
+    loader = loader_options(c.data.dataloader_kwargs, node_devices)
+    if s.autocast and any(d.type == "cuda" and not torch.cuda.is_bf16_supported() for d in node_devices):
+        raise ValueError("autocast=True trains in bfloat16, which this GPU does not support; use autocast=False")
+    data = build_run_data(c, train_dataset, val_dataset, loader)
+    check_trainable(model)  # before the execution probe, which would build an optimizer of nothing
+    cfg = RunConfig(num_nodes=c.num_nodes, max_steps=data.total_steps, batch_size=s.batch_size,
+                    minibatch_size=s.minibatch, val_interval=s.val_interval,
+                    log_interval=max(c.logging.log_interval, 10),  # the nodes' host syncs of the loss; loggers: below
+                    autocast=s.autocast, validate=data.val_batches is not None,
+                    diagnostics_interval=s.diagnostics_interval, time_model=time_model,
+                    steps_per_epoch=data.steps_per_epoch, membership=data.membership,
+                    shard_sizes=tuple(nb.shard_size for nb in data.node_batches),
+                    shard_steps=tuple(nb.steps_per_epoch for nb in data.node_batches))
+    execution, execution_why = choose_execution(
+        s.execution, model=model, first_batch=lambda: next(data.node_batches[0].iterate(from_step=0)),
+        num_nodes=c.num_nodes, devices=node_devices, backend=ln.backend, minibatch_size=s.minibatch,
+        autocast=s.autocast, seed=s.seed, resume_from=k.resume_from,
+        optim_spec=getattr(c.strategy, "optim_spec", None), one_replica=one_replica)
+    config = run_config(c, model=model, data=data, time_model=time_model, devices=node_devices, loader=loader,
+                        execution=(execution, execution_why))
+    fingerprint = run_fingerprint(config, model, [nb.shard_size for nb in data.node_batches])
+    resumed = resume_point(k.resume_from, fingerprint, node_devices, run_name=run_name, extend=k.extend_run,
+                           max_steps=data.total_steps)
+    if resumed.record is not None:
+        config["resumed"] = resumed.record
+    checkpoints = None
+    if k.saves:  # a folder alone: one checkpoint, at the end
+        checkpoints = CheckpointSpec(Path(k.checkpoint_dir) if k.checkpoint_dir is not None else None,
+                                     k.checkpoint_interval or data.total_steps, k.keep_checkpoints)
+    run = RunPlan(model=model, strategy=c.strategy, node_batches=data.node_batches, val_batches=data.val_batches,
+                  devices=node_devices, cfg=cfg, seed=s.seed, resume=resumed.states, node_timeout=ln.node_timeout,
+                  execution=execution)
+    return FitPlan(run=run, launcher=launcher, config=config, logger=logger, run_name=run_name, resumed=resumed,
+                   fingerprint=fingerprint, checkpoints=checkpoints, checkpoint_dir=k.checkpoint_dir,
+                   default_checkpoints=k.checkpoint_dir is None and k.checkpoint_interval is not None,
+                   overwrite=c.logging.overwrite, devices=node_devices, memory_cap=memory_cap, time_model=time_model,
+                   log_interval=c.logging.log_interval,
+                   processes=launcher.processes if ln.backend == "sim" else ln.processes, is_main=is_main,
+                   show_progress=c.logging.progress and is_main)
 
 
 def keeps_one_replica(strategy: Strategy) -> bool:
@@ -88,138 +187,80 @@ def keeps_one_replica(strategy: Strategy) -> bool:
     return bool(getattr(type(strategy), "one_replica", False))
 
 
-@dataclass
-class RunData:
-    """Every node's batches and the fixed validation batches, and the step counts they imply."""
-
-    split: Partition | None
-    node_batches: list[NodeBatches]
-    steps_per_epoch: int
-    total_steps: int
-    val_batches: list[Any] | None
-    val_size: int
-    membership: Membership | None
-
-
-@dataclass
-class ResumePoint:
-    """Where a run starts: from scratch (a new run id), or from a checkpoint of the same run."""
-
-    run_id: str
-    states: list[NodeState] | None = None  # per node
-    step: int = 0
-    run_name: str | None = None  # the resumed run's own name, when it continues in its own folder
-    after: int | None = None  # that folder's rows after this step are dropped
-    record: dict[str, Any] | None = None  # what the record's config says of the resume
-
-
-def resume_point(resume_from: Any, fingerprint: dict[str, Any], devices: list[torch.device], *,
-                 run_name: str | None, extend: bool, max_steps: int, announce: bool) -> ResumePoint:
-    """The same run, or a refusal listing what differs, before any node starts."""
-    if resume_from is None:
-        return ResumePoint(uuid.uuid4().hex)
-    folder = find_checkpoint(resume_from)
-    manifest = read_manifest(folder)
-    check_resume(manifest, folder, fingerprint, extend=extend)
-    point = ResumePoint(manifest["run_id"], load_checkpoint(folder, manifest, devices=devices), manifest["step"])
-    saved_name = manifest.get("run_name")
-    if isinstance(saved_name, str) and run_name in (None, saved_name):  # that very run: its own folder
-        point.run_name, point.after = saved_name, manifest["step"]
-    point.record = {"checkpoint": str(folder), "step": manifest["step"]}
-    if manifest["fingerprint"].get("max_steps") != max_steps:
-        point.record["extended"] = {
-            "from_max_steps": manifest["fingerprint"]["max_steps"], "to_max_steps": max_steps,
-            "lr_schedule": "kept its original length: after it ends, its last learning rate continues"}
-    if announce:
-        print(f"exogym: resuming run {manifest.get('run_name')!r} from step {manifest['step']} ({folder})", flush=True)
-    return point
-
-
-def run_config(o: FitArguments, *, model: torch.nn.Module, data: RunData, time_model: Any,
+def run_config(c: FitConfig, *, model: torch.nn.Module, data: RunData, time_model: Any,
                devices: list[torch.device], loader: dict[str, Any], execution: tuple[str, str]) -> dict[str, Any]:
     """The run's config.json: every setting that shapes it, given or derived; the settings that had no effect are
     listed apart, under "ignored" (name -> value and why)."""
-    ignored = dict(getattr(o, "ignored", {}))
-    ignored.update({f"strategy.{k}": v for k, v in o.strategy.ignored_settings.items()})
-    if o.max_steps is not None and o.num_epochs != 1:  # 1: fit's default, not a setting
-        ignored["num_epochs"] = {"value": o.num_epochs, "reason": f"max_steps={o.max_steps} sets the run's length"}
-    config = {"strategy": type(o.strategy).__name__, "strategy_config": o.strategy.config(),
-              "num_nodes": o.num_nodes, "max_steps": data.total_steps, "steps_per_epoch": data.steps_per_epoch,
-              **({} if "num_epochs" in ignored else {"num_epochs": o.num_epochs}), "batch_size": o.batch_size,
-              "minibatch_size": o.batch_size if o.minibatch_size is None else o.minibatch_size,
-              "global_batch": o.num_nodes * o.batch_size, "shuffle": o.shuffle,
-              "val_size": data.val_size if data.val_batches else 0, "val_interval": o.val_interval,
-              "log_interval": o.log_interval, "seed": o.seed, "backend": o.backend, "autocast": o.autocast,
+    s, sim = c.schedule, c.simulation
+    ignored = dict(c.ignored)
+    ignored.update({f"strategy.{k}": v for k, v in c.strategy.ignored_settings.items()})
+    if s.max_steps is not None and s.num_epochs != 1:  # 1: fit's default, not a setting
+        ignored["num_epochs"] = {"value": s.num_epochs, "reason": f"max_steps={s.max_steps} sets the run's length"}
+    config = {"strategy": type(c.strategy).__name__, "strategy_config": c.strategy.config(),
+              "num_nodes": c.num_nodes, "max_steps": data.total_steps, "steps_per_epoch": data.steps_per_epoch,
+              **({} if "num_epochs" in ignored else {"num_epochs": s.num_epochs}), "batch_size": s.batch_size,
+              "minibatch_size": s.minibatch, "global_batch": c.num_nodes * s.batch_size, "shuffle": s.shuffle,
+              "val_size": data.val_size if data.val_batches else 0, "val_interval": s.val_interval,
+              "log_interval": c.logging.log_interval, "seed": s.seed, "backend": c.launch.backend,
+              "autocast": s.autocast,
               "execution": execution[0], "execution_reason": execution[1], "devices": [str(d) for d in devices],
               "model": type(model).__name__, "parameters": sum(p.numel() for p in model.parameters()),
               "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
               "versions": versions()}
     if ignored:
         config["ignored"] = ignored
-    if o.dataloader_kwargs is not None:
-        config["dataloader_kwargs"] = {"given": dict(o.dataloader_kwargs), "applied": loader}
-    if o.max_memory_usage is not None:
-        config["max_memory_usage"] = o.max_memory_usage
-    if o.port is not None:
-        config["port"] = o.port
-    if o.extra_config is not None:
-        config["extra"] = dict(o.extra_config)
+    if c.data.dataloader_kwargs is not None:
+        config["dataloader_kwargs"] = {"given": dict(c.data.dataloader_kwargs), "applied": loader}
+    if c.launch.max_memory_usage is not None:
+        config["max_memory_usage"] = c.launch.max_memory_usage
+    if c.launch.port is not None:
+        config["port"] = c.launch.port
+    if c.logging.extra_config is not None:
+        config["extra"] = dict(c.logging.extra_config)
     if data.split is not None:
-        config["partition"] = {"kind": o.partition, **data.split.settings, "sizes": data.split.sizes,
+        config["partition"] = {"kind": c.data.partition, **data.split.settings, "sizes": data.split.sizes,
                                "label_histograms": data.split.label_histograms()}
     if data.membership is not None:
-        config["membership"] = {"failures": repr(o.failures), "active_nodes": repr(o.active_nodes),
+        config["membership"] = {"failures": repr(sim.failures), "active_nodes": repr(sim.active_nodes),
                                 "schedule": data.membership.as_record()}
     if time_model is not None:
         config["time_model"] = {"network": repr(time_model.network), "node_speeds": list(time_model.node_speeds),
-                                "device_flops": list(time_model.device_flops), "compute_time": o.compute_time}
+                                "device_flops": list(time_model.device_flops), "compute_time": sim.compute_time}
     return config
 
 
-@dataclass
-class FitRun:
-    """One run on its way: the plan a backend starts, and what must be closed, released or reported however the
-    run ends."""
+def build_time_model(num_nodes: int, network: Any, node_speeds: Any, device_flops: Any,
+                     compute_time: str) -> TimeModel | None:
+    """The simulated time's model (None: no simulated time): a network, per-node speeds and FLOP rates."""
+    if compute_time not in ("flops", "measured"):
+        raise ValueError(f"compute_time must be 'flops' or 'measured', got {compute_time!r}")
+    if network is None and node_speeds is None and device_flops is None and compute_time == "flops":
+        return None
+    if network is None:
+        network = Network.preset("ideal")
+    elif isinstance(network, str):
+        network = Network.preset(network)
+    elif not isinstance(network, Network):
+        raise TypeError(f"network must be an exogym.cluster.network.Network or a preset name, got {network!r}")
+    network.check_nodes(num_nodes)
+    speeds = _per_node("node_speeds", node_speeds, 1.0, num_nodes)
+    flops = _per_node("device_flops", device_flops, DEFAULT_DEVICE_FLOPS, num_nodes)
+    return TimeModel(network, speeds, flops, measured=compute_time == "measured")
 
-    config: dict[str, Any]
-    logger: Logger | None
-    claim: RunClaim | None
-    memory_cap: MemoryCap
-    devices: list[torch.device]
-    bar: RunProgress | None = None
-    plan: RunPlan | None = None
-    runner: Callable[[RunPlan], list[Any]] | None = None
-    started: float = field(default_factory=time.perf_counter)
 
-    def abandon(self) -> None:
-        """Nothing ran: the bar goes, and the claimed run folder is given back."""
-        if self.bar is not None:
-            self.bar.close()
-        if self.claim is not None:
-            self.claim.abandon()
+def _per_node(name: str, value: Any, default: float, num_nodes: int) -> tuple[float, ...]:
+    values = [default] * num_nodes if value is None else [value] * num_nodes if isinstance(value, (int, float)) \
+        else list(value)
+    if len(values) != num_nodes:
+        raise ValueError(f"{name} needs one value per node (num_nodes={num_nodes}), got {len(values)}")
+    for i, v in enumerate(values):
+        check_number(f"{name}[{i}]", v, positive=True)
+    return tuple(float(v) for v in values)
 
-    def fail(self, error: BaseException) -> RunRecord | None:
-        """The nodes ran and stopped part-way: the record of every step they all completed (also to the loggers),
-        and the loggers and the run folder say how the run ended (exogym.fit_end.ending)."""
-        record = None
-        if self.plan is not None:
-            with contextlib.suppress(Exception):  # e.g. a full disk under the logger: the record keeps the row
-                self.plan.live.log_newest_row()
-            record = RunRecord.from_nodes(self.plan.live.partial_logs(), config=self.config,
-                                          global_batch=self.config["global_batch"],
-                                          wall_time_s=time.perf_counter() - self.started)
-        end = ending(error, self.plan.checkpoints.root if self.plan is not None and self.plan.checkpoints else None)
-        if self.bar is not None:
-            self.bar.close()
-        if self.logger is not None:
-            self.logger.finish({**end, **(record.summary() if record is not None else {})})
-        if self.claim is not None:
-            self.claim.release(end["status"], end.get("error"))
-        return record
 
-    @property
-    def folder(self) -> str | None:
-        """The run folder (the first, when the loggers write several), once claimed; None when there is none (a
-        run that failed before its first training row gives its folder back)."""
-        folders = [f for f in self.claim.folders if f.is_dir()] if self.claim is not None else []
-        return str(folders[0]) if folders else None
+def versions() -> dict[str, str]:
+    """The versions a run's record names."""
+    import platform
+
+    import exogym
+    return {"exogym": exogym.__version__, "torch": torch.__version__, "python": platform.python_version()}

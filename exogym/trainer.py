@@ -1,12 +1,9 @@
-"""Trainer.fit: validate everything, assemble the nodes, run them on a backend, return the global model."""
+"""Trainer.fit: validate everything into a plan, open the run (exogym.lifecycle), launch it (exogym.launch), return
+the global model."""
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import os
-import time
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -14,36 +11,21 @@ import torch
 from exogym._validation import check_int
 from exogym.adapters import adaptable
 from exogym.backends.errors import DEFAULT_NODE_TIMEOUT
-from exogym.backends.sim import run_sim
-from exogym.backends.sim.processes import run_sim_launched, run_sim_processes
-from exogym.backends.sim.fused.choose import choose_execution
-from exogym.backends.torch.launch import launch_for_fit, run_torch
-from exogym.cluster.membership import RandomFailures, build_membership
+from exogym.cluster.membership import RandomFailures
 from exogym.cluster.network import Network
-from exogym.data.loader_options import loader_options
 from exogym.data.sharding import DatasetOrFactory, is_factory
-from exogym.engine.config import RunConfig
-from exogym.engine.devices import DeviceLike, memory_fraction, resolve_node_devices
-from exogym.engine.plan import RunPlan
-from exogym.engine.rng import GlobalRNGState
-from exogym.fit_end import ending, interrupt_on_sigterm, trace_non_finite
-from exogym.fit_plan import (FitArguments, FitRun as _Run, RunData, check_arguments, check_processes,
-                             keeps_one_replica, resume_point, run_config)
-from exogym.fit_setup import (announce, build_node_batches, build_time_model, build_val_batches, check_node_memory,
-                              check_trainable, claim_run_folders, partition_data, peak_memory_mb, resolve_logger,
-                              run_name_of)
-from exogym.runs.checkpoint import CheckpointPlan, check_checkpoint_space
-from exogym.runs.fingerprint import run_fingerprint
-from exogym.runs.folder import check_writable
-from exogym.runs.loggers import Logger, default_run_name
-from exogym.runs.progress import RunProgress
-from exogym.runs.record import LiveLog, RunRecord
+from exogym.engine.devices import DeviceLike
+from exogym.fit_config import FitConfig
+from exogym.fit_plan import build_plan
+from exogym.launch import BACKENDS as _BACKENDS, detect_environment
+from exogym.lifecycle import RunLifecycle
+from exogym.runs.loggers import Logger
+from exogym.runs.record import RunRecord
 from exogym.strategy.base import Strategy
 
 __all__ = ["Trainer", "LocalTrainer", "BACKENDS"]
 
-_RUNNERS = {"sim": run_sim, "torch": run_torch}
-BACKENDS = tuple(_RUNNERS)
+BACKENDS = tuple(_BACKENDS)
 
 
 class Trainer:
@@ -161,192 +143,24 @@ class Trainer:
         spawns the node processes (default: a free one the OS picks); unused by the sim and under torchrun.
         extra_config: a dict recorded in config.json under "extra" (the original's fit(kwargs=...)).
         """
-        o = FitArguments(**{k: v for k, v in locals().items() if k != "self"})
-        if o.port is None and self._next_port is not None:  # the original's start_port: one port per fit call
-            o.port, self._next_port = self._next_port, self._next_port + 1
-        check_arguments(o)
-        check_processes(o)
-        run = self._plan(o)  # everything that can be checked is, before any node starts
-        results = self._run(run)
-        return self._finish(run, results)
-
-    def _plan(self, o: FitArguments) -> _Run:
-        """Validate the run against the model and data, build every node's data, the record's config, the run
-        folder and the plan a backend starts."""
-        time_model = build_time_model(o.num_nodes, o.network, o.node_speeds, o.device_flops, o.compute_time)
-        minibatch_size = o.batch_size if o.minibatch_size is None else o.minibatch_size
-        if minibatch_size > o.batch_size or o.batch_size % minibatch_size:
-            raise ValueError(f"minibatch_size must divide batch_size={o.batch_size}, got {minibatch_size}")
-        logger = resolve_logger(o.logger, o.run_name)
-        run_name = run_name_of(logger, o.run_name)  # None: a default name is claimed below
-        if o.backend not in BACKENDS:
-            raise ValueError(f"unknown backend {o.backend!r}; use one of {list(BACKENDS)}")
-        # Under torchrun (RANK, WORLD_SIZE set) backend="torch" runs only this process's node, backend="sim" this
-        # process's block of nodes; rank 0 logs.
-        launch = launch_for_fit(o.backend, o.num_nodes, processes=o.processes,
-                                checkpoint_dir_shared=o.checkpoint_interval is None or o.checkpoint_dir is not None
-                                or run_name is not None)
-        is_main = launch is None or launch.rank == 0
-        logger = logger if is_main else None
-        devices = self._node_devices(o, launch)
-        check_node_memory(o.num_nodes, model=self.model, one_replica=keeps_one_replica(o.strategy), devices=devices)
-        memory_cap = memory_fraction(o.max_memory_usage, devices)
-        loader = loader_options(o.dataloader_kwargs, devices)
-        if o.autocast and any(d.type == "cuda" and not torch.cuda.is_bf16_supported() for d in devices):
-            raise ValueError("autocast=True trains in bfloat16, which this GPU does not support; use autocast=False")
-        data = self._data(o, loader)
-        check_trainable(self.model)  # before the execution probe, which would build an optimizer of nothing
-        cfg = RunConfig(num_nodes=o.num_nodes, max_steps=data.total_steps, batch_size=o.batch_size,
-                        minibatch_size=minibatch_size, val_interval=o.val_interval,
-                        log_interval=max(o.log_interval, 10),  # the nodes' host syncs of the loss; loggers: below
-                        autocast=o.autocast, validate=data.val_batches is not None,
-                        diagnostics_interval=o.diagnostics_interval, time_model=time_model,
-                        steps_per_epoch=data.steps_per_epoch, membership=data.membership,
-                        shard_sizes=tuple(nb.shard_size for nb in data.node_batches),
-                        shard_steps=tuple(nb.steps_per_epoch for nb in data.node_batches))
-        execution, execution_why = choose_execution(
-            o.execution, model=self.model, first_batch=lambda: next(data.node_batches[0].iterate(from_step=0)),
-            num_nodes=o.num_nodes, devices=devices, backend=o.backend, minibatch_size=minibatch_size,
-            autocast=o.autocast, seed=o.seed, resume_from=o.resume_from,
-            optim_spec=getattr(o.strategy, "optim_spec", None), one_replica=keeps_one_replica(o.strategy))
-        config = run_config(o, model=self.model, data=data, time_model=time_model, devices=devices, loader=loader,
-                            execution=(execution, execution_why))
-        if o.progress and is_main:
-            announce(config, time_model)
-        fingerprint = run_fingerprint(config, self.model, [nb.shard_size for nb in data.node_batches])
-        resumed = resume_point(o.resume_from, fingerprint, devices, run_name=run_name, extend=o.extend_run,
-                               max_steps=data.total_steps, announce=o.progress and is_main)
-        if resumed.record is not None:
-            config["resumed"] = resumed.record
-        # The run folder(s), claimed last: everything that can be checked before any node starts has been.
-        default_ckpt = o.checkpoint_dir is None and o.checkpoint_interval is not None
-        claim = claim_run_folders(logger, resumed.run_name if resumed.run_name is not None else run_name,
-                                  default_run_name({"strategy": type(o.strategy).__name__, "num_nodes": o.num_nodes}),
-                                  extra_roots=["logs"] if default_ckpt and is_main else [], overwrite=o.overwrite,
-                                  resume_after=resumed.after, checkpoint_dir=o.checkpoint_dir) if is_main else None
-        run_name = claim.name if claim is not None else resumed.run_name or run_name or default_run_name(config)
-        config["run_name"] = run_name
-        run = _Run(config=config, logger=logger, claim=claim, memory_cap=memory_cap, devices=devices)
+        arguments = {k: v for k, v in locals().items() if k not in ("self", "ignored_settings")}
+        # What the argument adapters of this call dropped as having no effect: config.json lists it apart.
+        ignored = {k: {"value": v, "reason": why} for k, (v, why) in (ignored_settings or {}).items()}
+        if port is None and self._next_port is not None:  # the original's start_port: one port per fit call
+            arguments["port"], self._next_port = self._next_port, self._next_port + 1
+        config = FitConfig.from_arguments(arguments, ignored=ignored)
+        # Everything that can be checked is, before any node starts; nothing is claimed or started yet.
+        plan = build_plan(config, model=self.model, train_dataset=self.train_dataset, val_dataset=self.val_dataset,
+                          device=self.device, devices=self.devices, environment=detect_environment())
+        run = RunLifecycle(plan)
+        run.open()
         try:
-            checkpoints = None
-            if o.checkpoint_interval is not None or o.checkpoint_dir is not None:  # a folder alone: one, at the end
-                root = Path(o.checkpoint_dir) if o.checkpoint_dir is not None else Path("logs") / run_name / "checkpoints"
-                checkpoints = CheckpointPlan(check_writable(root, "checkpoint_dir"),
-                                             o.checkpoint_interval or data.total_steps, o.keep_checkpoints, config,
-                                             resumed.run_id, fingerprint)
-                if is_main:  # the process claiming the run folders holds the checkpoint folder for the run
-                    check_checkpoint_space(checkpoints.root, self.model, o.num_nodes)
-                    run.claim = checkpoints.check_owner(overwrite=o.overwrite, claim=run.claim)
-            run.bar = RunProgress(data.total_steps, initial=resumed.step) if o.progress and is_main else None
-            live = LiveLog(logger, [launch.rank] if launch is not None and o.backend == "torch" else range(o.num_nodes),
-                           global_batch=o.num_nodes * o.batch_size, log_interval=o.log_interval,
-                           last_step=data.total_steps, progress=run.bar)
-            if resumed.states is not None:
-                live.add_resumed([state.log for state in resumed.states])  # the run's steps before its checkpoint
-            run.plan = RunPlan(model=self.model, strategy=o.strategy, node_batches=data.node_batches,
-                               val_batches=data.val_batches, devices=devices, cfg=cfg, seed=o.seed, live=live,
-                               checkpoints=checkpoints, resume=resumed.states, node_timeout=o.node_timeout,
-                               port=o.port, execution=execution,
-                               on_stuck=run.fail)  # a node stuck in native code: the folder says so, then exit
-            run.runner = _runner(o.backend, launch, o.processes)
-            config["processes"] = launch.world_size if launch is not None and o.backend == "sim" else o.processes
-            if logger is not None:
-                logger.start(config)
-        except BaseException:
-            run.abandon()
-            raise
-        return run
-
-    def _node_devices(self, o: FitArguments, launch: Any) -> list[torch.device]:
-        """Each node's device (fit's device/devices, else the Trainer's); checkpoint_dir checked writable."""
-        devices = resolve_node_devices(
-            o.num_nodes, o.device if o.device is not None or o.devices is not None else self.device,
-            o.devices if o.devices is not None or o.device is not None else self.devices)
-        if launch is not None:
-            devices = launch.node_devices(devices)
-        if o.checkpoint_dir is not None:
-            check_writable(o.checkpoint_dir, "checkpoint_dir")
-        return devices
-
-    def _data(self, o: FitArguments, loader: dict[str, Any]) -> RunData:
-        """Every node's batches, the fixed validation batches and who is up when, checked before any node starts."""
-        split = partition_data(self.train_dataset, o.partition, o.dirichlet_alpha, o.num_nodes, o.batch_size, o.seed,
-                               shards_per_node=o.shards_per_node)
-        node_batches = build_node_batches(self.train_dataset, split, num_nodes=o.num_nodes, batch_size=o.batch_size,
-                                          shuffle=o.shuffle, seed=o.seed, loader=loader)
-        steps_per_epoch = min(nb.steps_per_epoch for nb in node_batches)
-        total_steps = o.max_steps if o.max_steps is not None else o.num_epochs * steps_per_epoch
-        val_batches, val_size = build_val_batches(self.val_dataset, num_nodes=o.num_nodes, val_size=o.val_size,
-                                                  batch_size=o.batch_size, seed=o.seed,
-                                                  collate_fn=loader.get("collate_fn"))
-        membership = build_membership(o.num_nodes, total_steps, o.failures, o.active_nodes)
-        if membership is not None:
-            if o.backend != "sim":
-                raise ValueError(f"failures and active_nodes are simulated by backend='sim'; on backend={o.backend!r} "
-                                 "the nodes are real processes that do not fail on a schedule")
-            if not o.strategy.supports_membership_changes:
-                raise ValueError(f"{type(o.strategy).__name__} cannot run with failures or active_nodes (see its "
-                                 "docstring); drop them or use another strategy")
-        return RunData(split, node_batches, steps_per_epoch, total_steps, val_batches, val_size, membership)
-
-    def _run(self, run: _Run) -> list[Any]:
-        """Start the nodes on the backend; the caller's random streams and memory caps are put back after."""
-        run.started = time.perf_counter()
-        caller_rng = GlobalRNGState.capture()  # the caller's random streams are theirs: put them back after
-        try:
-            with interrupt_on_sigterm():
-                run.memory_cap.apply()
-                return run.runner(run.plan)
-        except BaseException as e:
-            error = trace_non_finite(e, run.plan.live.partial_logs())
-            self.record = run.fail(error)  # what the nodes trained, also on the exception
-            with contextlib.suppress(AttributeError):  # an exception type without a __dict__ keeps its own form
-                error.record, error.run_folder = self.record, run.folder
-            if isinstance(error, KeyboardInterrupt):
-                _note_interrupted(error, run, len(self.record.train) if self.record is not None else 0)
-            if error is e:
-                raise
-            raise error from None
+            results = run.launch()
         finally:
-            caller_rng.restore()
-            run.memory_cap.reset()
-
-    def _finish(self, run: _Run, results: list[Any]) -> torch.nn.Module:
-        """The record of the run (also to the loggers and the run folder), and the global model as a new module."""
-        logs, final_state = [log for log, _ in results], results[0][1]
-        config = run.config
-        self.record = RunRecord.from_nodes(logs, config=config, global_batch=config["global_batch"],
-                                           wall_time_s=time.perf_counter() - run.started,
-                                           peak_memory_mb=peak_memory_mb(run.devices))
-        if run.bar is not None:
-            run.bar.close(self.record.summary())
-        if run.logger is not None:
-            run.logger.finish({"status": "completed", **self.record.summary()})
-        if run.claim is not None:
-            run.claim.release("completed")
-        final_model = copy.deepcopy(self.model).to(run.devices[0])
-        final_model.load_state_dict(final_state, strict=True)
-        return final_model
-
-
-def _note_interrupted(error: BaseException, run: _Run, steps: int) -> None:
-    """Say where an interrupted run stands and how to continue it."""
-    checkpoints = run.plan.checkpoints if run.plan is not None else None
-    newest = ending(error, checkpoints.root if checkpoints is not None else None)["resume_from"]
-    how = (f"continue it with fit(..., resume_from={newest!r})" if newest is not None else
-           "it had no checkpoint to resume from (fit's checkpoint_interval saves them)")
-    where = f" (run folder {run.folder})" if run.folder else ""
-    if hasattr(error, "add_note"):
-        error.add_note(f"exogym: the run was interrupted after {steps} trained step(s){where}; {how}")
-
-
-def _runner(backend: str, launch: Any, processes: int) -> Callable[[RunPlan], list[Any]]:
-    """What starts the nodes: the sim in this process, over several (fit's processes, or torchrun's), or torch's."""
-    if backend == "sim" and launch is not None:
-        return lambda plan: run_sim_launched(plan, launch.rank, launch.world_size)
-    if backend == "sim" and processes > 1:
-        return lambda plan: run_sim_processes(plan, processes)
-    return _RUNNERS[backend]
+            self.record = run.record  # what the nodes trained, also when they stopped part-way
+        model = run.complete(results)
+        self.record = run.record
+        return model
 
 
 LocalTrainer = Trainer

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 import toy
-import exogym.fit_setup as fit_setup
+import exogym.fit_nodes as fit_setup
 from exogym import Trainer
 from exogym._validation import MAX_SEED
 from exogym.cli import main
-from exogym.fit_setup import NODE_OVERHEAD_BYTES, available_memory_bytes, build_node_batches, check_node_memory
+from exogym.fit_nodes import NODE_OVERHEAD_BYTES, available_memory_bytes, build_node_batches, check_node_memory
 from exogym.strategy import (DeMoStrategy, DiLoCoStrategy, FedAvgStrategy, SimpleReduceStrategy, SPARTAStrategy,
                              Strategy)
 from exogym.strategy.optim import OptimSpec

@@ -20,7 +20,7 @@ import torch
 import toy
 from exogym import Trainer
 from exogym.backends.errors import NodeTimeoutError
-from exogym.backends.local_processes import _died
+from exogym.launch.supervision import _died
 from exogym.backends.sim.baton import Baton, CollectiveCall
 from exogym.backends.sim.watchdog import KICK_SIGNAL, STUCK_EXIT_CODE, Watchdog, WatchdogInterrupt, stuck_grace
 from exogym.strategy import SimpleReduceStrategy

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_NODE_TIMEOUT", "NodeTimeoutError", "NodeProcessError"]
+__all__ = ["DEFAULT_NODE_TIMEOUT", "STUCK_EXIT_CODE", "NodeTimeoutError", "NodeProcessError"]
 
 # Ten minutes: far above any single step or validation of the models this library is used with on one machine,
 # and far below "the run hangs overnight". fit(node_timeout=...) changes it; None disables the watchdog.
 DEFAULT_NODE_TIMEOUT = 600.0
+# A process's exit status when a node stuck in native code ended it (GNU timeout's "timed out"): the sim's watchdog
+# exits with it, and a launcher reading a process's exit tells the caller why it ended.
+STUCK_EXIT_CODE = 124
 
 class NodeTimeoutError(RuntimeError):
     """A node ran for longer than fit's node_timeout without finishing a step or reaching a collective (sim), or

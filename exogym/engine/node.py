@@ -27,7 +27,7 @@ from exogym.engine.model_call import contract_error, model_caller, parse_model_o
 from exogym.runs.record import LiveLog, NodeLog
 from exogym.engine.rejoin import hand_over_state
 from exogym.engine.rng import GlobalRNGState
-from exogym.strategy.context import KeepOnce, NodeContext, own_copy
+from exogym.strategy.context import KeepOnce, NodeContext, keep_once_per_node
 
 
 __all__ = ["TrainNode", "parse_model_output", "NonFiniteLoss", "keep_completed_rows"]
@@ -66,7 +66,7 @@ class TrainNode:
     def __init__(self, rank: int, model: torch.nn.Module, strategy, batches: NodeBatches,
                  val_batches: list[Any] | None, device: torch.device, cfg: RunConfig, start_time: float,
                  live: LiveLog, *, resume: NodeState | None = None, checkpoints: CheckpointPlan | None = None,
-                 execution: Execution | None = None, keep_once: KeepOnce = own_copy):
+                 execution: Execution | None = None, keep_once: KeepOnce = keep_once_per_node):
         self.rank, self.model, self.strategy = rank, model, strategy
         self.batches, self.val_batches = batches, val_batches
         self.device, self.cfg, self.start_time, self.live = device, cfg, start_time, live

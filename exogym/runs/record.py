@@ -240,7 +240,7 @@ class RunRecord:
     def summary(self) -> dict[str, Any]:
         """The headline numbers (what summary.json holds)."""
         last_val = self.val[-1] if self.val else {}
-        return {"steps": len(self.train), "final_train_loss": self.train[-1]["loss"] if self.train else None,
+        return {"steps": len(self.train), "final_train_loss": self.train[-1].get("loss") if self.train else None,  # none: every node sat out
                 **{f"final_{k}": v for k, v in last_val.items() if k != "step"},
                 "bytes_per_node": self.bytes_per_node, "total_bytes": self.total_bytes,
                 "wire_bytes_per_node": self.bytes_per_node, "payload_bytes_per_node": self.payload_bytes_per_node,

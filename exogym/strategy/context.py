@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
-__all__ = ["NodeContext", "KeepOnce", "own_copy", "kept_once"]
+__all__ = ["NodeContext", "KeepOnce", "keep_once_per_node", "keep_once"]
 
 # keep_once(key, make) -> the object every node of this process whose strategy asks with `key` shares.
 KeepOnce = Callable[[Hashable, Callable[[], Any]], Any]
 
 
-def own_copy(key: Hashable, make: Callable[[], Any]) -> Any:
+def keep_once_per_node(key: Hashable, make: Callable[[], Any]) -> Any:
     """Every node makes its own (one node per process, as on torch.distributed; or no run at all)."""
     return make()
 
@@ -41,11 +41,11 @@ class NodeContext:
     shard_sizes: tuple[int, ...] = ()
     shard_steps: tuple[int, ...] = ()
     share_parameters: bool = True
-    keep_once: KeepOnce = field(default=own_copy, compare=False, repr=False)
+    keep_once: KeepOnce = field(default=keep_once_per_node, compare=False, repr=False)
 
 
-def kept_once(owner: Any, key: Hashable, make: Callable[[], Any]) -> Any:
+def keep_once(owner: Any, key: Hashable, make: Callable[[], Any]) -> Any:
     """`make()` kept once through the node context of `owner` (a strategy or module bound to a node); made anew
     when `owner` is not bound to a running node."""
     context = getattr(owner, "context", None)
-    return (own_copy if context is None else context.keep_once)(key, make)
+    return (keep_once_per_node if context is None else context.keep_once)(key, make)

@@ -21,7 +21,7 @@ import torch
 
 from exogym.comm.flatten import flat_views
 from exogym.strategy.base import trainable_parameters
-from exogym.strategy.context import kept_once
+from exogym.strategy.context import keep_once
 from exogym.strategy.optim import OptimSpec
 
 __all__ = ["OuterModel", "outer_model_for", "kept_nodes"]
@@ -105,7 +105,7 @@ def outer_model_for(owner: Any, key: str, model: torch.nn.Module, spec: OptimSpe
                     normalize: bool = False) -> OuterModel:
     """The outer model of the module whose nodes share `key`: one for the run in the sim (every node holds the
     same theta_g by construction), one per process on torch.distributed. `owner`: the module bound to the node."""
-    return kept_once(owner, ("outer_model", key), lambda: OuterModel(model, spec, normalize=normalize))
+    return keep_once(owner, ("outer_model", key), lambda: OuterModel(model, spec, normalize=normalize))
 
 
 def kept_nodes(num_nodes: int, drop_prob: float, generator: torch.Generator | None) -> list[int]:

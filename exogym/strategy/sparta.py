@@ -15,7 +15,7 @@ from exogym._validation import check_int, check_number
 from exogym.comm.compression import Quantizer, TopK, compressor_from
 from exogym.comm.collectives import alive_ranks
 from exogym.strategy.base import trainable_parameters
-from exogym.strategy.context import kept_once
+from exogym.strategy.context import keep_once
 from exogym.strategy.communicate_optimize_strategy import (CommunicationModule, ModularStrategy, compressor_state,
                                                            round_generator)
 from exogym.comm.mean import mean_, start_mean
@@ -142,7 +142,7 @@ class SparseCommunicator(CommunicationModule):
     def _window(self, t: int, index: int, n: int) -> torch.Tensor:
         """Window t mod P of parameter `index`'s fixed permutation (shuffled_window)."""
         # Drawn once per parameter and the same on every node: kept once for the run (outside one, drawn anew)
-        perm = kept_once(self, ("sparta_permutation", self.seed, index, n),
+        perm = keep_once(self, ("sparta_permutation", self.seed, index, n),
                          lambda: shuffled_permutation(self.seed, index, n))
         return shuffled_window(perm, self.p_sparta, t)
 

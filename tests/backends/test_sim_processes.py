@@ -13,7 +13,7 @@ import torch
 
 import toy
 from exogym import CollectiveError, NodeProcessError, RandomFailures, Trainer
-from exogym.backends.sim.exchange import block_of, blocks
+from exogym.backends.hosting import block_of, blocks
 from exogym.comm import all_reduce, barrier, broadcast, get_rank, get_world_size, new_group
 from exogym.strategy import (DeMoStrategy, DGCStrategy, DiLoCoStrategy, FedAvgStrategy, OptimSpec,
                              SimpleReduceStrategy, SPARTADiLoCoStrategy, SPARTAStrategy, Strategy)

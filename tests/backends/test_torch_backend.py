@@ -146,7 +146,7 @@ def test_averaging_every_h_steps_matches_the_sim_backend(num_nodes):
 def test_the_spawn_start_method_gives_the_same_run(monkeypatch):
     """macOS and Windows start node processes with 'spawn' (Linux uses a forkserver): the same numbers."""
     import torch.multiprocessing as torch_mp
-    from exogym.backends.torch import spawn as torch_spawn
+    from exogym.launch import launchers as torch_spawn
 
     monkeypatch.setattr(torch_spawn, "process_context", lambda: torch_mp.get_context("spawn"))
     strategy = AverageEveryH(H=2)

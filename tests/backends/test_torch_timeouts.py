@@ -8,7 +8,7 @@ import torch
 
 import toy
 from exogym import Trainer
-from exogym.backends.torch.node_process import PROCESS_GROUP_TIMEOUT, process_group_timeout
+from exogym.backends.hosting import PROCESS_GROUP_TIMEOUT, process_group_timeout
 from exogym.backends.torch.heartbeat import CollectiveLedger, missing_members_report
 from exogym.backends.errors import NodeTimeoutError
 from exogym.strategy import OptimSpec, SimpleReduceStrategy

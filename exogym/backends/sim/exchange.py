@@ -1,7 +1,7 @@
 """Collectives whose members live in several processes: fit(processes=P), or torchrun with backend="sim".
 
 Each process runs the sim over its own block of nodes. A collective's local members meet as in one process; once
-the last of them has arrived, the process sends its part (exogym.backends.sim.crossing) to the group's leader, the
+the last of them has arrived, the process sends its part (exogym.backends.sim.collective_parts) to the group's leader, the
 lowest process holding a member, with torch.distributed point-to-point messages (gloo, through host memory), and
 the leader sends every other holder its reply. Each message carries a header first: the collective's identity
 (its group and sequence number), its signature and, per local member, its rank, step, arrival time and whether
@@ -33,28 +33,12 @@ import torch
 import torch.distributed as dist
 
 from exogym.backends.sim.baton import CollectiveCall, Pending
-from exogym.backends.sim.crossing import OPS
+from exogym.backends.sim.collective_parts import OPS
 from exogym.comm.transport import CollectiveError
 
-__all__ = ["Exchange", "Crossing", "block_of", "blocks"]
+__all__ = ["Exchange", "Crossing"]
 
 _CONFIRM_S = 1.0  # and a deadlock is declared when every process has told so twice, this far apart
-
-
-def blocks(num_nodes: int, processes: int) -> list[range]:
-    """Contiguous blocks of nodes, one per process, sizes differing by at most one (the first ones larger)."""
-    size, extra = divmod(num_nodes, processes)
-    out, start = [], 0
-    for p in range(processes):
-        n = size + (p < extra)
-        out.append(range(start, start + n))
-        start += n
-    return out
-
-
-def block_of(num_nodes: int, processes: int) -> list[int]:
-    """The process of each node."""
-    return [p for p, b in enumerate(blocks(num_nodes, processes)) for _ in b]
 
 
 def _hash(*parts: Any) -> int:

@@ -1,4 +1,5 @@
-"""The sim backend's run: K nodes as cooperative threads of this thread, under one baton."""
+"""The sim backend's run: K nodes (or one process's block of them) as cooperative threads of this thread, under one
+baton; `SIM` is the backend as a launcher sees it."""
 
 from __future__ import annotations
 
@@ -7,23 +8,26 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Sequence
 
 import torch
 
+from exogym.backends.hosting import Hosting, Peers, ProcessBackend, process_group_timeout
 from exogym.backends.sim.baton import Baton
 from exogym.backends.sim.exchange import Exchange
 from exogym.backends.sim.fused.engine import FusedEngine
 from exogym.backends.sim.fused.execution import FusedExecution
 from exogym.backends.sim.postoffice import PostOffice
 from exogym.backends.sim.transport import SimTransport
+from exogym.backends.errors import NodeTimeoutError
+from exogym.comm.transport import CollectiveError
 from exogym.engine.execution import SequentialExecution
 from exogym.engine.node import keep_completed_rows
 from exogym.engine.rng import NumpyBaton
 
 if TYPE_CHECKING:
-    from exogym.engine.plan import RunPlan
+    from exogym.engine.plan import RunPlan, RunSinks
 
-__all__ = ["run_sim", "KeptOnce"]
+__all__ = ["run_sim", "run_hosted", "SIM", "KeepOnceStore"]
 
 
-class KeptOnce:
+class KeepOnceStore:
     """The store behind NodeContext.keep_once for the nodes of one sim run: one object per key, made by the first
     node to ask (DDP's replica, DiLoCo's outer model, SPARTA's permutations), shared by every node after it."""
 
@@ -56,10 +60,19 @@ class _NodeModes:
             torch.set_autocast_dtype(d, dtype)
 
 
-def run_sim(plan: "RunPlan", *, local: Sequence[int] | None = None, exchange: Exchange | None = None
-            ) -> list[Any]:
-    """Run the plan's nodes (or the block `local`, one process's share of a run over several, with the `exchange`
-    to the others) under one baton on this thread; return their results in rank order."""
+def run_sim(plan: "RunPlan", sinks: "RunSinks", *, local: Sequence[int] | None = None,
+            exchange: Exchange | None = None) -> list[Any]:
+    """Run the plan's nodes under one baton on this thread.
+
+    Args:
+        plan: the run.
+        sinks: where the nodes report (the run's live log; on_stuck, which lets the watchdog end the process).
+        local: the block of nodes this process runs (default: all of them).
+        exchange: the crossings to the other processes' nodes, when local is a block.
+
+    Returns:
+        The nodes' (log, state) pairs in rank order.
+    """
     start = time.perf_counter()
     k = plan.num_nodes
     local = list(range(k)) if local is None else list(local)
@@ -83,22 +96,22 @@ def run_sim(plan: "RunPlan", *, local: Sequence[int] | None = None, exchange: Ex
 
     def on_stuck(error: BaseException) -> None:  # the process is about to end: the nodes' last rows first
         keep_completed_rows(nodes.values())
-        plan.on_stuck(error)
+        sinks.on_stuck(error)
 
     baton = Baton(k, on_resume=resume, on_pause=pause, node_timeout=plan.node_timeout, step_of=lambda r: comms[r].step,
-                  local=local, exchange=exchange, on_stuck=on_stuck if plan.on_stuck is not None else None)
+                  local=local, exchange=exchange, on_stuck=on_stuck if sinks.on_stuck is not None else None)
     baton.post = PostOffice(baton, k, plan.cfg.time_model, spans_processes=exchange is not None)
     owner = exchange.owner if exchange is not None else None
     comms.update((r, SimTransport(baton, r, k, plan.cfg.time_model, plan.cfg.membership, owner)) for r in local)
     execution = SequentialExecution() if plan.execution == "sequential" else FusedExecution(FusedEngine(
         plan.model, len(local), plan.devices[local[0]], minibatch_size=plan.cfg.minibatch_size,
         autocast=plan.cfg.autocast, seed=plan.seed, baton=baton, first_rank=local[0]))
-    keep_once = KeptOnce()  # one store for this process's nodes: what every node holds identically is held once
+    keep_once = KeepOnceStore()  # one store for this process's nodes: what every node holds identically is held once
 
     def node_body(r: int) -> Any:
         # The node's model and strategy are copied on its first turn, not all K up front: state a strategy keeps
         # once (DDP's replica) then never exists K times, not even at the start.
-        node = nodes[r] = plan.make_node(r, start, execution=execution, keep_once=keep_once)
+        node = nodes[r] = plan.make_node(r, start, sinks.live, execution=execution, keep_once=keep_once)
         return node.run(comms[r])
 
     try:
@@ -109,3 +122,36 @@ def run_sim(plan: "RunPlan", *, local: Sequence[int] | None = None, exchange: Ex
     finally:
         caller.apply()
 
+
+
+def run_hosted(plan: "RunPlan", sinks: "RunSinks", hosting: Hosting, peers: Peers | None) -> list[Any]:
+    """What one process of a sim run does: its block of nodes, with an exchange to the other processes' blocks.
+
+    Args:
+        plan: the run.
+        sinks: where this process's nodes report.
+        hosting: the nodes this process holds, and which process holds each of the others.
+        peers: the other processes' store (None: the run is this process alone).
+
+    Returns:
+        This process's nodes' (log, state) pairs in rank order.
+    """
+    if peers is None:
+        return run_sim(plan, sinks)
+    exchange = Exchange(hosting.owner, hosting.process, peers.store, peers.run_key)
+    return run_sim(plan, sinks, local=hosting.nodes, exchange=exchange)
+
+
+def _group_backend(devices: Sequence[torch.device]) -> str:
+    return "gloo"  # a crossing moves host memory: gloo's point-to-point messages
+
+
+def _group_timeout(plan: "RunPlan") -> Any:
+    # No message waits out a timeout: a stuck node is named by its process's watchdog (node_timeout), a collective
+    # that never completes by the exchange's deadlock check, a dead process by the caller at once.
+    return process_group_timeout(None)
+
+
+SIM = ProcessBackend("sim", run_hosted, one_node_per_process=False, group_backend=_group_backend,
+                     group_timeout=_group_timeout, passthrough=(CollectiveError, NodeTimeoutError),
+                     processes_take_gpus=True)

@@ -49,12 +49,11 @@ import time
 import traceback
 from typing import Any, Callable
 
-from exogym.backends.errors import NodeTimeoutError
+from exogym.backends.errors import STUCK_EXIT_CODE, NodeTimeoutError
 
 __all__ = ["Watchdog", "WatchdogInterrupt", "KICK_SIGNAL", "STUCK_EXIT_CODE", "stuck_grace"]
 
 KICK_SIGNAL: int | None = getattr(signal, "SIGURG", None)  # sent to the sim's thread to stop the node
-STUCK_EXIT_CODE = 124  # the process's exit status when a node stuck in native code ended it (with on_stuck)
 _ON_STUCK_S = 30.0  # how long on_stuck may take (it writes the run folder) before the process exits anyway
 _INTERRUPTS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM") if hasattr(signal, name))
 

@@ -1,35 +1,25 @@
-"""One node's process on torch.distributed, once its process group is up: the body both ways in share (a torchrun
-launch and the local spawn), the process group's backend and its timeout."""
+"""The torch backend inside one process: one node on torch.distributed, once the launcher has brought its process
+group up (a local spawn or torchrun: the body is the same); `TORCH` is the backend as a launcher sees it."""
 
 from __future__ import annotations
 
-import sys
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
 
+from exogym.backends.hosting import Hosting, Peers, ProcessBackend, process_group_timeout
 from exogym.backends.torch.heartbeat import Heartbeat
 from exogym.backends.torch.transport import TorchTransport
+from exogym.comm.transport import CollectiveError
+from exogym.engine.global_model import global_state_dict
 from exogym.engine.node import keep_completed_rows
 
 if TYPE_CHECKING:
-    from exogym.engine.plan import RunPlan
+    from exogym.engine.plan import RunPlan, RunSinks
 
-__all__ = ["run_node", "pick_backend", "process_group_timeout", "PROCESS_GROUP_TIMEOUT", "peak_rss_mb"]
-
-# How long a collective may wait for the other members before torch.distributed gives up is fit's node_timeout (the
-# sim's watchdog limit, default 600 s). A node that raises or dies ends a local run at once anyway; this bounds what
-# cannot be seen from outside: a node that never reaches a collective, or nodes deadlocked in mismatched ones, which
-# the error then names (exogym.backends.torch.heartbeat). node_timeout=None asks for no limit; torch.distributed
-# needs a finite one, so that is PROCESS_GROUP_TIMEOUT (a week).
-PROCESS_GROUP_TIMEOUT = timedelta(days=7)
-
-
-def process_group_timeout(node_timeout: float | None) -> timedelta:
-    """The process group's timeout for fit's node_timeout (seconds; None: PROCESS_GROUP_TIMEOUT)."""
-    return PROCESS_GROUP_TIMEOUT if node_timeout is None else timedelta(seconds=node_timeout)
+__all__ = ["run_node", "run_hosted", "pick_backend", "TORCH"]
 
 
 def pick_backend(devices: Sequence[torch.device]) -> str:
@@ -42,23 +32,24 @@ def pick_backend(devices: Sequence[torch.device]) -> str:
 _runs_started = 0  # per process: keys in a store shared by several runs (torchrun: one per job) stay apart
 
 
-def run_node(plan: "RunPlan", rank: int, backend: str, start_time: float, timeout: timedelta,
-              store: Any = None) -> tuple[Any, TorchTransport, Any, Any]:
+def run_node(plan: "RunPlan", live: Any, rank: int, backend: str, start_time: float, timeout: timedelta,
+             store: Any = None) -> tuple[Any, TorchTransport, Any, Any]:
     """The body of one node's process, once its process group is up: returns (node, comm, log, state or None).
-    `store`: a client of the run's key-value store, where this node's heartbeat goes (None: none)."""
+    `live`: where the node's rows go. `store`: a client of the run's key-value store, where this node's heartbeat
+    goes (None: none)."""
     global _runs_started
     _runs_started += 1
     device = plan.devices[rank]
     if device.type == "cuda":
         torch.cuda.set_device(device)
     comm = TorchTransport(rank, plan.num_nodes, device=device, backend=backend, timeout=timeout,
-                             time_model=plan.cfg.time_model)
+                          time_model=plan.cfg.time_model)
     if store is not None:
         comm.heartbeat = Heartbeat(store, rank, comm.ledger, lambda: comm.step, timeout.total_seconds(),
                                    prefix=f"exogym/heartbeat/{_runs_started}").start()
     node = None
     try:
-        node = plan.make_node(rank, start_time)
+        node = plan.make_node(rank, start_time, live)
         plan.node_rng(rank).activate()  # this process is the node: its streams stay in place for the whole run
         log, state = node.run(comm)
     except BaseException:
@@ -67,14 +58,50 @@ def run_node(plan: "RunPlan", rank: int, backend: str, start_time: float, timeou
     finally:
         if comm.heartbeat is not None:
             comm.heartbeat.stop()
-    log.comm["process_peak_rss_mb"] = peak_rss_mb()  # the caller's record measures one process; each node is one
     return node, comm, log, state
 
 
-def peak_rss_mb() -> float | None:
+def _heartbeat_store(peers: Peers) -> Any:
+    """A client of the run's store for the heartbeat; None if unreachable (the run works without it; a timeout then
+    names only the waiting node)."""
     try:
-        import resource
-    except ImportError:  # Windows
+        return dist.TCPStore(peers.address, peers.port, is_master=False, timeout=timedelta(seconds=30))
+    except Exception:  # noqa: BLE001
         return None
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / (2**20 if sys.platform == "darwin" else 2**10)  # bytes on macOS, KiB on Linux
+
+
+def run_hosted(plan: "RunPlan", sinks: "RunSinks", hosting: Hosting, peers: Peers | None) -> list[Any]:
+    """What one process of a torch run does: its one node.
+
+    Args:
+        plan: the run.
+        sinks: where the node's rows go.
+        hosting: the node this process holds; returns_model: every process takes part in one more (uncounted)
+            average, so that each returns the global model (node.run hands it to node 0 only).
+        peers: the process group's store.
+
+    Returns:
+        [(log, state)]: the node's log, and the global model's state where this process holds it, else None.
+    """
+    rank = hosting.nodes.start
+    device = plan.devices[rank]
+    # The process group decides where collectives run (the launcher's choice, or a script's own group under torchrun).
+    backend = "nccl" if device.type == "cuda" and "nccl" in str(dist.get_backend()) else "gloo"
+    node, comm, log, state = run_node(plan, sinks.live, rank, backend, peers.start, peers.timeout,
+                                      _heartbeat_store(peers))
+    if hosting.returns_model:
+        everyone = global_state_dict(node.model, node.strategy, comm)
+        state = everyone if state is None else state
+    return [(log, state)]
+
+
+def _group_timeout(plan: "RunPlan") -> timedelta:
+    # How long a collective may wait for the other members before torch.distributed gives up is fit's node_timeout.
+    # A node that raises or dies ends a local run at once anyway; this bounds what cannot be seen from outside: a
+    # node that never reaches a collective, or nodes deadlocked in mismatched ones, which the error then names
+    # (exogym.backends.torch.heartbeat).
+    return process_group_timeout(plan.node_timeout)
+
+
+TORCH = ProcessBackend("torch", run_hosted, one_node_per_process=True, group_backend=pick_backend,
+                       group_timeout=_group_timeout, passthrough=(CollectiveError,))

@@ -17,7 +17,7 @@ from exogym.backends.sim.baton import CollectiveCall
 from exogym.backends.sim.transport import reduce_into
 from exogym.comm.transport import ReduceOp
 
-__all__ = ["OPS", "CrossingOp"]
+__all__ = ["OPS", "CollectiveParts"]
 
 
 def _reduce(tensors: Sequence[torch.Tensor], op: ReduceOp) -> torch.Tensor:
@@ -27,7 +27,7 @@ def _reduce(tensors: Sequence[torch.Tensor], op: ReduceOp) -> torch.Tensor:
     return acc
 
 
-class CrossingOp:
+class CollectiveParts:
     """One collective kind across processes. `part(calls)`: this process's part (None: it sends nothing);
     `part_like(calls, n)`: an empty part of a holder with n members, to receive into (None: that holder sends
     nothing); `combine(calls, parts, counts, group)`: the leader's replies, one per holder in process order;
@@ -134,12 +134,12 @@ def _scatter_deliver(calls: list[CollectiveCall], reply: torch.Tensor, first: in
         c.args["output"].copy_(out)
 
 
-OPS: dict[str, CrossingOp] = {
-    "all_reduce": CrossingOp(_reduce_part, lambda calls, ranks: torch.empty_like(_cpu(calls[0].args["tensor"])),
+OPS: dict[str, CollectiveParts] = {
+    "all_reduce": CollectiveParts(_reduce_part, lambda calls, ranks: torch.empty_like(_cpu(calls[0].args["tensor"])),
                              _reduce_combine, _copy_into_tensor),
-    "broadcast": CrossingOp(_source, _source_like, _broadcast_combine, _copy_into_tensor),
-    "all_gather": CrossingOp(_gather_part, _gather_like, _gather_combine, _gather_deliver),
-    "reduce_scatter": CrossingOp(_scatter_part, _scatter_like, _scatter_combine, _scatter_deliver),
-    "barrier": CrossingOp(lambda calls: None, lambda calls, ranks: None, lambda calls, parts, counts, group:
+    "broadcast": CollectiveParts(_source, _source_like, _broadcast_combine, _copy_into_tensor),
+    "all_gather": CollectiveParts(_gather_part, _gather_like, _gather_combine, _gather_deliver),
+    "reduce_scatter": CollectiveParts(_scatter_part, _scatter_like, _scatter_combine, _scatter_deliver),
+    "barrier": CollectiveParts(lambda calls: None, lambda calls, ranks: None, lambda calls, parts, counts, group:
                           [None] * len(parts), lambda calls, reply, first: None),
 }

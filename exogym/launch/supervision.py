@@ -1,7 +1,8 @@
-"""Processes on this machine that run part of a run, supervised from the caller: how they start, how they report
-back (log rows as they flush, then their results or their exception), and how a failure in any of them ends the
-others. Both the torch backend's local spawn (one process per node) and the sim's processes=P (one process per
-block of nodes) start theirs here.
+"""Processes on this machine that run part of a run, supervised from the caller: how they start, how the caller
+reads what they report (log rows as they flush, then their results or their exception), how a failure in any of
+them ends the others, and how the rows they completed reach the caller when the run stops early. The launcher of
+local processes (exogym.launch.launchers) starts them here, whichever backend they run; what runs inside each is
+exogym.launch.worker.
 
 How processes start, and why not 'fork': a forked copy of the caller inherits its threads' half-held locks
 (torch's OpenMP pool, loggers, a progress bar) and cannot use CUDA once the caller has; and fork is unsafe on
@@ -9,43 +10,38 @@ macOS. So they start clean: on Linux from a forkserver, a fresh single-threaded 
 forks a process per run in milliseconds; elsewhere (macOS, Windows) with 'spawn', a fresh interpreter each (a few
 seconds: torch.optim alone imports torch._dynamo on first use). Either way the run must pickle: the model, the
 datasets and the strategy are sent to each process, so they must be defined at module level of an importable
-file, which is checked before any process starts.
+file, which is checked before any process starts (exogym.launch.pickling).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import io
 import pickle
 import signal
 import sys
-import threading
 import time
-import traceback
 from dataclasses import dataclass
 from multiprocessing import forkserver
 from multiprocessing.connection import Connection, wait
 from typing import Any, Sequence
 
-import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
-from exogym.backends.errors import NodeProcessError, NodeTimeoutError
-from exogym.backends.sim.watchdog import STUCK_EXIT_CODE
+from exogym.backends.errors import STUCK_EXIT_CODE, NodeProcessError, NodeTimeoutError
 
-__all__ = ["HOST", "Failure", "process_context", "supervise", "wind_down", "end_processes", "collect_last_rows",
-           "stop_on_sigterm", "Outbox", "ForwardingLive", "check_picklable", "without_rows", "with_rows"]
+__all__ = ["HOST", "Failure", "process_context", "supervise", "wind_down", "end_processes", "collect_last_rows"]
 
 HOST = "127.0.0.1"  # every process is on this machine: the rendezvous store listens on loopback only
 _FINISH_GRACE_S = 60.0  # after the first process finishes, how long the others may take to finish too
 _SETTLE_S = 1.0  # after the first failure, how long to collect the others' reports before ending them
 # torch._dynamo: torch.optim imports it on first use, which costs a fresh process seconds.
-_PRELOAD = ("torch", "torch._dynamo", "exogym.backends.torch.spawn", "exogym.backends.sim.processes",
-            "exogym.trainer")
+_PRELOAD = ("torch", "torch._dynamo", "exogym.launch.worker", "exogym.backends.sim.run",
+            "exogym.backends.torch.node_process", "exogym.trainer")
 
 
 @dataclass
 class Failure:
+    """What a process reports when it fails (or what the caller notes when one dies)."""
+
     rank: int
     stamp: float  # time.monotonic() in the node's process (one clock for the whole machine)
     summary: str  # "ValueError: ..." or how the process ended
@@ -173,7 +169,7 @@ def _shorten(text: str, limit: int = 200) -> str:
 
 def collect_last_rows(live: Any, procs: list[Any], conns: list[Connection], timeout_s: float = 3.0) -> None:
     """The run stopped early (a node failed, a signal): ask the processes still running to stop (SIGTERM, on which
-    each sends the rows its nodes completed since their last flush, see stop_on_sigterm), and feed `live` the rows
+    each sends the rows its nodes completed since their last flush, see exogym.launch.worker), and feed `live` the rows
     they send until every pipe is closed or timeout_s has passed. A process blocked inside a native call (a gloo
     collective) cannot answer: it is killed then, and its unsent rows are lost."""
     for p in procs:
@@ -208,15 +204,6 @@ def wind_down(live: Any, procs: list[Any], conns: list[Connection], *, finished:
         c.close()
 
 
-def stop_on_sigterm() -> None:
-    """In a run's process: SIGTERM (the caller ending it, or a scheduler) raises KeyboardInterrupt, so that the
-    process reports what its nodes completed before it exits, as on Ctrl-C."""
-    def stop(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt("SIGTERM")
-
-    signal.signal(signal.SIGTERM, stop)
-
-
 def end_processes(procs: list[Any], grace_s: float) -> None:
     """Give the node processes grace_s seconds to exit on their own, then stop those still running (they may be
     blocked in a collective), and reap them all."""
@@ -231,94 +218,3 @@ def end_processes(procs: list[Any], grace_s: float) -> None:
         if p.is_alive():
             p.kill()
             p.join(timeout=5)
-
-
-class Outbox:
-    def __init__(self, conn: Connection):
-        self.conn = conn
-        self._lock = threading.Lock()  # the sim's watchdog thread may report a stuck node while rows go out
-
-    def send(self, *message: Any) -> None:
-        # Plain pickle, tensors by value: the process may exit right after, so nothing may refer back to it.
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        with self._lock:
-            self.conn.send_bytes(data)
-
-    def send_error(self, rank: int, e: BaseException) -> None:
-        text = "".join(traceback.format_exception(e))
-        summary = f"{type(e).__name__}: {e}" + "".join(f" {n}" for n in getattr(e, "__notes__", []))
-        try:
-            sendable = pickle.loads(pickle.dumps(e))
-        except Exception:  # an exception that does not survive pickling: its text still goes back
-            sendable = None
-        from_peer = isinstance(e, getattr(dist, "DistError", ())) or "gloo" in str(e).lower()
-        self.send("error", Failure(rank, time.monotonic(), summary, text, sendable, from_peer))
-
-
-def without_rows(log: Any) -> Any:
-    """A node's log for its "done" message: its rows reached the caller as they were flushed (ForwardingLive), so
-    they are not sent (nor held by the caller) twice; the caller puts them back from its live log (with_rows)."""
-    return dataclasses.replace(log, rows=[])
-
-
-def with_rows(log: Any, live: Any) -> Any:
-    """The log of a node whose rows came through `live` (the run's LiveLog), whole again."""
-    log.rows = live.rows_of(log.rank)
-    return log
-
-
-class ForwardingLive:
-    """Stands in for the run's LiveLog in a node's process: rows go to the caller, which feeds the real one."""
-
-    def __init__(self, outbox: Outbox):
-        self.outbox = outbox
-
-    def add_rows(self, rank: int, rows: list[dict[str, float]]) -> None:
-        self.outbox.send("rows", rank, rows)
-
-    def add_row(self, table: str, row: dict[str, float]) -> None:
-        self.outbox.send("row", table, row)
-
-
-# ---- before any process starts ----------------------------------------------------------------------------------
-
-class _Discard(io.RawIOBase):
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        return len(b)
-
-
-class _CheckingPickler(pickle.Pickler):
-    """Pickles into nothing, noting classes and functions of an interactive __main__ (a notebook, `python -c`),
-    which pickle by name but which a node process cannot import."""
-
-    def __init__(self) -> None:
-        super().__init__(_Discard(), protocol=pickle.HIGHEST_PROTOCOL)
-        self.from_interactive_main: list[str] = []
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, type) or callable(obj) and hasattr(obj, "__qualname__"):
-            if getattr(obj, "__module__", None) == "__main__" and not hasattr(sys.modules["__main__"], "__file__"):
-                self.from_interactive_main.append(obj.__qualname__)
-        return NotImplemented
-
-
-def check_picklable(plan: Any, what: str, where: str) -> None:
-    """`what` ("backend='torch'") sends the plan to `where` ("each node's process"): it must pickle, and name
-    nothing of an interactive session."""
-    fix = ("define the model, the dataset and the strategy (and any function they hold) at the top level of an "
-           "importable .py file, not inside a function or as a lambda; or run every node in this process "
-           "(backend='sim' with processes=1), which pickles nothing")
-    pickler = _CheckingPickler()
-    try:
-        pickler.dump(plan)
-    except Exception as e:
-        raise TypeError(f"{what} sends the model, the datasets and the strategy to {where} by "
-                        f"pickling them, and that failed: {type(e).__name__}: {e}. To fix it, {fix}") from e
-    if pickler.from_interactive_main:
-        names = sorted(set(pickler.from_interactive_main))
-        raise TypeError(f"{what} starts a fresh process for {where.removeprefix('each ')}, which cannot import "
-                        f"{names}: they are defined in an interactive session (a notebook or `python -c`). To fix "
-                        f"it, {fix}")

@@ -1,0 +1,144 @@
+"""What a launcher hands a backend: the part of the run one process hosts, and how it reaches the other processes.
+
+A backend (`exogym.backends.sim`, `exogym.backends.torch`) is reduced to what runs inside one process: given the
+plan, the process's sinks, its `Hosting` and its `Peers`, it runs what that process hosts and returns its nodes'
+(log, state) pairs. Starting processes, their process group, pipes, supervision, signals and the exit belong to the
+launcher (`exogym.launch`), which is the one layer that knows how many processes there are and who started them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+
+if TYPE_CHECKING:
+    from exogym.engine.plan import RunPlan, RunSinks
+
+__all__ = ["Hosting", "Peers", "ProcessBackend", "blocks", "block_of", "process_group_timeout",
+           "PROCESS_GROUP_TIMEOUT", "SERVER"]
+
+# The role of a participant that is not a node: a strategy's server (global state, and code reacting to each
+# arriving message). It runs in the process that holds node 0; no launcher needs to know more than that.
+SERVER = "server"
+
+# How long a torch.distributed wait may last before it gives up. fit's node_timeout where the backend uses it (the
+# torch backend: a node that never reaches a collective, named by exogym.backends.torch.heartbeat); None asks for no
+# limit, and torch.distributed needs a finite one, so that is PROCESS_GROUP_TIMEOUT (a week).
+PROCESS_GROUP_TIMEOUT = timedelta(days=7)
+
+
+def process_group_timeout(node_timeout: float | None) -> timedelta:
+    """The process group's timeout for a node timeout.
+
+    Args:
+        node_timeout: seconds (fit's node_timeout), or None for no limit.
+
+    Returns:
+        The timeout, PROCESS_GROUP_TIMEOUT when node_timeout is None.
+    """
+    return PROCESS_GROUP_TIMEOUT if node_timeout is None else timedelta(seconds=node_timeout)
+
+
+def blocks(num_nodes: int, processes: int) -> list[range]:
+    """Contiguous blocks of nodes, one per process, sizes differing by at most one (the first ones larger).
+
+    Args:
+        num_nodes: the run's nodes.
+        processes: how many processes share them (at most num_nodes).
+
+    Returns:
+        Process p's nodes at index p.
+    """
+    size, extra = divmod(num_nodes, processes)
+    out, start = [], 0
+    for p in range(processes):
+        n = size + (p < extra)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def block_of(num_nodes: int, processes: int) -> list[int]:
+    """The process of each node, by rank (the inverse of `blocks`)."""
+    return [p for p, b in enumerate(blocks(num_nodes, processes)) for _ in b]
+
+
+@dataclass(frozen=True)
+class Hosting:
+    """What one process of a run hosts: its nodes and, optionally, other roles.
+
+    Built by the launcher before any process starts, and sent to the process (it pickles).
+
+    Attributes:
+        process: this process's index among the run's processes.
+        owner: the process of each node, by rank (`owner[r]`); its length is the run's num_nodes.
+        roles: the participants other than nodes this process holds (e.g. `SERVER`); empty for most runs.
+        returns_model: whether this process computes the global model itself at the end (rather than receiving
+            it from the process that holds node 0).
+    """
+
+    process: int
+    owner: tuple[int, ...]
+    roles: frozenset[str] = frozenset()
+    returns_model: bool = False
+
+    @property
+    def processes(self) -> int:
+        """How many processes the run has."""
+        return max(self.owner) + 1
+
+    @property
+    def nodes(self) -> range:
+        """The nodes this process hosts (contiguous ranks)."""
+        mine = [r for r, p in enumerate(self.owner) if p == self.process]
+        return range(mine[0], mine[-1] + 1) if mine else range(0)
+
+
+@dataclass
+class Peers:
+    """How a process reaches the run's other processes, once its process group is up (process-local: not sent).
+
+    Attributes:
+        store: a client of the run's key-value store.
+        address: the store's host.
+        port: the store's port.
+        run_key: a prefix unique to this run in that store (several runs may share one store).
+        start: the run's start on this machine's clock (time.perf_counter), which nodes' wall times count from.
+        timeout: the process group's timeout.
+    """
+
+    store: Any
+    address: str
+    port: int
+    run_key: str
+    start: float
+    timeout: timedelta
+
+
+@dataclass(frozen=True)
+class ProcessBackend:
+    """A backend as a launcher sees it: what runs inside one process, and the few facts a launcher needs.
+
+    Attributes:
+        name: fit's backend= ("sim", "torch").
+        run: run(plan, sinks, hosting, peers) -> [(log, state), ...] for the nodes this process hosts, in rank
+            order (state: the global model's state dict where this process holds it, else None). peers is None
+            when the run is one process (the launcher started nothing).
+        one_node_per_process: each process hosts exactly one node (torch.distributed); otherwise a block.
+        group_backend: the torch.distributed backend for the process group, given the devices of the nodes that
+            share this machine.
+        group_timeout: the process group's timeout for a plan.
+        passthrough: failures a process reports that reach the caller as themselves, as one process raises them.
+        processes_take_gpus: process p of a local launch runs its CUDA nodes on GPU p (mod the GPUs).
+    """
+
+    name: str
+    run: Callable[["RunPlan", "RunSinks", Hosting, Peers | None], list[Any]]
+    one_node_per_process: bool
+    group_backend: Callable[[Sequence[torch.device]], str]
+    group_timeout: Callable[["RunPlan"], timedelta]
+    passthrough: tuple[type, ...] = ()
+    processes_take_gpus: bool = False

@@ -1,0 +1,241 @@
+"""Launchers: who starts the processes of a run, and how the caller gets back what they return.
+
+One launcher per way a run can be laid out, whatever its backend:
+
+- `InProcess`: every node in the calling process (the sim, processes=1); nothing is started.
+- `LocalProcesses`: P processes on this machine, started and supervised by the caller (the sim's processes=P, the
+  torch backend's one process per node). It owns their process group's store, their pipes, the supervision, the
+  rows collected from them when the run stops early, and their exit.
+- `Torchrun`: this process is one of the processes torchrun started; it joins their process group (unless the
+  script did), runs what it hosts, and gathers every node's log at the end.
+
+A launcher describes what each process hosts (`Hosting`: its nodes, and extra roles such as a strategy's server in
+the process holding node 0), and hands it to the backend (`ProcessBackend.run`), which runs inside one process.
+Every launcher installs the run's one SIGTERM handler in the calling process (exogym.launch.signals) for as long
+as the run runs.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from exogym.backends.hosting import Hosting, Peers, ProcessBackend, block_of
+from exogym.launch.environment import Environment
+from exogym.launch.pickling import check_picklable
+from exogym.launch.signals import interrupt_on_sigterm
+from exogym.launch.supervision import HOST, process_context, supervise, wind_down
+from exogym.launch.worker import process_main, stamp_peak_rss, with_rows
+
+if TYPE_CHECKING:
+    from exogym.engine.plan import RunPlan, RunSinks
+
+__all__ = ["Launcher", "InProcess", "LocalProcesses", "Torchrun", "layout"]
+
+
+def layout(num_nodes: int, processes: int, *, roles: frozenset[str] = frozenset(),
+           returns_model: bool = False) -> list[Hosting]:
+    """What each of `processes` processes hosts: contiguous blocks of nodes (sizes differing by at most one), and
+    the extra roles in the process holding node 0.
+
+    Args:
+        num_nodes: the run's nodes.
+        processes: how many processes share them (1 to num_nodes).
+        roles: participants other than nodes (e.g. exogym.backends.hosting.SERVER), hosted beside node 0.
+        returns_model: whether every process computes the global model itself.
+
+    Returns:
+        One Hosting per process, in process order.
+    """
+    owner = tuple(block_of(num_nodes, processes))
+    return [Hosting(p, owner, roles=roles if p == owner[0] else frozenset(), returns_model=returns_model)
+            for p in range(processes)]
+
+
+class Launcher(ABC):
+    """Runs a plan's processes and returns every node's (log, state) in rank order.
+
+    Attributes:
+        backend: what runs inside each process.
+        hosting: what each process hosts (index: process).
+    """
+
+    def __init__(self, backend: ProcessBackend, hosting: Sequence[Hosting]):
+        self.backend, self.hosting = backend, list(hosting)
+
+    @property
+    def processes(self) -> int:
+        """How many processes the run has."""
+        return len(self.hosting)
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this process holds the run folders and the loggers."""
+        return True
+
+    def node_devices(self, devices: Sequence[torch.device]) -> list[torch.device]:
+        """Where this launch runs each node, given where fit places them."""
+        return list(devices)
+
+    def live_nodes(self, num_nodes: int) -> Sequence[int]:
+        """The nodes whose rows reach this process's live log (the run's loggers and progress bar)."""
+        return range(num_nodes)
+
+    def launch(self, plan: "RunPlan", sinks: "RunSinks") -> list[Any]:
+        """Run the plan; SIGTERM in the calling process raises RunInterrupted meanwhile.
+
+        Args:
+            plan: the run, data only.
+            sinks: this process's live log (fed with every node's rows), and on_stuck.
+
+        Returns:
+            Every node's (log, state) in rank order; the first entry's state is the global model.
+        """
+        with interrupt_on_sigterm():
+            return self._launch(plan, sinks)
+
+    @abstractmethod
+    def _launch(self, plan: "RunPlan", sinks: "RunSinks") -> list[Any]:
+        ...
+
+
+class InProcess(Launcher):
+    """Every node in the calling process (the sim backend with processes=1)."""
+
+    def __init__(self, backend: ProcessBackend, num_nodes: int, *, roles: frozenset[str] = frozenset()):
+        super().__init__(backend, layout(num_nodes, 1, roles=roles))
+
+    def _launch(self, plan: "RunPlan", sinks: "RunSinks") -> list[Any]:
+        return self.backend.run(plan, sinks, self.hosting[0], None)
+
+
+class LocalProcesses(Launcher):
+    """P processes on this machine, started from a forkserver (spawn off Linux) and supervised by the caller.
+
+    Args:
+        backend: what runs inside each process.
+        num_nodes: the run's nodes.
+        processes: how many processes (num_nodes when the backend runs one node per process).
+        port: the rendezvous store's port (None: a free one the OS picks).
+        roles: participants other than nodes, hosted beside node 0.
+    """
+
+    def __init__(self, backend: ProcessBackend, num_nodes: int, processes: int, *, port: int | None = None,
+                 roles: frozenset[str] = frozenset()):
+        super().__init__(backend, layout(num_nodes, processes, roles=roles))
+        self.port = port
+
+    def _labels(self) -> list[str]:
+        if self.backend.one_node_per_process:
+            return [f"node {h.nodes.start}" for h in self.hosting]
+        return [f"process {h.process} (nodes {h.nodes.start}-{h.nodes.stop - 1})" for h in self.hosting]
+
+    def _launch(self, plan: "RunPlan", sinks: "RunSinks") -> list[Any]:
+        if self.backend.one_node_per_process:
+            check_picklable(plan, f"backend={self.backend.name!r}", "each node's process")
+        else:
+            check_picklable(plan, f"processes={self.processes}", "each simulating process")
+        timeout = self.backend.group_timeout(plan)
+        # The store is the rendezvous point; listening on port 0 lets the OS pick a free port, with no race.
+        store = dist.TCPStore(HOST, self.port or 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        threads = max(1, torch.get_num_threads() // self.processes)  # the processes share the caller's threads
+        ctx = process_context()
+        start = time.perf_counter()  # one machine, one clock: the nodes' wall times count from here, as in the sim
+        procs: list[Any] = []
+        conns: list[Any] = []
+        finished = False
+        try:
+            for hosting in self.hosting:
+                reader, writer = ctx.Pipe(duplex=False)
+                # Each process is sent its own nodes' data (the examples they read), not the whole dataset.
+                proc = ctx.Process(target=process_main, name=f"exogym-{self.backend.name}-{hosting.process}",
+                                   args=(self.backend, hosting, plan.for_nodes(hosting.nodes), store.port, writer,
+                                         start, threads, timeout))
+                proc.start()
+                writer.close()  # the process holds the only writer now: end of file on the reader means it is gone
+                procs.append(proc)
+                conns.append(reader)
+            per_process = supervise(sinks.live, procs, conns, self._labels(), [h.nodes.start for h in self.hosting],
+                                    passthrough=self.backend.passthrough)
+            finished = True
+            return [(with_rows(log, sinks.live), state) for (results,) in per_process for log, state in results]
+        finally:
+            wind_down(sinks.live, procs, conns, finished=finished)
+            del store
+
+
+_torchrun_runs = 0  # per process: the n-th run of a torchrun job is the n-th in each of its processes
+
+
+class Torchrun(Launcher):
+    """This process is one of the processes torchrun started (the job's environment says which).
+
+    Under the sim each process hosts a block of nodes; under torch one node. Every process returns the global model
+    and every node's log (gathered at the end), as a one-process run would; the other processes' rows reach this
+    process's live log at the end.
+
+    Args:
+        backend: what runs inside this process.
+        num_nodes: the run's nodes.
+        environment: the job (rank, world size, local rank, store address).
+        roles: participants other than nodes, hosted beside node 0.
+    """
+
+    def __init__(self, backend: ProcessBackend, num_nodes: int, environment: Environment, *,
+                 roles: frozenset[str] = frozenset()):
+        super().__init__(backend, layout(num_nodes, environment.world_size, roles=roles,
+                                         returns_model=backend.one_node_per_process))
+        self.environment = environment
+
+    @property
+    def is_main(self) -> bool:
+        return self.environment.is_main
+
+    def node_devices(self, devices: Sequence[torch.device]) -> list[torch.device]:
+        return self.environment.node_devices(devices)
+
+    def live_nodes(self, num_nodes: int) -> Sequence[int]:
+        # One node per process: each process's loggers follow its own node (rank 0 holds the run folder).
+        return self.hosting[self.environment.rank].nodes if self.backend.one_node_per_process else range(num_nodes)
+
+    def _launch(self, plan: "RunPlan", sinks: "RunSinks") -> list[Any]:
+        global _torchrun_runs
+        _torchrun_runs += 1
+        env, hosting = self.environment, self.hosting[self.environment.rank]
+        timeout = self.backend.group_timeout(plan)
+        owns_group = not dist.is_initialized()  # a script may have set up torch.distributed itself; then it keeps it
+        if owns_group:
+            # Each process has a GPU of its own (LOCAL_RANK): its own nodes' devices choose the group's backend.
+            dist.init_process_group(self.backend.group_backend([plan.devices[r] for r in hosting.nodes]),
+                                    init_method="env://", rank=env.rank, world_size=env.world_size, timeout=timeout)
+        elif dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
+            raise ValueError(f"torch.distributed is already initialised with rank {dist.get_rank()} of "
+                             f"{dist.get_world_size()}, but RANK={env.rank}, WORLD_SIZE={env.world_size}; call "
+                             "fit() in a process torchrun started, before or without your own init_process_group")
+        try:
+            store = None
+            if env.main_address is not None and env.main_port is not None:
+                store = dist.TCPStore(env.main_address, env.main_port, is_master=False, timeout=timeout)
+            peers = Peers(store, env.main_address or HOST, env.main_port or 0,
+                          f"exogym/{self.backend.name}/{_torchrun_runs}", time.perf_counter(), timeout)
+            results = self.backend.run(plan, sinks, hosting, peers)
+            stamp_peak_rss(results)
+            gathered: list[Any] = [None] * env.world_size
+            dist.all_gather_object(gathered, [log for log, _ in results])
+            state = next((s for _, s in results if s is not None), None)
+            if not hosting.returns_model:  # the process holding node 0 hands the global model on
+                box = [state]
+                dist.broadcast_object_list(box, src=hosting.owner[0])
+                state = box[0]
+        finally:
+            if owns_group:
+                dist.destroy_process_group()
+        logs = [log for block in gathered for log in block]
+        for log in logs:  # the other processes' rows reach this process's loggers at the end
+            if log.rank not in hosting.nodes:
+                sinks.live.add_rows(log.rank, log.rows)
+        return [(logs[0], state)] + [(log, None) for log in logs[1:]]
