@@ -85,6 +85,7 @@ class GossipStrategy(Strategy):
     _default_inner = OptimSpec(torch.optim.SGD, lr=0.01)
     collectives_match_steps = True
     supports_membership_changes = False  # a node down would leave its neighbours waiting (sync) or lose weight
+    sends_messages = True
 
     def __init__(self, optim_spec: OptimSpec | str | type | None = None, *, topology: str = "ring",
                  mode: str = "sync", H: int = 1, lr: float | None = None, seed: int = 0,

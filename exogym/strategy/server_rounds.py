@@ -86,6 +86,7 @@ class ServerRoundsStrategy(Strategy):
 
     _default_inner = OptimSpec(torch.optim.AdamW, lr=1e-3)
     collectives_match_steps = True
+    sends_messages = True
     @property
     def clock_runs_while_down(self) -> bool:
         """A node down spends its steps idle and comes back at its time (TrainNode); not once it has stopped at its

@@ -1,15 +1,17 @@
 """Point-to-point messages and the server on the simulated clock: arrival times, arrival order, errors."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 import toy
+from toy import TinyMLP, make_classification
 from exogym import Trainer
 from exogym.cluster.network import Network
 from exogym.comm import SERVER, MessageError, Server
-from exogym.strategy import Strategy
+from exogym.strategy import AsyncDiLoCoStrategy, FedBuffStrategy, GossipStrategy, Strategy
 from exogym.strategy import communicate as comm
 
 FIT = dict(progress=False, device="cpu", logger=False)
@@ -150,3 +152,13 @@ def test_under_fused_execution_the_event_order_is_the_same_and_the_numbers_agree
         torch.testing.assert_close(torch.tensor(a.node_loss), torch.tensor(b.node_loss), rtol=1e-5, atol=1e-6)
         for x, y in zip(pa, pb):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("make", [lambda: AsyncDiLoCoStrategy(H=2), lambda: FedBuffStrategy(H=2),
+                                  lambda: GossipStrategy(H=2)], ids=["async_diloco", "fedbuff", "gossip"])
+def test_message_strategies_over_several_processes_are_refused_before_any_node_starts(make):
+    # Messages run in one process for now: processes=2 is refused up front, naming the fix, not inside a node.
+    trainer = Trainer(TinyMLP(), make_classification(64))
+    with pytest.raises(ValueError, match="sends point-to-point messages .* use processes=1"):
+        trainer.fit(make(), 2, max_steps=2, batch_size=8, processes=2, progress=False)
+    assert not Path("logs").exists()  # nothing was claimed
