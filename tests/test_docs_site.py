@@ -233,7 +233,8 @@ def _signature(obj):
     """The arguments a reader passes: a function's, or a class's `__init__`'s (mkdocstrings merges it into the
     class), except self/cls and private ones."""
     function = obj.members.get("__init__") if obj.is_class else obj
-    if function is None or function.is_alias or "property" in function.labels:  # an inherited __init__ is checked on the class that declares it
+    # (an inherited __init__ is checked on the class that declares it; a property takes no argument)
+    if function is None or function.is_alias or "property" in function.labels:
         return []
     params = list(function.parameters)
     if params and function.parent.is_class and "staticmethod" not in function.labels:
