@@ -76,7 +76,7 @@ def interrupt_signal(interrupt: KeyboardInterrupt) -> signal.Signals:
 
     Returns:
         RunInterrupted's signal; for another KeyboardInterrupt that names its signal (a `signal_name` attribute, or
-        a message that is the signal's name, as the SIGTERM handler of a sweep worker raises), that signal; else
+        a message that is the signal's name, as a SIGTERM handler of the caller's own may raise), that signal; else
         Ctrl-C's SIGINT.
     """
     if isinstance(interrupt, RunInterrupted):
