@@ -17,6 +17,8 @@ as the run runs.
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import time
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Sequence
@@ -27,6 +29,7 @@ import torch.distributed as dist
 from exogym.backends.hosting import Hosting, Peers, ProcessBackend, block_of
 from exogym.launch.environment import Environment
 from exogym.launch.pickling import check_picklable
+from exogym.launch.row_relay import LockedLive, RelayReader, StoreRelay, store_timeout
 from exogym.launch.signals import interrupt_on_sigterm
 from exogym.launch.supervision import HOST, process_context, supervise, wind_down
 from exogym.launch.worker import process_main, stamp_peak_rss, with_rows
@@ -173,8 +176,9 @@ class Torchrun(Launcher):
     """This process is one of the processes torchrun started (the job's environment says which).
 
     Under the sim each process hosts a block of nodes; under torch one node. Every process returns the global model
-    and every node's log (gathered at the end), as a one-process run would; the other processes' rows reach this
-    process's live log at the end.
+    and every node's log (gathered at the end), as a one-process run would. Under the sim the other processes' rows
+    reach the main process's live log as they are flushed (exogym.launch.row_relay); under torch each process's
+    loggers follow its own node.
 
     Args:
         backend: what runs inside this process.
@@ -218,12 +222,17 @@ class Torchrun(Launcher):
             store = None
             if env.main_address is not None and env.main_port is not None:
                 store = dist.TCPStore(env.main_address, env.main_port, is_master=False, timeout=timeout)
-            peers = Peers(store, env.main_address or HOST, env.main_port or 0,
-                          f"exogym/{self.backend.name}/{_torchrun_runs}", time.perf_counter(), timeout)
-            results = self.backend.run(plan, sinks, hosting, peers)
-            stamp_peak_rss(results)
-            gathered: list[Any] = [None] * env.world_size
-            dist.all_gather_object(gathered, [log for log, _ in results])
+            run_key = f"exogym/{self.backend.name}/{_torchrun_runs}"
+            peers = Peers(store, env.main_address or HOST, env.main_port or 0, run_key, time.perf_counter(), timeout)
+            own_sinks, reader = self._relay(sinks, store, f"{run_key}/rows", timeout)
+            try:
+                results = self.backend.run(plan, own_sinks, hosting, peers)
+                stamp_peak_rss(results)
+                gathered: list[Any] = [None] * env.world_size
+                dist.all_gather_object(gathered, [log for log, _ in results])
+            finally:
+                if reader is not None:  # every row the others posted, also when the run stopped part-way
+                    reader.stop(store)
             state = next((s for _, s in results if s is not None), None)
             if not hosting.returns_model:  # the process holding node 0 hands the global model on
                 box = [state]
@@ -233,7 +242,23 @@ class Torchrun(Launcher):
             if owns_group:
                 dist.destroy_process_group()
         logs = [log for block in gathered for log in block]
-        for log in logs:  # the other processes' rows reach this process's loggers at the end
-            if log.rank not in hosting.nodes:
-                sinks.live.add_rows(log.rank, log.rows)
+        if reader is None:  # one node per process: each process's loggers follow its own node
+            for log in logs:
+                if log.rank not in hosting.nodes:
+                    sinks.live.add_rows(log.rank, log.rows)
         return [(logs[0], state)] + [(log, None) for log in logs[1:]]
+
+    def _relay(self, sinks: "RunSinks", store: Any, key: str, timeout: Any) -> tuple["RunSinks", RelayReader | None]:
+        """Under the sim every process's rows reach the main process's loggers as they are flushed (through the
+        job's store, exogym.launch.row_relay): this process's sinks, and the main process's reader of the others'
+        rows."""
+        if self.backend.one_node_per_process or store is None or self.processes == 1:
+            return sinks, None
+        env = self.environment
+        if not env.is_main:
+            return dataclasses.replace(sinks, live=StoreRelay(sinks.live, store, f"{key}/{env.rank}")), None
+        lock = threading.Lock()
+        connect = lambda: dist.TCPStore(env.main_address, env.main_port, is_master=False,  # noqa: E731
+                                        timeout=store_timeout(timeout))
+        reader = RelayReader(sinks.live, connect, [f"{key}/{p}" for p in range(1, self.processes)], lock).start()
+        return dataclasses.replace(sinks, live=LockedLive(sinks.live, lock)), reader
