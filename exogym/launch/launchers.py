@@ -17,7 +17,9 @@ as the run runs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import pickle
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 import torch.distributed as dist
 
+from exogym.backends.errors import PeerLostError
 from exogym.backends.hosting import Hosting, Peers, ProcessBackend, block_of
 from exogym.launch.environment import Environment
 from exogym.launch.pickling import check_picklable
@@ -79,6 +82,12 @@ class Launcher(ABC):
     def is_main(self) -> bool:
         """Whether this process holds the run folders and the loggers."""
         return True
+
+    @property
+    def caller_is_extra(self) -> bool:
+        """Whether the calling process runs beside the run's processes (a local launch's supervisor), so that its
+        memory adds to theirs."""
+        return isinstance(self, LocalProcesses)
 
     def node_devices(self, devices: Sequence[torch.device]) -> list[torch.device]:
         """Where this launch runs each node, given where fit places them."""
@@ -226,7 +235,10 @@ class Torchrun(Launcher):
             peers = Peers(store, env.main_address or HOST, env.main_port or 0, run_key, time.perf_counter(), timeout)
             own_sinks, reader = self._relay(sinks, store, f"{run_key}/rows", timeout)
             try:
-                results = self.backend.run(plan, own_sinks, hosting, peers)
+                try:
+                    results = self.backend.run(plan, own_sinks, hosting, peers)
+                except BaseException as e:
+                    raise self._peer_error(e, store, run_key) from None
                 stamp_peak_rss(results)
                 gathered: list[Any] = [None] * env.world_size
                 dist.all_gather_object(gathered, [log for log, _ in results])
@@ -247,6 +259,27 @@ class Torchrun(Launcher):
                 if log.rank not in hosting.nodes:
                     sinks.live.add_rows(log.rank, log.rows)
         return [(logs[0], state)] + [(log, None) for log in logs[1:]]
+
+    def _peer_error(self, error: BaseException, store: Any, key: str) -> BaseException:
+        """What this process raises when its run stopped on `error`. A process posts its own error to the job's
+        store before it exits; a process that lost a peer raises the peer's posted error instead (its type kept,
+        with a note naming the peer's rank and nodes), when there is one."""
+        if store is None:
+            return error
+        if not isinstance(error, PeerLostError):
+            with contextlib.suppress(Exception):
+                store.set(f"{key}/failed/{self.environment.rank}", pickle.dumps(error))
+            return error
+        with contextlib.suppress(Exception):
+            name = f"{key}/failed/{error.process}"
+            if store.check([name]):
+                theirs = pickle.loads(store.get(name))
+                if isinstance(theirs, BaseException):
+                    theirs.add_note(f"(raised by rank {error.process}, which hosts node(s) {list(error.nodes)}; "
+                                    f"rank {self.environment.rank} noticed it went away)")
+                    theirs.__cause__ = error
+                    return theirs
+        return error
 
     def _relay(self, sinks: "RunSinks", store: Any, key: str, timeout: Any) -> tuple["RunSinks", RelayReader | None]:
         """Under the sim every process's rows reach the main process's loggers as they are flushed (through the

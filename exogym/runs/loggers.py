@@ -80,6 +80,18 @@ class Logger(metaclass=Adaptable):
     def finish(self, summary: dict[str, Any]) -> None:
         """Called once after the last step (also when the run failed: summary["status"] says)."""
 
+    def written_through(self, table: str) -> int | None:
+        """For a run resumed into the folder it already has: the last step of `table` this logger holds.
+
+        Args:
+            table: "train" or "val".
+
+        Returns:
+            That step (0: none), or None where the logger cannot say (then fit writes nothing again). fit logs the
+            rows between it and the checkpoint's step from what the checkpoint carries, so none is missing.
+        """
+        return None
+
 
 class _FolderLogger(Logger):
     """A logger writing into <log_dir>/<run_name>/, a folder it holds for one run (see exogym.runs.folder)."""
@@ -140,14 +152,18 @@ class CSVLogger(_FolderLogger):
         self._files: dict[str, AppendFile] = {}
         self._columns: dict[str, list[str]] = {}
         self._trained = False  # a training row was written
+        self._through: dict[str, int] = {}  # resumed: the last step each table held
 
     def start(self, config: dict[str, Any]) -> None:
         run_dir = self._open_run_dir(config)
         self._trained = False
         try:
+            self._through = {}
             if self.after_step is not None:
                 for table in run_dir.glob("*.csv"):
                     truncate_rows_after(table, self.after_step)
+                for table in ("train", "val"):
+                    self._through[table] = _last_step(run_dir / f"{table}.csv")
                 (run_dir / "summary.json").unlink(missing_ok=True)  # written again when the run ends
             write_text(run_dir / "config.json", json.dumps(_json_safe(config), indent=2) + "\n", "the run's config")
         except BaseException:  # config.json is written whole or not at all: nothing of it is left to block the name
@@ -155,6 +171,9 @@ class CSVLogger(_FolderLogger):
                 self.claim.abandon()  # (fit gives back the claim it made itself)
             self.claim, self._own_claim, self._running = None, False, False
             raise
+
+    def written_through(self, table: str) -> int | None:
+        return self._through.get(table)
 
     def log(self, table: str, row: dict[str, float]) -> None:
         rows = {table: dict(row)}
@@ -204,6 +223,21 @@ def _csv_line(cells: Sequence[Any]) -> str:
     out = io.StringIO()
     csv.writer(out).writerow(cells)
     return out.getvalue()
+
+
+def _last_step(path: Path) -> int:
+    """The step of a CSV table's last row (0: no table, or no row)."""
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.reader(f))
+    except FileNotFoundError:
+        return 0
+    if len(rows) < 2 or "step" not in rows[0]:
+        return 0
+    try:
+        return int(float(rows[-1][rows[0].index("step")]))
+    except (ValueError, IndexError):
+        return 0
 
 
 def _csv_header(path: Path) -> list[str] | None:

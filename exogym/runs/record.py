@@ -93,6 +93,23 @@ class LiveLog:
                 kept = self._kept[log.rank]
                 kept.rows, kept.val, kept.diagnostics = list(log.rows), list(log.val), list(log.diagnostics)
 
+    def fill_resumed(self, loggers: Sequence["Logger"]) -> None:
+        """A resumed run whose loggers hold fewer rows than its checkpoint (its process stopped between the
+        checkpoint and the rows' flush): each logger gets the rows it misses up to the checkpoint's step, from the
+        rows the checkpoint carries (Logger.written_through says where it stands)."""
+        logs = self.partial_logs()
+        train = [merge_step_rows(rows, global_batch=self.global_batch) for rows in zip(*(l.rows for l in logs))]
+        for logger in loggers:
+            for table, rows in (("train", train), ("val", logs[0].val if logs else [])):
+                through = getattr(logger, "written_through", lambda _: None)(table)
+                if through is None:
+                    continue
+                for row in rows:
+                    step = int(row["step"])
+                    if step > through and (table == "val" or step % self.log_interval == 0
+                                           or step == self.last_step):
+                        logger.log(table, row)
+
     def add_rows(self, rank: int, rows: list[dict[str, float]]) -> None:
         if rank not in self._queues:
             return
@@ -155,7 +172,9 @@ class RunRecord:
         2 N (R-1)/R, an all-gathered chunk n costs n (R-1)); also as wire_bytes_per_node.
     payload_bytes_per_node: `payload_bytes_per_node[r]` is node r's own data put on the wire, each byte counted once (the papers'
         convention: an all-reduce or all-gather of N bytes is N, whatever the group size).
-    peak_memory_mb: the process's peak resident memory (and per CUDA device, its peak allocation).
+    peak_memory_mb: peak memory in MB: the calling process's resident memory ("process_rss"), the whole run's over
+        every process ("run_rss") and, over several processes, each one's ("per_process_rss"); per CUDA device,
+        its peak allocation.
     """
 
     config: dict[str, Any]
