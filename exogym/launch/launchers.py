@@ -32,6 +32,7 @@ from exogym.backends.errors import PeerLostError
 from exogym.backends.hosting import Hosting, Peers, ProcessBackend, block_of
 from exogym.launch.environment import Environment
 from exogym.launch.pickling import check_picklable
+from exogym.launch.shared_folder import check_shared_folder
 from exogym.launch.row_relay import LockedLive, RelayReader, StoreRelay, store_timeout
 from exogym.launch.signals import interrupt_on_sigterm
 from exogym.launch.supervision import HOST, process_context, supervise, wind_down
@@ -232,6 +233,8 @@ class Torchrun(Launcher):
             if env.main_address is not None and env.main_port is not None:
                 store = dist.TCPStore(env.main_address, env.main_port, is_master=False, timeout=timeout)
             run_key = f"exogym/{self.backend.name}/{_torchrun_runs}"
+            if plan.checkpoints is not None and store is not None and env.world_size > 1:
+                check_shared_folder(store, f"{run_key}/shared", env.rank, env.world_size, plan.checkpoints.root)
             peers = Peers(store, env.main_address or HOST, env.main_port or 0, run_key, time.perf_counter(), timeout)
             own_sinks, reader = self._relay(sinks, store, f"{run_key}/rows", timeout)
             try:

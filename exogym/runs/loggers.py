@@ -143,7 +143,8 @@ class _FolderLogger(Logger):
 class CSVLogger(_FolderLogger):
     """Writes logs/<run_name>/{config.json, train.csv, val.csv, summary.json} (see continue_after to resume), and
     what its table views (`views=`, then the registered ones) make of each row. A run that fails before its first
-    training row leaves no folder (the claim is given back); once one is written, summary.json says how it ended."""
+    training row leaves no folder (the claim is given back), unless it failed because a process of the run went away
+    (summary["lost_peer"]); once one is written, summary.json says how it ended."""
 
     def __init__(self, log_dir: str | os.PathLike = "logs", run_name: str | None = None, *,
                  views: Sequence[TableView] = ()):
@@ -204,7 +205,7 @@ class CSVLogger(_FolderLogger):
         self._files.clear()
         self._columns.clear()
         if summary.get("status") == "failed" and not self._trained and self.after_step is None \
-                and self.run_dir is not None and self.claim is not None:
+                and "lost_peer" not in summary and self.run_dir is not None and self.claim is not None:
             # Failed before a training row was written: no training to keep, so the folder is given back.
             for path in [self.run_dir / "config.json", *written]:
                 path.unlink(missing_ok=True)
