@@ -1,8 +1,8 @@
 """A small checkpointed run that a fault-injection test stops at a chosen step (python fault_run.py KIND STEP
 [LAUNCH]): node 1 reads its step-STEP batch and then raises, or sends its process SIGINT, SIGTERM, SIGKILL or
 SIGSTOP. KIND "none" runs it whole, "resume" resumes logs/r whole. LAUNCH: "one" (one process, the default), "processes" (fit(processes=2): node 1
-in a process of its own) or "torchrun" (the script run by `python -m torch.distributed.run --standalone
---nproc-per-node 2`: node 1 in rank 1). The run writes logs/r/ in the working folder."""
+in a process of its own) "torchrun" (the script run by `python -m torch.distributed.run --standalone
+--nproc-per-node 2`: node 1 in rank 1), or "torchrun-torch" (the same with backend="torch"). The run writes logs/r/ in the working folder."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def fit(kind: str = "none", step: int = 0, **kwargs):
 
 def command(kind: str, step: int, launch: str = "one") -> list[str]:
     """The command line that runs this script with a fault, laid out as `launch` says."""
-    if launch == "torchrun":
+    if launch.startswith("torchrun"):
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                 os.path.abspath(__file__), kind, str(step), launch]
     return [sys.executable, os.path.abspath(__file__), kind, str(step), launch]
@@ -46,6 +46,8 @@ if __name__ == "__main__":
     options = {"processes": 2} if launch == "processes" else {}
     if launch != "one":
         options["node_timeout"] = PEER_TIMEOUT
+    if launch == "torchrun-torch":  # the torch backend: one node per torchrun process
+        options["backend"] = "torch"
     if sys.argv[1] == "resume":  # from the run's newest checkpoint, with no fault
         fit(resume_from="logs/r", **options)
     else:

@@ -86,3 +86,13 @@ def test_under_torchrun_a_checkpoint_folder_not_every_rank_sees_is_refused_befor
     assert "checkpoints need one folder every rank sees, and rank(s) [1] do not see" in out.stderr, out.stderr[-3000:]
     assert not (tmp_path / "machine0" / "logs" / "r" / "train.csv").exists()  # no node started
     assert not list((tmp_path / "machine1").rglob("node_*"))
+
+
+def test_under_torchrun_the_torch_backend_names_the_rank_that_went_away_not_its_own_node(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    out = subprocess.run(fault_run.command("SIGKILL", 6, "torchrun-torch"), cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=150)
+    assert out.returncode != 0
+    summary = json.loads((tmp_path / "logs" / "r" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["lost_peer"] == {"process": 1, "nodes": [1]}, summary
+    assert summary["error"].startswith("PeerLostError: process 1 (node 1) went away"), summary["error"]

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from exogym.backends.errors import PeerLostError
+from exogym.backends.peer_watch import PeerWatch
 from exogym.backends.hosting import Hosting, Peers, ProcessBackend, block_of
 from exogym.launch.environment import Environment
 from exogym.launch.pickling import check_picklable
@@ -179,6 +180,13 @@ class LocalProcesses(Launcher):
             del store
 
 
+def _connection_lost(error: BaseException) -> bool:
+    """Whether an error says a connection to another process closed (it died, or its machine or link did)."""
+    text = str(error).lower()
+    return any(words in text for words in ("connection closed by peer", "connection reset by peer", "broken pipe",
+                                           "connection refused"))
+
+
 _torchrun_runs = 0  # per process: the n-th run of a torchrun job is the n-th in each of its processes
 
 
@@ -237,15 +245,21 @@ class Torchrun(Launcher):
                 check_shared_folder(store, f"{run_key}/shared", env.rank, env.world_size, plan.checkpoints.root)
             peers = Peers(store, env.main_address or HOST, env.main_port or 0, run_key, time.perf_counter(), timeout)
             own_sinks, reader = self._relay(sinks, store, f"{run_key}/rows", timeout)
+            # Every rank beats in the store, so that a rank whose connection closed is named (below).
+            watch = PeerWatch(store, f"{run_key}/ranks", env.rank, hosting.owner, None) if store is not None else None
             try:
                 try:
                     results = self.backend.run(plan, own_sinks, hosting, peers)
                 except BaseException as e:
-                    raise self._peer_error(e, store, run_key) from None
+                    raise self._peer_error(e, store, run_key, watch) from None
+                if watch is not None:
+                    watch.finished()
                 stamp_peak_rss(results)
                 gathered: list[Any] = [None] * env.world_size
                 dist.all_gather_object(gathered, [log for log, _ in results])
             finally:
+                if watch is not None:
+                    watch.close()
                 if reader is not None:  # every row the others posted, also when the run stopped part-way
                     reader.stop(store)
             state = next((s for _, s in results if s is not None), None)
@@ -263,12 +277,27 @@ class Torchrun(Launcher):
                     sinks.live.add_rows(log.rank, log.rows)
         return [(logs[0], state)] + [(log, None) for log in logs[1:]]
 
-    def _peer_error(self, error: BaseException, store: Any, key: str) -> BaseException:
+    def _peer_error(self, error: BaseException, store: Any, key: str, watch: PeerWatch | None) -> BaseException:
         """What this process raises when its run stopped on `error`. A process posts its own error to the job's
-        store before it exits; a process that lost a peer raises the peer's posted error instead (its type kept,
-        with a note naming the peer's rank and nodes), when there is one."""
+        store before it exits. A process whose connection to another closed (gloo's "Connection closed by peer",
+        on either backend) names the rank whose beat stopped (PeerLostError), not its own node; a process that
+        lost a peer raises the peer's posted error instead (its type kept, with a note naming the peer's rank
+        and nodes), when there is one."""
         if store is None:
             return error
+        interrupted = isinstance(error, KeyboardInterrupt)  # torchrun stops every rank once one of them died
+        if not isinstance(error, PeerLostError) and watch is not None and (_connection_lost(error) or interrupted):
+            with contextlib.suppress(Exception):
+                try:
+                    gone = watch.silent()
+                except KeyboardInterrupt as e:  # torchrun's SIGTERM to every rank, as one died: look again
+                    error, interrupted = e, True
+                    gone = watch.silent()
+                if interrupted:  # a rank stopped by the same signal posted it: a silent one that did not, died
+                    gone = [p for p in gone if not store.check([f"{key}/failed/{p}"])]
+                if gone:
+                    how = (f"its beat stopped, and then this rank was stopped ({error})" if interrupted else None)
+                    error = watch.lost(gone[0], error, how)
         if not isinstance(error, PeerLostError):
             with contextlib.suppress(Exception):
                 store.set(f"{key}/failed/{self.environment.rank}", pickle.dumps(error))

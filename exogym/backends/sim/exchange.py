@@ -33,9 +33,8 @@ import torch
 import torch.distributed as dist
 
 from exogym.backends.sim.baton import CollectiveCall, Pending
-from exogym.backends.errors import PeerLostError, describe_process
 from exogym.backends.sim.collective_parts import OPS
-from exogym.backends.sim.peer_watch import PeerWatch
+from exogym.backends.peer_watch import PeerWatch
 from exogym.comm.transport import CollectiveError
 
 __all__ = ["Exchange", "Crossing"]
@@ -175,9 +174,7 @@ class Exchange:
             key, into, buffer, error = event
             if error is not None:
                 src, cause = error
-                what = describe_process(src, self.peers.nodes_of(src))
-                raise PeerLostError(f"{what} went away: a message from it failed ({cause}); it died, or its "
-                                    "machine or the link to it did", src, self.peers.nodes_of(src)) from cause
+                raise self.peers.lost(src, cause) from cause
             x = self._crossings[key]
             x.waiting -= 1
             kind, holder = into
@@ -291,7 +288,7 @@ class Exchange:
         self.peers.finished()
 
     def check_peers(self) -> None:
-        """Raise PeerLostError when a process this one may wait for stopped responding (exogym.backends.sim.peer_watch)."""
+        """Raise PeerLostError when a process this one may wait for stopped responding (exogym.backends.peer_watch)."""
         self.peers.check()
 
     def close(self) -> None:

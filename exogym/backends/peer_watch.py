@@ -64,6 +64,29 @@ class PeerWatch:
     def nodes_of(self, process: int) -> tuple[int, ...]:
         return tuple(r for r, p in enumerate(self.owner) if p == process)
 
+    def _beats(self) -> dict[int, bytes | None]:
+        out = {}
+        for p in range(self.processes):
+            key = f"{self.key}/beat/{p}"
+            out[p] = self.store.get(key) if p != self.me and self.store.check([key]) else None
+        return out
+
+    def silent(self, over_s: float = 2.5 * BEAT_S) -> list[int]:
+        """The other processes whose beat does not move over `over_s` seconds (and did not finish): those gone."""
+        first = self._beats()
+        time.sleep(over_s)
+        second = self._beats()
+        return [p for p in range(self.processes)
+                if p != self.me and second[p] != _FINISHED and second[p] == first[p]]
+
+    def lost(self, process: int, cause: BaseException, how: str | None = None) -> PeerLostError:
+        """The error naming `process` as gone, from the error this process saw (`cause`); `how` says how this
+        process learnt it (default: a message from it failed)."""
+        what = describe_process(process, self.nodes_of(process))
+        how = how or f"a message from it failed ({cause})"
+        return PeerLostError(f"{what} went away: {how}; it died, or its machine or the link to it did", process,
+                             self.nodes_of(process))
+
     def check(self) -> None:
         """Raise PeerLostError for a process whose beat has not changed for `timeout` seconds (checked at most once
         a second)."""
