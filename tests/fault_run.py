@@ -1,6 +1,6 @@
 """A small checkpointed run that a fault-injection test stops at a chosen step (python fault_run.py KIND STEP
 [LAUNCH]): node 1 reads its step-STEP batch and then raises, or sends its process SIGINT, SIGTERM, SIGKILL or
-SIGSTOP. KIND "none" runs it whole, "resume" resumes logs/r whole. LAUNCH: "one" (one process, the default), "processes" (fit(processes=2): node 1
+SIGSTOP; "caller-SIGKILL" (with LAUNCH "processes"): it SIGKILLs the calling process. KIND "none" runs it whole, "resume" resumes logs/r whole. LAUNCH: "one" (one process, the default), "processes" (fit(processes=2): node 1
 in a process of its own) "torchrun" (the script run by `python -m torch.distributed.run --standalone
 --nproc-per-node 2`: node 1 in rank 1), or "torchrun-torch" (the same with backend="torch"). The run writes logs/r/ in the working folder."""
 
@@ -24,7 +24,10 @@ PEER_TIMEOUT = 5.0  # node_timeout of the runs over several processes: a stopped
 
 
 def fit(kind: str = "none", step: int = 0, **kwargs):
-    data = FailOnNode(1, BATCH * (step - 1), kind) if kind != "none" else FailOnNode(1, -1)
+    if kind == "caller-SIGKILL":  # node 1 kills the calling process (its own waits to be ended with it)
+        data = FailOnNode(1, BATCH * (step - 1), "SIGKILL", pid=os.getpid())
+    else:
+        data = FailOnNode(1, BATCH * (step - 1), kind) if kind != "none" else FailOnNode(1, -1)
     trainer = Trainer(TinyMLP(dropout=0.1), data)
     strategy = DiLoCoStrategy(OptimSpec(torch.optim.AdamW, lr=0.01), H=3)
     trainer.fit(strategy, 2, max_steps=MAX_STEPS, batch_size=BATCH, shuffle=False, progress=False, run_name="r",

@@ -96,3 +96,18 @@ def test_under_torchrun_the_torch_backend_names_the_rank_that_went_away_not_its_
     summary = json.loads((tmp_path / "logs" / "r" / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["lost_peer"] == {"process": 1, "nodes": [1]}, summary
     assert summary["error"].startswith("PeerLostError: process 1 (node 1) went away"), summary["error"]
+
+
+def test_a_caller_killed_right_after_a_checkpoint_resumes_to_every_row_once(tmp_path):
+    # Node 1 SIGKILLs the caller as it reads step 13's batch: checkpoint 12 is written, and its rows were just sent
+    # to the caller, which may die before writing them. The processes end with their caller; the resume writes
+    # whatever train.csv misses up to step 12 from the checkpoint, and the run holds every step once.
+    run = tmp_path / "logs" / "r"
+    killed = subprocess.run(fault_run.command("caller-SIGKILL", 13, "processes"), cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = subprocess.run(fault_run.command("resume", 0, "processes"), cwd=tmp_path, capture_output=True,
+                             text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert steps_in(run) == list(range(1, fault_run.MAX_STEPS + 1))
+    assert json.loads((run / "summary.json").read_text())["status"] == "completed"
