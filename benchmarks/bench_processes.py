@@ -9,10 +9,14 @@ inside the run (so start-up, forking and the process group's rendezvous are repo
   keeping its K/2 model copies and optimizers in a Python loop, with one gloo all-reduce of the flattened sum per
   synchronisation (DDP: the gradients every step; DiLoCo: the parameters every H steps, then an outer Nesterov
   SGD step), no simulator at all.
-Workloads: the 784-256-256-10 MLP and the small CNN of benchmarks/workload.py, batch 32 per node, AdamW; DDP, and
-DiLoCo with H=10. Ratios are to "1 proc, 1 thr" and, for "2 procs", to the plain loop.
+Workloads: the 784-256-256-10 MLP and the small CNN of benchmarks/workload.py, batch 32 per node, and exogym's
+small GPT (4 layers, width 128, 8 sequences x 64 tokens per node; --memory only), AdamW; DDP, and DiLoCo with H=10.
+Ratios are to "1 proc, 1 thr" and, for "2 procs", to the plain loop.
+--memory: the peak resident memory of each simulating process above that of an idle process which imported torch
+and exogym (measured the same way, in a fresh process), 1 process against each of 2.
 Usage: python benchmarks/bench_processes.py [--models mlp cnn] [--nodes 8 16 64] [--strategies ddp diloco]
        [--seconds 10]
+       python benchmarks/bench_processes.py --memory [--models mlp cnn gpt] [--nodes 16 64]
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.data import DistributedSampler
 
-from workload import MLP, SmallCNN, make_data
+from workload import MLP, SmallCNN, make_data, make_tokens
 
 MODES = ("1 proc, 1 thr", "1 proc, 2 thr", "2 procs", "plain 2 procs")
 BATCH, H = 32, 10
@@ -42,12 +46,21 @@ def strategy(name: str):
     return SimpleReduceStrategy(spec) if name == "ddp" else DiLoCoStrategy(spec, H=H)
 
 
+def workload(model: str, k: int, steps: int):
+    """(the model, the training data for k nodes and `steps` steps, the batch per node)."""
+    if model == "gpt":
+        from exogym.models.gpt import GPT
+        return GPT(65, 64, n_layer=4, n_head=4, n_embd=128), make_tokens(k * 8 * (steps + 1)), 8
+    return (MLP if model == "mlp" else SmallCNN)(), make_data(k * BATCH * (steps + 1)), BATCH
+
+
 def run_exogym(model: str, k: int, name: str, steps: int, warmup: int, processes: int) -> dict:
     from exogym import Trainer
 
-    trainer = Trainer((MLP if model == "mlp" else SmallCNN)(), make_data(k * BATCH * (steps + 1)))
+    net, data, batch = workload(model, k, steps)
+    trainer = Trainer(net, data)
     started = time.perf_counter()
-    trainer.fit(strategy(name), k, batch_size=BATCH, max_steps=steps, device="cpu", progress=False, logger=False,
+    trainer.fit(strategy(name), k, batch_size=batch, max_steps=steps, device="cpu", progress=False, logger=False,
                 val_size=1, val_interval=10**6, processes=processes)
     total = time.perf_counter() - started
     walls = trainer.record.column("wall_time_s")  # seconds since the run started, per step
@@ -120,9 +133,17 @@ def run_plain(model: str, k: int, name: str, steps: int, warmup: int) -> dict:
     return {"step_s": per_step, "startup_s": time.perf_counter() - started - per_step * steps}
 
 
+def peak_rss_mb() -> float:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
+
+
 def child(mode: str, model: str, k: int, name: str, steps: int, warmup: int) -> None:
     torch.set_num_threads(2 if mode == "1 proc, 2 thr" else 1)
-    if mode == "plain 2 procs":
+    if mode == "idle":  # the base every process pays: the interpreter, torch and exogym imported
+        import exogym  # noqa: F401
+        result = {"peak_mb": peak_rss_mb()}
+    elif mode == "plain 2 procs":
         result = run_plain(model, k, name, steps, warmup)
     else:
         result = run_exogym(model, k, name, steps, warmup, 2 if mode == "2 procs" else 1)
@@ -139,7 +160,8 @@ def measure(mode: str, model: str, k: int, name: str, steps: int, warmup: int) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["mlp", "cnn"], choices=["mlp", "cnn"])
+    parser.add_argument("--models", nargs="+", default=None, choices=["mlp", "cnn", "gpt"],
+                        help="default: mlp cnn (--memory: mlp cnn gpt)")
     parser.add_argument("--nodes", type=int, nargs="+", default=[8, 16, 64])
     parser.add_argument("--strategies", nargs="+", default=["ddp", "diloco"], choices=["ddp", "diloco"])
     parser.add_argument("--seconds", type=float, default=10.0, help="aim for runs at least this long (timed part)")
@@ -151,19 +173,22 @@ def main() -> None:
         mode, model, k, name, steps, warmup = args.child
         return child(mode, model, int(k), name, int(steps), int(warmup))
     if args.memory:
-        print("peak resident MB per simulating process (the caller apart), 20 steps, one thread each")
+        idle = measure("idle", "mlp", 1, "ddp", 1, 1)["peak_mb"]
+        print(f"peak resident MB per simulating process (the caller apart) above an idle process that imported torch "
+              f"and exogym ({idle:.0f} MB), 20 steps, one thread each")
         print(f"{'model':>5} {'K':>3} {'strategy':>8} {'1 process':>10} {'2 processes':>12} {'ratio':>6}")
-        for model in args.models:
+        for model in args.models or ["mlp", "cnn", "gpt"]:
             for k in args.nodes:
                 for name in args.strategies:
-                    one, two = (measure(m, model, k, name, 20, H)["peak_mb"] for m in ("1 proc, 1 thr", "2 procs"))
+                    one, two = (measure(m, model, k, name, 20, H)["peak_mb"] - idle
+                                for m in ("1 proc, 1 thr", "2 procs"))
                     print(f"{model:>5} {k:>3} {name:>8} {one:>10.0f} {two:>12.0f} {two / one:>6.2f}", flush=True)
         return
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, batch {BATCH}/node, AdamW, DiLoCo H={H}; "
           "wall seconds per step after the warm-up (start-up apart); each cell its own process")
     print(f"{'model':>5} {'K':>3} {'strategy':>8} {'steps':>5} " + " ".join(f"{m:>14}" for m in MODES)
           + f" {'2p/1p1t':>8} {'2p/plain':>8} {'start-up s (1p, 2p, plain)':>28}")
-    for model in args.models:
+    for model in args.models or ["mlp", "cnn"]:
         for k in args.nodes:
             for name in args.strategies:
                 probe = measure("1 proc, 1 thr", model, k, name, 12, 2)  # how many steps make --seconds

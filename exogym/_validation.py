@@ -5,6 +5,9 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
+import os
+import sys
+from pathlib import Path
 from typing import Any, Iterable
 
 # The largest run seed: torch's generators take seeds up to 2**64 - 1, and epoch e's data order is seeded with
@@ -73,3 +76,12 @@ def check_number(name: str, value: Any, *, minimum: float | None = None, positiv
         raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
     if maximum is not None and value > maximum:
         raise ValueError(f"{name} must be <= {maximum}, got {value!r}")
+
+
+def caller_level() -> int:
+    """The stacklevel, for warnings.warn, of the first frame outside the exogym package (the user's call)."""
+    package = str(Path(__file__).resolve().parent) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -107,6 +107,14 @@ def _number(*, positive: bool = False, below_one: bool = False) -> Callable[[str
     return parse
 
 
+def _failure_rate(text: str) -> float:
+    """A per-step failure probability a run can use: at 1 every node fails at every step, so none trains."""
+    value = _number(below_one=True)(text)
+    if value == 1:
+        raise argparse.ArgumentTypeError(f"must be below 1 (at 1 every node fails at every step), got {text}")
+    return value
+
+
 def _text(text: str) -> str:
     """A name or path that must not be empty ("" would silently mean the current folder or the default device)."""
     if not text.strip():
@@ -135,7 +143,7 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cosine", action="store_true", help="cosine-anneal the LR after warmup")
     p.add_argument("--active-nodes", default=None, choices=["doubling", "halving", "ramp_up", "ramp_down"],
                    help="an elastic compute pool, the DiLoCo paper's schedules (default: none, every node every step)")
-    p.add_argument("--failure-rate", type=_number(below_one=True), default=0.0,
+    p.add_argument("--failure-rate", type=_failure_rate, default=0.0,
                    help="each node fails with this probability per step (seeded by --seed)")
     p.add_argument("--downtime", type=_int_at_least(1), default=20, help="steps a failed node stays down")
     p.add_argument("--val-interval", type=_int_at_least(1), default=None,
@@ -158,6 +166,9 @@ def _fit(args: argparse.Namespace, strategy_name: str, run_name: str | None):
         model, train, val = get_task(args.task).build()
     except RuntimeError as e:  # the loaders' own messages: data not there, no network, a bad hash; each says the fix
         raise UsageError(f"could not load the {args.task} data: {e}") from e
+    if val is not None and args.val_size > len(val):
+        raise UsageError(f"--val-size {args.val_size} is more than the {len(val):,} validation examples of the "
+                         f"{args.task} task; use --val-size {len(val)} or less")
     logger = CSVLogger(args.log_dir, run_name)
     trainer = Trainer(model, train, val)
     failures = RandomFailures(args.failure_rate, args.downtime, args.seed) if args.failure_rate else None
@@ -182,21 +193,9 @@ def _table(rows: list[tuple[str, object]]) -> str:
     return "\n".join(lines)
 
 
-def _refuse_existing(args: argparse.Namespace, folders: Sequence[Path], fix: str) -> None:
-    """Run folders are not replaced unless --overwrite says so: an earlier run's folder stops the command
-    before anything trains."""
-    taken = [str(f) for f in folders if f.exists()]
-    if taken and not args.overwrite:
-        raise UsageError(f"run folder{'s' if len(taken) > 1 else ''} {', '.join(taken)} already "
-                         f"exist{'' if len(taken) > 1 else 's'} (an earlier run); {fix}, or delete "
-                         f"{'them' if len(taken) > 1 else 'it'} (or pass --overwrite to replace "
-                         f"{'them' if len(taken) > 1 else 'it'})")
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     if args.run_name is not None:  # "" too: it is not a name, and never means the default
         check_run_name(args.run_name)
-        _refuse_existing(args, [Path(args.log_dir) / args.run_name], "pass another --run-name")
     record, run_dir = _fit(args, args.strategy, args.run_name)
     print("\n" + _table([(args.strategy, record)]))
     print(f"\nrun folder: {run_dir}")
@@ -215,7 +214,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
             check_run_name(run_name)
         except ValueError as e:
             raise UsageError(f"--prefix {args.prefix!r} makes the run name {run_name!r}: {e}") from None
-    _refuse_existing(args, [Path(args.log_dir) / r for r in runs.values()], "pass another --prefix")
     for name in names:  # every strategy's settings, also against --nodes, before the first run starts
         STRATEGY_BUILDERS[name](args).check_nodes(args.nodes)
     out = Path(args.out)

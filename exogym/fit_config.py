@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -24,7 +23,7 @@ from exogym.runs.loggers import Logger
 from exogym.strategy.base import Strategy
 
 __all__ = ["FitConfig", "ScheduleConfig", "DataConfig", "CheckpointConfig", "SimulationConfig", "LaunchConfig",
-           "LoggingConfig", "note_ignored_settings", "take_ignored_settings"]
+           "LoggingConfig"]
 
 
 @dataclass(frozen=True)
@@ -208,20 +207,3 @@ def _check(c: FitConfig) -> None:
     if ln.processes > c.num_nodes:
         raise ValueError(f"processes={ln.processes} is more than num_nodes={c.num_nodes}: each process simulates at "
                          f"least one node; use processes <= {c.num_nodes}")
-
-
-# Settings of the fit call about to run that had no effect, noted by an argument adapter (exogym.adapters) of
-# Trainer.fit which dropped them; fit takes them as it starts and config.json lists them apart.
-_IGNORED: ContextVar[dict[str, dict[str, Any]] | None] = ContextVar("exogym_ignored_settings", default=None)
-
-
-def note_ignored_settings(settings: Mapping[str, tuple[Any, str]]) -> None:
-    """Called by an adapter of Trainer.fit, last, for the call it adapts: {name: (value, why it had no effect)}."""
-    _IGNORED.set({k: {"value": v, "reason": why} for k, (v, why) in settings.items()})
-
-
-def take_ignored_settings() -> dict[str, dict[str, Any]]:
-    """The settings noted for the fit call now starting (empty when none), forgotten once taken."""
-    noted = _IGNORED.get() or {}
-    _IGNORED.set(None)
-    return noted

@@ -9,6 +9,7 @@ from typing import Any, Sequence
 
 from exogym.runs.folder import RunClaim, check_run_name, claim_run
 from exogym.runs.loggers import CSVLogger, Logger, MultiLogger, WandbLogger, _FolderLogger
+from exogym.runs.rerun import keep_earlier_run
 
 __all__ = ["resolve_logger", "run_name_of", "claim_run_folders"]
 
@@ -50,14 +51,18 @@ def run_name_of(logger: Logger | None, run_name: str | None) -> str | None:
 
 def claim_run_folders(logger: Logger | None, name: str | None, default_name: str, *,
                       extra_roots: Sequence[str | os.PathLike] = (), overwrite: bool = False,
-                      resume_after: int | None = None) -> RunClaim | None:
+                      resume_after: int | None = None,
+                      checkpoint_dir: str | os.PathLike | None = None) -> RunClaim | None:
     """Claim <root>/<name> for the run under every folder its loggers write (and extra_roots: the default
     checkpoint folder's logs/), before any node starts; hand the claimed name to the loggers. resume_after: the
-    run continues in its own folder from its checkpoint at that step (rows after it are dropped). None when
-    nothing is written into a run folder."""
+    run continues in its own folder from its checkpoint at that step (rows after it are dropped). An ended run of
+    the same explicit name is moved aside first, with its checkpoint_dir (exogym.runs.rerun), unless overwrite.
+    None when nothing is written into a run folder."""
     loggers = _loggers(logger)
     folder_loggers = [lg for lg in loggers if isinstance(lg, _FolderLogger)]
     roots = [lg.log_dir for lg in folder_loggers] + [Path(r) for r in extra_roots]
+    if name is not None and not overwrite and resume_after is None:
+        keep_earlier_run([root / name for root in roots], name, checkpoint_dir)
     if not roots:
         return None
     claim = claim_run(roots, name, default_name, overwrite=overwrite, resume=resume_after is not None)

@@ -5,6 +5,7 @@ exogym.lifecycle opens the run."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -60,6 +61,7 @@ class FitPlan:
         resumed: where the run starts.
         fingerprint: what a checkpoint of this run must match.
         checkpoints: where and how often it saves (None: it does not).
+        checkpoint_dir: fit's checkpoint_dir (an ended run of the same name moves aside with it).
         default_checkpoints: the checkpoints go under logs/<run_name>/ (fit's checkpoint_dir was not given).
         overwrite: fit's overwrite.
         devices: each node's device.
@@ -79,6 +81,7 @@ class FitPlan:
     resumed: ResumePoint
     fingerprint: dict[str, Any]
     checkpoints: CheckpointSpec | None
+    checkpoint_dir: str | os.PathLike | None
     default_checkpoints: bool
     overwrite: bool
     devices: list[torch.device]
@@ -170,7 +173,7 @@ def build_plan(c: FitConfig, *, model: torch.nn.Module, train_dataset: DatasetOr
                   devices=node_devices, cfg=cfg, seed=s.seed, resume=resumed.states, node_timeout=ln.node_timeout,
                   execution=execution)
     return FitPlan(run=run, launcher=launcher, config=config, logger=logger, run_name=run_name, resumed=resumed,
-                   fingerprint=fingerprint, checkpoints=checkpoints,
+                   fingerprint=fingerprint, checkpoints=checkpoints, checkpoint_dir=k.checkpoint_dir,
                    default_checkpoints=k.checkpoint_dir is None and k.checkpoint_interval is not None,
                    overwrite=c.logging.overwrite, devices=node_devices, memory_cap=memory_cap, time_model=time_model,
                    log_interval=c.logging.log_interval,

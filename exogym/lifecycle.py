@@ -67,7 +67,8 @@ class RunLifecycle:
             default = default_run_name({"strategy": p.config["strategy"], "num_nodes": p.config["num_nodes"]})
             self.claim = claim_run_folders(p.logger, resumed.run_name if resumed.run_name is not None else p.run_name,
                                            default, extra_roots=["logs"] if p.default_checkpoints else [],
-                                           overwrite=p.overwrite, resume_after=resumed.after)
+                                           overwrite=p.overwrite, resume_after=resumed.after,
+                                           checkpoint_dir=p.checkpoint_dir)
         run_name = self.claim.name if self.claim is not None else \
             resumed.run_name or p.run_name or default_run_name(p.config)
         p.config["run_name"] = run_name

@@ -102,10 +102,15 @@ def trace_non_finite(error: BaseException, logs: Sequence[NodeLog]) -> BaseExcep
         return cause  # a validation loss, with every training loss before it finite
     step, ranks, value = first
     if len(ranks) == len(logs) > 1 and step > 1:
-        where = (f"on every node is {value} at step {step}, the run's first non-finite loss: the parameters they "
-                 f"share became non-finite in step {step - 1}'s update (a non-finite gradient on some node, or a "
-                 "learning rate too large; to name the node, run again under torch.autograd.detect_anomaly(): the "
-                 "backward that makes a nan then raises, naming its node and step)")
+        # The record shows every node finite through step - 1 and non-finite at step: an update of step - 1 that
+        # made the shared parameters non-finite, and a forward pass of step that is non-finite on every node, both
+        # give that. Neither is named as the cause; anomaly detection tells them apart.
+        where = (f"on every node is {value} at step {step}, the run's first non-finite loss (every node's loss "
+                 f"was finite through step {step - 1}): either step {step - 1}'s update made the parameters they "
+                 f"share non-finite (a non-finite gradient on some node, or a learning rate too large), or step "
+                 f"{step}'s forward pass is non-finite on every node (a log of 0, a division by 0 in the model); to "
+                 "tell which and name the node, run again under torch.autograd.detect_anomaly(): the forward or "
+                 "backward that makes a nan then raises, naming its node and step")
     else:
         nodes = f"node {ranks[0]}" if len(ranks) == 1 else f"nodes {', '.join(map(str, ranks))}"
         where = (f"on {nodes} is {value} at step {step}, the run's first non-finite loss"

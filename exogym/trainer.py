@@ -15,7 +15,7 @@ from exogym.cluster.membership import RandomFailures
 from exogym.cluster.network import Network
 from exogym.data.sharding import DatasetOrFactory, is_factory
 from exogym.engine.devices import DeviceLike
-from exogym.fit_config import FitConfig, take_ignored_settings
+from exogym.fit_config import FitConfig
 from exogym.fit_plan import build_plan
 from exogym.launch import BACKENDS as _BACKENDS, detect_environment
 from exogym.lifecycle import RunLifecycle
@@ -75,7 +75,7 @@ class Trainer:
             node_timeout: float | None = DEFAULT_NODE_TIMEOUT, dataloader_kwargs: dict[str, Any] | None = None,
             max_memory_usage: float | None = None, port: int | None = None,
             extra_config: dict[str, Any] | None = None, execution: str = "sequential",
-            processes: int = 1) -> torch.nn.Module:
+            processes: int = 1, ignored_settings: dict[str, tuple[Any, str]] | None = None) -> torch.nn.Module:
         """Train with `strategy` on `num_nodes` nodes; return the global model (by default the nodes' average).
 
         batch_size is per node (the global batch is num_nodes x batch_size); minibatch_size splits it
@@ -86,7 +86,8 @@ class Trainer:
         logs/<run_name>/ (config.json, train.csv, val.csv, summary.json); False for none.
         A run folder belongs to one run: it is claimed atomically before any node starts. The default
         run_name (strategy, nodes, time) gets a -2, -3, ... suffix when taken; an explicit run_name (fit's, or
-        the logger's) whose folder holds a run is an error, unless overwrite=True (that run's folder, and other
+        the logger's) whose folder holds a run that has ended moves that run aside to <name>.<when it started>
+        (exogym.runs.rerun; one still running is an error), unless overwrite=True (that run's folder, and other
         runs' checkpoints in checkpoint_dir, are deleted) or the run resumes from that run's own checkpoint: it
         then continues in the same folder, whose train.csv holds the whole run once.
 
@@ -142,8 +143,9 @@ class Trainer:
         spawns the node processes (default: a free one the OS picks); unused by the sim and under torchrun.
         extra_config: a dict recorded in config.json under "extra" (the original's fit(kwargs=...)).
         """
-        arguments = {k: v for k, v in locals().items() if k != "self"}
-        ignored = take_ignored_settings()  # what an adapter of this call dropped: config.json lists it apart
+        arguments = {k: v for k, v in locals().items() if k not in ("self", "ignored_settings")}
+        # What the argument adapters of this call dropped as having no effect: config.json lists it apart.
+        ignored = {k: {"value": v, "reason": why} for k, (v, why) in (ignored_settings or {}).items()}
         if port is None and self._next_port is not None:  # the original's start_port: one port per fit call
             arguments["port"], self._next_port = self._next_port, self._next_port + 1
         config = FitConfig.from_arguments(arguments, ignored=ignored)

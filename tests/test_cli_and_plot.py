@@ -48,7 +48,10 @@ def test_plot_from_records_and_folders_and_its_errors():
     t.fit(SimpleReduceStrategy(), 2, batch_size=8, max_steps=6, val_interval=3, run_name="rec", progress=False,
           device="cpu")
     folder = load_run("logs/rec")
-    assert folder.train == [{k: float(v) for k, v in r.items()} for r in t.record.train]
+    # train.csv holds the record's columns, then the original EXO Gym's (examples_trained, train_loss, ...)
+    assert [{k: r[k] for k in rec} for r, rec in zip(folder.train, t.record.train)] == \
+        [{k: float(v) for k, v in r.items()} for r in t.record.train]
+    assert len(folder.train) == len(t.record.train) and folder.train[0]["train_loss"] == t.record.train[0]["loss"]
     out = plot_runs([t.record, "logs/rec"], x="bytes", y="global_accuracy", out="acc.png", labels=["a", "b"])
     _png_size(out)
     with pytest.raises(KeyError, match="no column 'perplexity'"):
@@ -90,10 +93,10 @@ def test_compare_never_replaces_a_run_folder(capsys):
     Path("logs/c-ddp").mkdir(parents=True)
     (Path("logs/c-ddp") / "keep.txt").write_text("an earlier run")
     _one_line_error(capsys, ["compare", "--strategies", "ddp", "diloco", "--prefix", "c-", "--steps", "2"],
-                    "logs/c-ddp already exists", "pass another --prefix, or delete it")
+                    "the run folder 'logs/c-ddp' already holds files (keep.txt)", "pass overwrite=True")
     assert not Path("logs/c-diloco").exists()  # refused before anything trained
     assert (Path("logs/c-ddp") / "keep.txt").read_text() == "an earlier run"
-    _one_line_error(capsys, ["run", "--run-name", "c-ddp", "--steps", "2"], "pass another --run-name")
+    _one_line_error(capsys, ["run", "--run-name", "c-ddp", "--steps", "2"], "already holds files (keep.txt)")
     assert main(["run", "--run-name", "c-ddp", "--steps", "2", "--quiet", "--overwrite"]) == 0  # asked for
 
 

@@ -4,6 +4,7 @@ twice (the earlier run is moved aside, never lost; this library's own spelling k
 
 import csv
 import json
+import math
 import os
 import socket
 import warnings
@@ -16,6 +17,7 @@ import torch
 import toy
 import exogym
 from exogym.runs.folder import MARKER, RunFolderError
+from exogym.runs.loggers import CSVLogger
 from exogym.strategy.optim import OptimSpec
 from exogym.strategy.strategy import SimpleReduceStrategy
 from exogym.trainer import Trainer
@@ -72,19 +74,27 @@ def test_mnist_sweep_writes_what_its_plot_reads_and_ranks_the_final_losses():
     assert [loss for _, loss in ranking] == sorted(final.values()) and len(ranking) == 3
 
 
-def test_train_csv_of_a_call_in_the_originals_spelling_has_the_originals_columns_too():
+@pytest.mark.parametrize("style", ["original", "keywords", "own"])
+def test_train_csv_of_every_run_has_the_originals_columns_too(style):
+    """One rule for every call style: the original's positional order, llms.txt's keyword call (no original-only
+    keyword), and this library's own fit(strategy, num_nodes)."""
     trainer = _trainer()
-    trainer.fit(num_epochs=1, max_steps=3, strategy=SimpleReduceStrategy(), num_nodes=2, batch_size=8,
-                wandb_project=None, run_name="orig", progress=False)
-    with open("logs/orig/train.csv") as f:
+    calls = {"original": lambda: trainer.fit(1, SimpleReduceStrategy(), 2, 3, batch_size=8, run_name="r",
+                                             progress=False),
+             "keywords": lambda: trainer.fit(num_epochs=1, max_steps=3, strategy=SimpleReduceStrategy(), num_nodes=2,
+                                             batch_size=8, run_name="r", progress=False),
+             "own": lambda: trainer.fit(SimpleReduceStrategy(), 2, max_steps=3, batch_size=8, run_name="r",
+                                        progress=False)}
+    calls[style]()
+    with open("logs/r/train.csv") as f:
         rows = list(csv.DictReader(f))
     assert {"step", "examples_trained", "train_loss", "train_perplexity", "lr"} <= set(rows[0])
+    assert len(rows) == 3
     for row, rec in zip(rows, trainer.record.train):
         assert float(row["train_loss"]) == float(row["loss"]) == rec["loss"]
+        assert float(row["train_perplexity"]) == pytest.approx(math.exp(rec["loss"]))
         assert int(float(row["examples_trained"])) == rec["examples"] == rec["step"] * 16
-    trainer.fit(SimpleReduceStrategy(), 2, max_steps=3, batch_size=8, run_name="mine", progress=False)
-    assert "train_loss" not in Path("logs/mine/train.csv").read_text().splitlines()[0]  # this library's own call
-    assert Path("logs/mine/validation.csv").exists()  # every run folder has the original's validation file
+    assert Path("logs/r/validation.csv").exists()  # every run folder has the original's validation file
 
 
 def _nanogpt_fit(trainer, run_name, **kw):
@@ -117,12 +127,38 @@ def test_the_same_command_twice_keeps_the_earlier_run_and_writes_where_the_scrip
     assert not Path("checkpoints").exists()  # save_dir without checkpoint_interval: nothing written
 
 
-def test_this_librarys_own_spelling_keeps_refusing_a_taken_name_with_a_public_error():
-    _trainer().fit(SimpleReduceStrategy(), 2, max_steps=2, batch_size=8, run_name="exp", progress=False)
-    with pytest.raises(RunFolderError, match=r"'logs/exp' already holds a run \(completed") as caught:
-        _trainer().fit(SimpleReduceStrategy(), 2, max_steps=2, batch_size=8, run_name="exp", progress=False)
+@pytest.mark.parametrize("style", ["keywords", "own", "logger"])
+def test_every_call_style_reruns_a_name_the_same_way(style):
+    """llms.txt's keyword call, this library's own spelling and a logger's run_name: a rerun moves the earlier run
+    aside, as the original's spelling does (one rule); overwrite=True still replaces, a running run still refuses
+    with the public error."""
+    def fit(**kw):
+        t = _trainer()
+        if style == "keywords":
+            return t.fit(num_epochs=1, max_steps=2, strategy=SimpleReduceStrategy(), num_nodes=2, batch_size=8,
+                         run_name="exp", progress=False, **kw)
+        if style == "own":
+            return t.fit(SimpleReduceStrategy(), 2, max_steps=2, batch_size=8, run_name="exp", progress=False, **kw)
+        return t.fit(SimpleReduceStrategy(), 2, max_steps=2, batch_size=8, logger=CSVLogger(run_name="exp"),
+                     progress=False, **kw)
+
+    fit()
+    first = Path("logs/exp/train.csv").read_text()
+    with pytest.warns(UserWarning, match=r"logs/exp held an earlier run, which is kept, moved to "
+                                         r"logs/exp\.\d{8}-\d{6}; this run writes to logs/exp$") as caught:
+        fit()
+    assert caught[0].filename == __file__
+    kept = [p for p in Path("logs").iterdir() if p.name != "exp"]
+    assert len(kept) == 1 and (kept[0] / "train.csv").read_text() == first
+    assert json.loads(Path("logs/exp/summary.json").read_text())["status"] == "completed"
+    fit(overwrite=True)  # replaces, as asked: nothing more is kept
+    assert len(list(Path("logs").iterdir())) == 2
+    marker = Path("logs/exp", MARKER)
+    marker.write_text(marker.read_text().replace('"completed"', '"running"'))  # as if it were running (this pid)
+    with pytest.raises(RunFolderError, match=r"'logs/exp' already holds a run \(running") as caught:
+        fit()
     assert type(caught.value) is exogym.RunFolderError  # the documented class itself, not a private subclass
-    assert sorted(p.name for p in Path("logs").iterdir()) == ["exp"]
+    assert len(list(Path("logs").iterdir())) == 2
 
 
 def test_save_dir_with_checkpoint_interval_moves_the_earlier_checkpoints_aside_with_their_run():

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import TensorDataset
 
 from exogym import NonFiniteLoss, Trainer
 from exogym.strategy import DiLoCoStrategy, SimpleReduceStrategy
@@ -71,7 +72,8 @@ def test_a_nan_gradient_behind_a_finite_loss_is_traced_to_the_update_that_spread
         trainer.fit(SimpleReduceStrategy(sgd()), 3, max_steps=20, batch_size=16, shuffle=False, progress=False,
                     logger=False)
     assert info.value.step == 3 and "on every node is nan at step 3" in str(info.value)
-    assert "step 2's update" in str(info.value)
+    assert "either step 2's update made the parameters they share non-finite" in str(info.value)
+    assert "or step 3's forward pass is non-finite on every node" in str(info.value)
     assert math.isfinite(trainer.record.node_loss[1][1]) and math.isnan(trainer.record.node_loss[0][2])
     assert "torch.autograd.detect_anomaly()" in str(info.value)
     # The hint holds: under anomaly detection the backward that makes the nan raises, in node 1 at step 2.
@@ -79,6 +81,32 @@ def test_a_nan_gradient_behind_a_finite_loss_is_traced_to_the_update_that_spread
         Trainer(SqrtLoss(), ZeroOnNode(rank=1)).fit(SimpleReduceStrategy(sgd()), 3, max_steps=20, batch_size=16,
                                                     shuffle=False, progress=False, logger=False)
     assert "(raised in node 1 at step 2)" in anomaly.value.__notes__
+
+
+class _NanForEveryNode:
+    """Every node's own 64 examples, with examples 96-111 (step 7's, at batch 16 unshuffled over 128) nan on all."""
+
+    def __call__(self, rank: int, num_nodes: int, is_val: bool) -> TensorDataset:
+        x, y = make_classification(128, seed=rank).tensors
+        if not is_val:
+            x = x.clone()
+            x[96:112] = float("nan")
+        return TensorDataset(x, y)
+
+
+def test_a_nan_made_by_every_nodes_forward_pass_is_not_blamed_on_an_update():
+    # Step 7's batches are nan on every node: the losses are finite through step 6 and nan at 7 everywhere, with
+    # every parameter finite until step 7's own backward. Before, the message said the parameters "became
+    # non-finite in step 6's update".
+    data = _NanForEveryNode()
+    trainer = Trainer(TinyMLP(), data, data)
+    with pytest.raises(NonFiniteLoss) as info:
+        trainer.fit(DiLoCoStrategy(sgd(), H=5), 2, max_steps=12, batch_size=16, shuffle=False, progress=False,
+                    logger=False, val_interval=100)
+    message = str(info.value)
+    assert info.value.step == 7 and "on every node is nan at step 7" in message
+    assert "step 7's forward pass is non-finite on every node" in message and "became non-finite" not in message
+    assert all(math.isfinite(trainer.record.node_loss[r][5]) for r in range(2))
 
 
 def test_a_nan_in_one_process_of_several_is_named_too():
@@ -159,6 +187,7 @@ _INTERRUPTED = """
 import json, os, sys
 sys.path.insert(0, {tests!r})
 import torch
+from torch.utils.data import TensorDataset
 from exogym import Trainer
 from exogym.strategy import DiLoCoStrategy
 from exogym.strategy.optim import OptimSpec

@@ -62,15 +62,18 @@ def test_default_names_in_the_same_second_each_get_their_own_folder(monkeypatch)
     assert len(list(Path("again").iterdir())) == 2
 
 
-def test_a_taken_explicit_name_is_an_error_before_any_node_starts_unless_overwrite():
+def test_a_taken_explicit_name_moves_the_earlier_run_aside_unless_overwrite():
     _trainer().fit(_strategy(), 2, max_steps=6, run_name="exp", **FIT)
     before = Path("logs/exp/train.csv").read_text()
-    with pytest.raises(RunFolderError, match=r"run folder 'logs/exp' already holds a run \(completed.*overwrite=True"):
-        _trainer(Untouchable()).fit(_strategy(), 2, max_steps=3, run_name="exp", **FIT)
-    with pytest.raises(RunFolderError, match="logs/exp"):  # the logger's own run_name is the same name
+    with pytest.warns(UserWarning, match=r"logs/exp held an earlier run, which is kept, moved to logs/exp\.\d{8}-"):
+        _trainer().fit(_strategy(), 2, max_steps=3, run_name="exp", **FIT)
+    kept = [p for p in Path("logs").iterdir() if p.name != "exp"]
+    assert len(kept) == 1 and (kept[0] / "train.csv").read_text() == before  # 6 rows, untouched, kept
+    assert _steps("logs/exp/train.csv") == [1, 2, 3]
+    Path("logs/exp", MARKER).write_text(Path("logs/exp", MARKER).read_text().replace('"completed"', '"running"'))
+    with pytest.raises(RunFolderError, match="logs/exp"):  # a run still running there: refused, nothing moved
         _trainer(Untouchable()).fit(_strategy(), 2, max_steps=3, logger=CSVLogger(run_name="exp"), **FIT)
-    assert Path("logs/exp/train.csv").read_text() == before  # 6 rows, untouched
-    assert _steps("logs/exp/train.csv") == list(range(1, 7))
+    Path("logs/exp", MARKER).write_text(Path("logs/exp", MARKER).read_text().replace('"running"', '"completed"'))
 
     _trainer().fit(_strategy(), 2, max_steps=3, run_name="exp", overwrite=True, **FIT)
     assert _steps("logs/exp/train.csv") == [1, 2, 3]  # replaced, as asked, not mixed
@@ -135,8 +138,10 @@ def test_csv_and_tensorboard_loggers_share_one_claim():
     pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
     _trainer().fit(_strategy(), 2, max_steps=2, logger=[CSVLogger(), TensorBoardLogger()], run_name="both", **FIT)
     assert list(Path("logs/both").glob("events.out.tfevents.*")) and Path("logs/both/train.csv").exists()
-    with pytest.raises(RunFolderError, match="logs/both"):
-        _trainer(Untouchable()).fit(_strategy(), 2, max_steps=2, logger=TensorBoardLogger(run_name="both"), **FIT)
+    with pytest.warns(UserWarning, match=r"logs/both held an earlier run, which is kept, moved to logs/both\."):
+        _trainer().fit(_strategy(), 2, max_steps=2, logger=TensorBoardLogger(run_name="both"), **FIT)
+    kept = [p for p in Path("logs").iterdir() if p.name != "both"]  # the run of both loggers moved aside as one
+    assert len(kept) == 1 and list(kept[0].glob("events.out.tfevents.*")) and (kept[0] / "train.csv").exists()
 
 
 def test_unwritable_checkpoint_and_log_folders_fail_before_any_node_starts():
@@ -186,14 +191,17 @@ def test_processes_racing_for_the_same_names_never_share_a_folder(tmp_path):
     assert len(defaults) == 40 * racers  # and every default claim got a folder of its own
 
 
-def test_compare_rerun_refuses_to_replace_its_folders_unless_overwrite(capsys):
+def test_compare_rerun_moves_the_earlier_runs_aside_unless_overwrite(capsys):
+    # One rule for every call style, the command line's too: a rerun never fails and never loses a run.
     pytest.importorskip("matplotlib", reason="compare draws plots")
     args = ["compare", "--task", "synthetic", "--strategies", "ddp", "--nodes", "2", "--steps", "4",
             "--val-interval", "2", "--quiet", "--out", "cmp.png", "--prefix", "c-"]
     assert main(args) == 0
     first = Path("logs/c-ddp/train.csv").read_text()
-    capsys.readouterr()
-    assert main(args) == 2  # a one-line error naming the folder, before anything trains
-    assert "logs/c-ddp already exists" in capsys.readouterr().err
-    assert Path("logs/c-ddp/train.csv").read_text() == first
+    with pytest.warns(UserWarning, match="held an earlier run, which is kept, moved to"):
+        assert main(args) == 0
+    kept = [p for p in Path("logs").iterdir() if p.name.startswith("c-ddp.")]
+    assert len(kept) == 1 and (kept[0] / "train.csv").read_text() == first
+    assert Path("logs/c-ddp/train.csv").is_file()
     assert main(args + ["--overwrite"]) == 0
+    assert [p.name for p in Path("logs").iterdir() if p.name.startswith("c-ddp.")] == [kept[0].name]

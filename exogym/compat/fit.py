@@ -1,17 +1,13 @@
 """Trainer.fit as the original EXO Gym called it: fit(num_epochs, strategy, num_nodes, ...) positionally, and its
-keywords correlation_interval, kwargs, gradient_accumulation, save_dir, wandb_project and log_x_axis, mapped to
-fit's own keywords before fit runs (registered on Trainer.fit's argument hook).
+keywords correlation_interval, kwargs, gradient_accumulation, save_dir, wandb_project, log_x_axis and
+disable_logging, mapped to fit's own keywords before fit runs (registered on Trainer.fit's argument hook).
 
-A call in the original's spelling (its positional order, or any keyword only the original has) also behaves as the
-original's scripts expect of a rerun and of their run folders:
-- its CSV run folder gets the original's train.csv columns (exogym.compat.run_files; validation.csv is in every
-  run folder);
-- when its run name (the script's run_name=, or the folder save_dir= implies) holds a run that has ended, that run
-  is moved aside to `<name>.<when it started>` (exogym.runs.folder.move_aside) and a warning names both folders: the
-  command can be run again and loses nothing (this library's own spelling keeps refusing a taken run_name);
 - save_dir= is the folder of checkpoints when checkpoint_interval is given, and nothing is written otherwise;
-- log_x_axis without W&B has no effect, said by one warning.
-Settings that had no effect are listed apart in config.json (exogym.fit_config.note_ignored_settings).
+- wandb_project= adds a WandbLogger next to the CSV run folder; log_x_axis without W&B has no effect, said by one
+  warning; disable_logging=True is logger=False.
+Settings that had no effect are returned to the hook with the arguments (exogym.adapters), which hands them to fit:
+config.json lists them apart. What a rerun does and which files a run folder holds is one rule for every call
+style, the core's (exogym.runs.folder, exogym.compat.run_files).
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from exogym._validation import check_int, reject_unknown_kwargs
-from exogym.adapters import register_adapter
+from exogym.adapters import IGNORED_PARAMETER, register_adapter
 
 __all__ = ["FIT_ALIASES", "ORIGINAL_FIT_ORDER", "ORIGINAL_ONLY", "fit_arguments", "install"]
 
@@ -37,25 +33,26 @@ ORIGINAL_FIT_ORDER = ("num_epochs", "strategy", "num_nodes", "max_steps", "devic
                       "minibatch_size", "shuffle", "val_size", "val_interval", "autocast", "checkpoint_interval",
                       "correlation_interval", "save_dir", "dataloader_kwargs")
 _FIT_ORDER = ("strategy", "num_nodes")
-# The keywords only the original's fit has: passing any of them (even as None, as its scripts do) makes a call one
-# in the original's spelling.
-ORIGINAL_ONLY = ("save_dir", "wandb_project", "log_x_axis", "gradient_accumulation") + tuple(FIT_ALIASES)
+# The keywords only the original's fit has (accepted even as None, as its scripts pass them).
+ORIGINAL_ONLY = ("save_dir", "wandb_project", "log_x_axis", "gradient_accumulation", "disable_logging") + \
+    tuple(FIT_ALIASES)
 _ISSUED: set[str] = set()  # run names this process generated (two in one second never share one)
 
 
-def fit_arguments(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+def fit_arguments(target: Callable[..., Any], args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[Any, str]]]:
     """Trainer.fit's arguments, in either positional order and either spelling, as `target`'s canonical keywords.
 
     fit(strategy, num_nodes, **options) is this library's order; fit(num_epochs, strategy, num_nodes, max_steps,
     device, ...) the original's (recognised by an int first). Original-only keywords become canonical ones:
     correlation_interval -> diagnostics_interval, kwargs -> extra_config, gradient_accumulation=n ->
     minibatch_size=batch_size // n, save_dir (with checkpoint_interval) -> checkpoint_dir=<save_dir>/<run_name>,
-    wandb_project (+ log_x_axis) -> a WandbLogger next to the other loggers. A call in the original's spelling also
-    gets the original's train.csv columns, and moves an ended run out of its way (see the module's docstring).
+    wandb_project (+ log_x_axis) -> a WandbLogger next to the other loggers, disable_logging=True -> logger=False.
+    Returns the keywords and the settings that had no effect, {name: (value, why)}.
     """
     params = inspect.signature(target).parameters
-    canonical_names = [p for p in params if p != "self" and params[p].kind not in (inspect.Parameter.VAR_KEYWORD,
-                                                                   inspect.Parameter.VAR_POSITIONAL)]
+    canonical_names = [p for p in params if p not in ("self", IGNORED_PARAMETER) and params[p].kind not in (
+        inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)]
     original = bool(args) and isinstance(args[0], int) and not isinstance(args[0], bool)
     order = ORIGINAL_FIT_ORDER if original else _FIT_ORDER
     if len(args) > len(order):
@@ -71,7 +68,6 @@ def fit_arguments(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
     reject_unknown_kwargs("Trainer.fit", {k: v for k, v in merged.items()
                                           if k not in canonical_names and k not in ORIGINAL_ONLY},
                           canonical_names + list(ORIGINAL_ONLY))
-    spelled_as_original = original or any(k in merged for k in ORIGINAL_ONLY)
     for alias, canonical in FIT_ALIASES.items():
         if alias in merged:
             if canonical in merged:
@@ -81,16 +77,26 @@ def fit_arguments(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
     if merged.get("device") == "":
         merged["device"] = None  # the original's "" (its scripts' default): pick the best device available
     _gradient_accumulation(merged, params)
-    if not spelled_as_original:
-        return merged
     ignored: dict[str, tuple[Any, str]] = {}
-    checkpoints = _save_dir(merged, params, ignored)
+    _save_dir(merged, params, ignored)
+    _disable_logging(merged)
     _loggers(merged, ignored)
-    if not merged.get("overwrite") and merged.get("resume_from") is None:
-        _keep_earlier_run(merged, checkpoints)
-    from exogym.fit_config import note_ignored_settings
-    note_ignored_settings(ignored)  # last: nothing here raises after it
-    return merged
+    return merged, ignored
+
+
+def _disable_logging(merged: dict[str, Any]) -> None:
+    """disable_logging=True: no logger (no run folder, no W&B), as logger=False."""
+    disable = merged.pop("disable_logging", None)
+    if disable is None or disable is False:
+        return
+    if disable is not True:
+        raise TypeError(f"disable_logging must be True or False, got {disable!r}")
+    given = {k: merged[k] for k in ("logger", "wandb_project") if merged.get(k) not in (None, False)}
+    if given:
+        shown = ", ".join(f"{k}={v!r}" for k, v in given.items())
+        raise TypeError(f"Trainer.fit got disable_logging=True and {shown}; disable_logging=True logs nothing, pass "
+                        "one of them")
+    merged["logger"] = False
 
 
 def _gradient_accumulation(merged: dict[str, Any], params: Mapping[str, Any]) -> None:
@@ -157,9 +163,8 @@ def _log_roots(logger: Any) -> list[Path]:
 
 
 def _loggers(merged: dict[str, Any], ignored: dict[str, tuple[Any, str]]) -> None:
-    """The CSV run folder (with the original's train.csv columns), and a WandbLogger for wandb_project, which
-    takes log_x_axis (as do the W&B loggers passed in); without W&B, log_x_axis has no effect."""
-    from exogym.compat.run_files import train_columns
+    """The CSV run folder, and a WandbLogger for wandb_project, which takes log_x_axis (as do the W&B loggers passed
+    in); without W&B, log_x_axis has no effect."""
     from exogym.runs.loggers import CSVLogger, Logger, WandbLogger
 
     project = merged.pop("wandb_project", None)
@@ -179,43 +184,18 @@ def _loggers(merged: dict[str, Any], ignored: dict[str, tuple[Any, str]]) -> Non
             warnings.warn(f"log_x_axis={x_axis!r} has no effect: it sets the x-axis of W&B charts only, and this run "
                           "logs to no W&B (pass wandb_project=... for charts against examples)", UserWarning,
                           stacklevel=caller_level())
-    loggers = given
-    if logger is None or logger is True:  # the CSV run folder stays, with the original's train.csv columns too
-        loggers = [CSVLogger(run_name=merged.get("run_name"), views=[train_columns])]
-    if project is not None:
-        loggers = [*loggers, WandbLogger(project=project, run_name=merged.get("run_name"), x_axis=x_axis)]
-    if logger is False and project is None:
+    if project is None:
         return
+    loggers = [CSVLogger(run_name=merged.get("run_name"))] if logger is None or logger is True else given
+    loggers = [*loggers, WandbLogger(project=project, run_name=merged.get("run_name"), x_axis=x_axis)]
     merged["logger"] = loggers[0] if len(loggers) == 1 else loggers
 
 
-def _keep_earlier_run(merged: dict[str, Any], checkpoints: Path | None) -> None:
-    """Rerunning a command written for the original: a run name whose folders hold a run that has ended moves that
-    run aside (kept, renamed for when it started), so this run writes where the script reads. A running one is
-    left alone (fit then refuses, naming it). Default names never collide, so there is nothing to do for them."""
-    from exogym.launch.environment import detect_environment
-    from exogym.runs.folder import move_aside
-    from exogym.runs.loggers import Logger, _FolderLogger
-
-    if not detect_environment().is_main:
-        return  # under torchrun the process of rank 0 holds the run folders (the others write none)
-    logger = merged.get("logger")
-    given = [logger] if isinstance(logger, Logger) else list(logger) if isinstance(logger, (list, tuple)) else []
-    folders = [lg.log_dir / (lg.requested_name or merged.get("run_name")) for lg in given
-               if isinstance(lg, _FolderLogger) and (lg.requested_name or merged.get("run_name"))]
-    if checkpoints is not None:  # save_dir's folder for this run's checkpoints
-        folders.append(checkpoints)
-    moved = move_aside(folders)
-    if moved:
-        from exogym.compat.spellings import caller_level
-        old, new = ", ".join(str(a) for a, _ in moved), ", ".join(str(b) for _, b in moved)
-        warnings.warn(f"{old} held an earlier run, which is kept, moved to {new}; this run writes to {old}",
-                      UserWarning, stacklevel=caller_level())
-
-
-def _adapt_fit(fit: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+def _adapt_fit(fit: Callable[..., Any], args: tuple[Any, ...],
+              kwargs: dict[str, Any]) -> tuple[tuple, dict, dict[str, tuple[Any, str]]]:
     trainer, rest = args[0], args[1:]
-    return (trainer,), fit_arguments(fit, rest, kwargs)
+    merged, ignored = fit_arguments(fit, rest, kwargs)
+    return (trainer,), merged, ignored
 
 
 def install() -> None:

@@ -10,12 +10,10 @@ messages only ever see the canonical spelling. docs/coming_from_exogym.md lists 
 from __future__ import annotations
 
 import functools
-import os
 import warnings
-from pathlib import Path
 from typing import Any, Mapping
 
-from exogym._validation import init_keywords
+from exogym._validation import caller_level, init_keywords
 from exogym.adapters import register_adapter
 
 __all__ = ["KEYWORD_ALIASES", "IGNORED_STRATEGY_KEYWORDS", "canonical_keywords", "caller_level", "install"]
@@ -28,12 +26,13 @@ KEYWORD_ALIASES: Mapping[str, str] = {
     "sparsification_rate": "p_sparta",         # SparseCommunicator in the long README
     "optimizer_class": "cls",                  # OptimSpec(optimizer_class=...) in the strategies API reference
     "experiment_name": "run_name",             # WandbLogger(experiment_name=...) in the long README
+    "index_selector": "p_sparta",              # SparseCommunicator(index_selector=...) in the original repository
 }
 
 # Keywords the original's base Strategy turned into unused attributes, and its own example/mnist.py passes to
-# every strategy in one loop (H to DDP and SPARTA, p to all three). Accepted with a warning where the strategy has
-# no such knob, so that script runs, and listed apart as ignored in config.json (exogym.strategy.base.Ignored); any
-# other unknown keyword is still a TypeError.
+# every strategy in one loop (H to DDP and SPARTA, p to all three). Accepted with a warning where a built-in strategy
+# has no such knob, so that script runs, and listed apart as ignored in config.json; any other unknown keyword is
+# still a TypeError there. A strategy of your own keeps them as attributes (exogym.strategy.base.Strategy).
 IGNORED_STRATEGY_KEYWORDS = ("H", "p")
 
 
@@ -104,48 +103,36 @@ def demo_from_torch_spec(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple
     return args, out
 
 
-def pop_ignored_strategy_keywords(cls: type, kwargs: dict[str, Any]) -> None:
-    """Set apart (with a warning) the keywords the original accepted on every strategy and ignored, where `cls` has
-    no such knob: their values become exogym.strategy.base.Ignored, which the constructor never sees and the run's
-    config.json lists under "ignored". Your own composition (CommunicateOptimizeStrategy) rejects them: there H= or
-    p= was meant for a module, a TypeError, not a warning."""
-    from exogym.strategy.base import Ignored
+def pop_ignored_strategy_keywords(cls: type, kwargs: dict[str, Any]) -> dict[str, tuple[Any, str]]:
+    """Take out of `kwargs` (with a warning) the keywords the original accepted on every strategy and ignored, where
+    `cls`, a built-in strategy, has no such knob; return them, {name: (value, why)}: the constructor never sees them
+    and the run's config.json lists them under "ignored". A strategy of your own gets them (Strategy.__init__ keeps
+    them as attributes), and your own composition (CommunicateOptimizeStrategy) rejects them: there H= or p= was
+    meant for a module, a TypeError, not a warning."""
     from exogym.strategy.communicate_optimize_strategy import CommunicateOptimizeStrategy
 
-    if issubclass(cls, CommunicateOptimizeStrategy):
-        return
+    if cls.__module__.split(".")[0] != "exogym" or issubclass(cls, CommunicateOptimizeStrategy):
+        return {}
     owner = cls.__name__
     accepted = _accepted(cls)
-    ignored = {k: kwargs[k] for k in IGNORED_STRATEGY_KEYWORDS
-               if k in kwargs and k not in accepted and not isinstance(kwargs[k], Ignored)}
+    ignored = {k: kwargs.pop(k) for k in IGNORED_STRATEGY_KEYWORDS if k in kwargs and k not in accepted}
     if ignored:
-        why = f"{owner} has no {' or '.join(ignored)}"
-        for k, v in ignored.items():
-            kwargs[k] = Ignored(v, f"{owner} has no {k} (the original EXO Gym accepted and ignored it too)")
         shown = ", ".join(f"{k}={v!r}" for k, v in ignored.items())
-        warnings.warn(f"{why}, so {shown} has no effect (the original EXO Gym accepted and ignored it too); drop it "
-                      "to silence this warning", UserWarning, stacklevel=caller_level())
-
-
-def caller_level() -> int:
-    """The stacklevel, for warnings.warn, of the first frame outside the exogym package (the user's call)."""
-    import sys
-
-    package = str(Path(__file__).resolve().parents[1]) + os.sep
-    frame, level = sys._getframe(1), 1
-    while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
+        warnings.warn(f"{owner} has no {' or '.join(ignored)}, so {shown} has no effect (the original EXO Gym accepted "
+                      "and ignored it too); drop it to silence this warning", UserWarning, stacklevel=caller_level())
+    why = "(the original EXO Gym accepted and ignored it too)"
+    return {k: (v, f"{owner} has no {k} {why}") for k, v in ignored.items()}
 
 
 def _respelled(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return args, canonical_keywords(cls, kwargs)
 
 
-def _strategy(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _strategy(cls: type, args: tuple[Any, ...],
+              kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], dict[str, tuple[Any, str]]]:
     kwargs = dict(kwargs)
-    pop_ignored_strategy_keywords(cls, kwargs)
-    return named_schedule(args, kwargs)
+    ignored = pop_ignored_strategy_keywords(cls, kwargs)
+    return (*named_schedule(args, kwargs), ignored)
 
 
 def install() -> None:

@@ -10,15 +10,16 @@ from plain rows of numbers or lists).
 
 from __future__ import annotations
 
+import copy
 import inspect
-from typing import Any, Callable, Iterator, Union
+from typing import Any, Callable, Iterator, Sequence, Union
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Subset, TensorDataset
 from torch.utils.data import default_collate
 
-__all__ = ["DatasetOrFactory", "node_dataset", "NodeBatches", "fixed_batches", "split_batch", "batch_size_of",
-           "move_to_device", "token_count"]
+__all__ = ["DatasetOrFactory", "node_dataset", "NodeBatches", "keep_rows_read", "fixed_batches", "split_batch",
+           "batch_size_of", "move_to_device", "token_count"]
 
 DatasetOrFactory = Union[Dataset, Callable[[int, int, bool], Dataset]]
 
@@ -58,6 +59,9 @@ def _takes_train_flag(factory: Callable[..., Any]) -> bool:
 def _collate(ds: Dataset, indices: list[int]) -> Any:
     if isinstance(ds, TensorDataset):  # fast path: one gather per tensor instead of one item at a time
         idx = torch.as_tensor(indices)
+        return tuple(t[idx] for t in ds.tensors)
+    if isinstance(ds, _Rows):  # the same gather, from the rows a process holds
+        idx = ds.local(indices)
         return tuple(t[idx] for t in ds.tensors)
     if _is_hf_dataset(ds):  # one columnar read: {column: the rows' values}
         return {name: _column(values) for name, values in ds[indices].items()}
@@ -113,6 +117,78 @@ class NodeBatches:
             for i in range(first, self.steps_per_epoch):
                 yield indices[i * self.batch_size:(i + 1) * self.batch_size]
             epoch, first = epoch + 1, 0
+
+
+class _Length:
+    """Stands for a dataset where only its length is read (the sampler's permutation is of the whole dataset)."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class _Rows(Dataset):
+    """The rows of a TensorDataset that some nodes read, addressed by their indices in the whole dataset: the same
+    items and batches as the whole one, for those indices."""
+
+    def __init__(self, ds: TensorDataset, rows: Sequence[int]):
+        self.rows = torch.as_tensor(sorted(set(rows)), dtype=torch.long)  # [R] ascending indices into ds
+        self.tensors = tuple(t[self.rows] for t in ds.tensors)  # [R, ...] each
+        self.n = len(ds)
+
+    def local(self, indices: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        local = torch.searchsorted(self.rows, idx)
+        if len(idx) and (local.max() >= len(self.rows) or not torch.equal(self.rows[local], idx)):
+            raise IndexError("an example this process was not given was read; it holds the examples its nodes read "
+                             "in this run only")
+        return local
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        j = int(self.local([i])[0])
+        return tuple(t[j] for t in self.tensors)
+
+
+_NARROW_EPOCHS = 4  # the longest run (in epochs touched) whose nodes are sent only the rows they read
+
+
+def keep_rows_read(batches: NodeBatches, from_step: int, to_step: int) -> NodeBatches:
+    """Node batches holding only the examples they yield from step `from_step` up to `to_step`, with the same
+    batches for those steps (a process is sent its own nodes' examples, not the whole dataset).
+
+    Only a TensorDataset, or a Subset of one, is narrowed, only without DataLoader options (whose workers may read
+    ahead), and only for a run of at most _NARROW_EPOCHS epochs (a longer one reads most of the data anyway, and
+    listing its indices would cost more than it saves); any other dataset is kept whole.
+
+    Args:
+        batches: a node's batches over the whole dataset.
+        from_step: the first step the node runs (its checkpoint's, on a resumed run).
+        to_step: the run's last step.
+
+    Returns:
+        New node batches (the given ones are untouched), or the given ones where nothing can be narrowed.
+    """
+    ds = batches.ds
+    base = ds.dataset if isinstance(ds, Subset) else ds
+    if batches.loader or not isinstance(base, TensorDataset) or to_step <= from_step:
+        return batches
+    spe = batches.steps_per_epoch
+    if (to_step - 1) // spe - from_step // spe + 1 > _NARROW_EPOCHS:
+        return batches
+    read = [i for _, idx in zip(range(to_step - from_step), batches.index_batches(from_step)) for i in idx]
+    if isinstance(ds, Subset):
+        read = [ds.indices[i] for i in read]
+    rows = _Rows(base, read)
+    narrowed = copy.copy(batches)
+    narrowed.ds = Subset(rows, ds.indices) if isinstance(ds, Subset) else rows
+    narrowed.sampler = copy.copy(batches.sampler)
+    narrowed.sampler.dataset = _Length(len(ds))  # the sampler reads only the length of what it permutes
+    return narrowed
 
 
 class _Indices:

@@ -4,13 +4,14 @@ RunSinks: where one process's nodes report while they run (process-local, never 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
 from exogym.runs.checkpoint import CheckpointPlan, NodeState
-from exogym.data.sharding import NodeBatches
+from exogym.data.sharding import NodeBatches, keep_rows_read
 from exogym.engine.config import RunConfig
 from exogym.engine.execution import Execution
 from exogym.engine.node import TrainNode
@@ -67,6 +68,25 @@ class RunPlan:
     @property
     def num_nodes(self) -> int:
         return self.cfg.num_nodes
+
+    def for_nodes(self, nodes: Sequence[int]) -> "RunPlan":
+        """The plan as a process hosting `nodes` needs it: those nodes' batches holding only the examples they read
+        in this run (exogym.data.sharding.keep_rows_read), their checkpointed states, and the validation batches
+        where node 0 is among them; the other nodes' entries are None. The plan itself is untouched.
+
+        Args:
+            nodes: the ranks the process hosts.
+
+        Returns:
+            A plan to send to that process.
+        """
+        mine = set(nodes)
+        start = {r: self.resume[r].step if self.resume is not None else 0 for r in mine}
+        return dataclasses.replace(
+            self, node_batches=[keep_rows_read(nb, start[r], self.cfg.max_steps) if r in mine else None
+                                for r, nb in enumerate(self.node_batches)],
+            val_batches=self.val_batches if 0 in mine else None,
+            resume=None if self.resume is None else [s if r in mine else None for r, s in enumerate(self.resume)])
 
     def make_node(self, rank: int, start_time: float, live: RowSink, *, execution: Execution | None = None,
                   keep_once: KeepOnce = keep_once_per_node) -> TrainNode:

@@ -165,8 +165,10 @@ class LocalProcesses(Launcher):
         try:
             for hosting in self.hosting:
                 reader, writer = ctx.Pipe(duplex=False)
+                # Each process is sent its own nodes' data (the examples they read), not the whole dataset.
                 proc = ctx.Process(target=process_main, name=f"exogym-{self.backend.name}-{hosting.process}",
-                                   args=(self.backend, hosting, plan, store.port, writer, start, threads, timeout))
+                                   args=(self.backend, hosting, plan.for_nodes(hosting.nodes), store.port, writer,
+                                         start, threads, timeout))
                 proc.start()
                 writer.close()  # the process holds the only writer now: end of file on the reader means it is gone
                 procs.append(proc)

@@ -6,7 +6,8 @@ per step / per evaluation, written every `log_interval` steps), summary.json at 
 
 A run folder belongs to one run (exogym.runs.folder): `fit` claims `<log_dir>/<run_name>/` for the
 CSV and TensorBoard loggers atomically before any node starts; a taken default name gets a -2, -3
-suffix, a taken explicit name is an error unless fit(overwrite=True), or the run resumes itself.
+suffix, a taken explicit name's ended run is moved aside (exogym.runs.rerun) unless fit(overwrite=True) replaces
+it, or the run resumes itself.
 A run that fails before any training row was written leaves no CSV run folder behind.
 
 On a full disk nothing is left half-written (exogym.runs.disk): config.json and summary.json appear whole or not
@@ -24,6 +25,7 @@ import csv
 import inspect
 import io
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -34,7 +36,7 @@ from exogym.runs.folder import RunClaim, check_run_name, claim_run
 from exogym.adapters import Adaptable
 
 __all__ = ["Logger", "CSVLogger", "WandbLogger", "TensorBoardLogger", "MultiLogger", "default_run_name",
-           "truncate_rows_after", "TableView", "register_table_view"]
+           "truncate_rows_after", "TableView", "register_table_view", "perplexity", "wandb_metrics"]
 
 # view(table, row) -> {table name: columns}: under the row's own table, columns appended to that row; under another
 # name, a row of <that name>.csv in the run folder (None: an empty cell). Called on every row a CSVLogger writes.
@@ -47,6 +49,34 @@ def register_table_view(view: TableView) -> None:
     """Every CSVLogger (made before or after) writes what `view` makes of each of its rows, after its own views."""
     if view not in _VIEWS:
         _VIEWS.append(view)
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), inf where that overflows a float (a loss above ~709)."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
+def wandb_metrics(table: str, row: Mapping[str, float]) -> dict[str, float]:
+    """A row's W&B metrics under the original EXO Gym's names: train_loss, train_perplexity and lr from a "train"
+    row (its other columns as train_<column>), local_loss, local_perplexity, global_loss, global_perplexity (and the
+    other columns as they are) from a "val" row, <table>_<column> from another table. step and examples are left
+    to the caller (the x-axes)."""
+    out: dict[str, float] = {}
+    for k, v in row.items():
+        if k in ("step", "examples"):
+            continue
+        if table == "train":
+            out["lr" if k == "lr" else f"train_{k}"] = v
+        elif table == "val":
+            out[k] = v
+        else:
+            out[f"{table}_{k}"] = v
+    for loss in [k for k in out if k in ("train_loss", "local_loss", "global_loss")]:
+        out[loss[:-len("loss")] + "perplexity"] = perplexity(out[loss])
+    return out
 
 
 def default_run_name(config: dict[str, Any]) -> str:
@@ -275,8 +305,9 @@ class WandbLogger(Logger):
     """Weights & Biases (`pip install exogym[wandb]`); mode="offline" writes locally without an account.
 
     mode=None (the default) logs online when W&B has an API key and its server answers, and otherwise offline
-    (saying so once; `wandb sync <dir>` uploads the run later). x_axis="step" or "examples" (the global
-    examples trained): the x-axis of every chart. experiment_name= is the original documents' run_name=.
+    (saying so once per process, with the `wandb sync` command that uploads the runs later). x_axis="step" or
+    "examples" (the global examples trained): the x-axis of every chart. The metrics carry the original EXO Gym's
+    names (`wandb_metrics`). experiment_name= is the original documents' run_name=.
     """
 
     def __init__(self, project: str = "exogym", run_name: str | None = None, *, mode: str | None = None,
@@ -297,17 +328,19 @@ class WandbLogger(Logger):
 
     def start(self, config: dict[str, Any]) -> None:
         self._global_batch = int(config.get("global_batch", 0))
-        mode = self.mode if self.mode is not None else _wandb_mode(self._wandb)
+        mode, why_offline = (self.mode, None) if self.mode is not None else _wandb_mode(self._wandb)
         self.run = self._wandb.init(project=self.project, name=self.run_name or default_run_name(config),
                                     config=_json_safe(config), mode=mode,
                                     dir=str(self.dir) if self.dir else None, **self.init_kwargs)
+        if why_offline is not None:
+            _say_offline(why_offline, Path(self.run.dir).parent)
         # Charts against a logged column rather than wandb's own step, which must only grow: validation rows can
         # arrive before the training rows of the same steps.
         self.run.define_metric(self.x_axis)
         self.run.define_metric("*", step_metric=self.x_axis)
 
     def log(self, table: str, row: dict[str, float]) -> None:
-        data = {f"{table}/{k}": v for k, v in row.items() if k not in ("step", "examples")}
+        data = wandb_metrics(table, row)
         data["step"] = int(row["step"])
         data["examples"] = row.get("examples", int(row["step"]) * self._global_batch)
         self.run.log(data)
@@ -318,13 +351,16 @@ class WandbLogger(Logger):
             self.run.finish()
 
 
-def _wandb_mode(wandb: Any) -> str:
-    """"online" when W&B has an API key and its server answers within 3 s; else "offline", said once."""
+_SAID_OFFLINE = False  # the offline hint is printed once per process
+
+
+def _wandb_mode(wandb: Any) -> tuple[str, str | None]:
+    """("online", None) when W&B has an API key and its server answers within 3 s; else ("offline", why)."""
     import socket
     from urllib.parse import urlparse
 
     if os.environ.get("WANDB_MODE"):
-        return os.environ["WANDB_MODE"]  # the user's own W&B setting (wandb reads it too)
+        return os.environ["WANDB_MODE"], None  # the user's own W&B setting (wandb reads it too)
     reason = None
     try:
         has_key = bool(os.environ.get("WANDB_API_KEY") or wandb.Api().api_key)
@@ -338,10 +374,17 @@ def _wandb_mode(wandb: Any) -> str:
             socket.create_connection((host, 443), timeout=3).close()
         except OSError:
             reason = f"{host} cannot be reached"
-    if reason is None:
-        return "online"
-    print(f"exogym: W&B logs offline: {reason}; upload later with `wandb sync` on the run folder", flush=True)
-    return "offline"
+    return ("online", None) if reason is None else ("offline", reason)
+
+
+def _say_offline(reason: str, run_dir: Path) -> None:
+    """Once per process: W&B logs offline, why, and the command that uploads every offline run there later."""
+    global _SAID_OFFLINE
+    if _SAID_OFFLINE:
+        return
+    _SAID_OFFLINE = True
+    runs = run_dir.parent / "offline-run-*"  # wandb's folder of this run is <wandb dir>/offline-run-<time>-<id>
+    print(f"exogym: W&B logs offline: {reason}; upload the runs later with `wandb sync {runs}`", flush=True)
 
 
 class TensorBoardLogger(_FolderLogger):

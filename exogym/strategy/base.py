@@ -19,7 +19,7 @@ from exogym.comm.mean import mean_
 from exogym.adapters import Adaptable
 from exogym.strategy.optim import OptimSpec, ensure_optim_spec
 
-__all__ = ["Strategy", "NodeContext", "Ignored", "parameter_state", "frozen_state", "trainable_parameters",
+__all__ = ["Strategy", "NodeContext", "parameter_state", "frozen_state", "trainable_parameters",
            "strategy_keywords"]
 
 
@@ -29,34 +29,7 @@ def strategy_keywords(cls: type) -> list[str]:
     return init_keywords(cls)
 
 
-class Ignored:
-    """A constructor keyword's value that has no effect on the strategy being built: an argument adapter
-    (exogym.adapters) wraps a value in it instead of passing it on. The constructor never sees it; the strategy's
-    `ignored_settings` lists it, with the reason, and a run's config.json lists it apart under "ignored"."""
-
-    def __init__(self, value: Any, reason: str):
-        self.value, self.reason = value, reason
-
-    def __repr__(self) -> str:
-        return f"Ignored({self.value!r}, {self.reason!r})"
-
-
-class _SetsIgnoredApart(type):
-    """Keywords whose value is Ignored are kept apart from the constructor call (after the adapters ran)."""
-
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        ignored = {k: v for k, v in kwargs.items() if isinstance(v, Ignored)}
-        self = super().__call__(*args, **{k: v for k, v in kwargs.items() if k not in ignored})
-        self._ignored = ignored
-        return self
-
-
-class _StrategyType(Adaptable, _SetsIgnoredApart):
-    """Strategy's metaclass: the registered argument adapters run first (Adaptable), then Ignored values are set
-    apart (_SetsIgnoredApart), then the class is constructed."""
-
-
-class Strategy(metaclass=_StrategyType):
+class Strategy(metaclass=Adaptable):
     """Base class: LR schedule, gradient clipping, step counting, the state protocol, and the hooks a node calls.
 
     Subclasses pass `optim_spec=` to this constructor or set `self.optim_spec` in `__init__` (then
@@ -108,14 +81,19 @@ class Strategy(metaclass=_StrategyType):
 
     @property
     def ignored_settings(self) -> dict[str, dict[str, Any]]:
-        """The constructor keywords that had no effect (passed as Ignored): {name: {"value", "reason"}}."""
-        return {k: {"value": v.value, "reason": v.reason} for k, v in getattr(self, "_ignored", {}).items()}
+        """The constructor keywords that had no effect (dropped by an argument adapter): {name: {"value", "reason"}}."""
+        return {k: {"value": v, "reason": why} for k, (v, why) in getattr(self, "_ignored", {}).items()}
+
+    def _keep_ignored_settings(self, ignored: Mapping[str, tuple[Any, str]]) -> None:
+        # Called by the metaclass (exogym.adapters.Adaptable) right after construction.
+        self._ignored = dict(ignored)
 
     def __init__(self, lr_scheduler: str | type | Callable[..., Any] | None = None,
                  lr_scheduler_kwargs: Mapping[str, Any] | None = None, *, warmup_steps: int | None = None,
                  cosine_anneal: bool | None = None, min_lr_factor: float | None = None,
                  max_norm: float | None = None, optim_spec: OptimSpec | str | type | None = None, **unknown: Any):
-        reject_unknown_kwargs(type(self).__name__, unknown, init_keywords(type(self)))
+        if _built_in(type(self)):
+            reject_unknown_kwargs(type(self).__name__, unknown, init_keywords(type(self)))
         if optim_spec is not None:
             self.optim_spec = ensure_optim_spec(optim_spec)
         self.lr_schedule = LRSchedule.parse(lr_scheduler, lr_scheduler_kwargs, warmup_steps=warmup_steps,
@@ -123,6 +101,20 @@ class Strategy(metaclass=_StrategyType):
         check_number("max_norm", max_norm, positive=True, allow_none=True)
         self.max_norm = max_norm
         self.scheduler = None
+        self.lr_callbacks: list[Callable[[float], Any]] = []  # called on node 0 with the next step's lr
+        self._keep_extra_keywords(unknown)
+
+    def _keep_extra_keywords(self, extra: Mapping[str, Any]) -> None:
+        """A strategy of your own keeps the keywords its constructor passed on to Strategy.__init__ as attributes
+        (EveryH(H=2).H == 2), as the original EXO Gym did; one that would replace what the strategy already has (a
+        method, a property, an attribute set before) is refused. The built-in strategies refuse unknown keywords."""
+        taken = sorted(k for k in extra
+                       if k in self.__dict__ or _behaviour(inspect.getattr_static(type(self), k, None)))
+        if taken:
+            raise TypeError(f"{type(self).__name__} got {', '.join(f'{k}=' for k in taken)}, which would replace what "
+                            f"a strategy already has ({', '.join(taken)}); give your setting another name")
+        for name, value in extra.items():
+            setattr(self, name, value)
 
     # ---- the node contract -------------------------------------------------------------------
     def setup(self, model: torch.nn.Module, context: NodeContext) -> None:
@@ -204,6 +196,14 @@ class Strategy(metaclass=_StrategyType):
         if self.scheduler is not None:
             self.scheduler.step()
         self.local_step += 1
+        self._lr_stepped()
+
+    def _lr_stepped(self) -> None:
+        """After the LR schedule stepped: node 0 hands the next step's lr to each of lr_callbacks (the original's
+        hook, which its loggers used)."""
+        if self.scheduler is not None and getattr(self, "rank", 0) == 0:
+            for callback in self.lr_callbacks:
+                callback(self.current_lr())
 
     def finish(self) -> None:
         """Called on every node up after its last step, before the final validation: a strategy whose global
@@ -283,6 +283,16 @@ class Strategy(metaclass=_StrategyType):
         """Clip the gradients (max_norm) and take the optimizer step: the local update after communicating."""
         self._clip_grads()
         self.optim.step()
+
+
+def _built_in(cls: type) -> bool:
+    """A strategy class of this library (its unknown keywords are errors), not one of your own."""
+    return cls.__module__.split(".")[0] == "exogym"
+
+
+def _behaviour(attr: Any) -> bool:
+    """A class attribute that is behaviour (a method, a property), not a value a keyword may set."""
+    return inspect.isroutine(attr) or isinstance(attr, (property, classmethod, staticmethod))
 
 
 def parameter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

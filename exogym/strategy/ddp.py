@@ -97,6 +97,7 @@ class SimpleReduceStrategy(Strategy):
         self.replica.apply_once(self.local_step, [next(mean) if h else None for h in has_grad], self._update)
         self.local_step += 1  # the replica stepped the LR schedule (once, not once per node)
         self._next_lr = float(self.optim.param_groups[0]["lr"])
+        self._lr_stepped()
 
     def _update(self, params: list[torch.nn.Parameter]) -> None:
         if self.max_norm is not None:

@@ -9,7 +9,6 @@ import math
 from collections import deque
 from typing import Any, Mapping
 
-import numpy as np
 import torch
 
 from exogym._validation import check_int, check_number
@@ -20,25 +19,17 @@ from exogym.strategy.context import keep_once
 from exogym.strategy.communicate_optimize_strategy import (CommunicationModule, ModularStrategy, compressor_state,
                                                            round_generator)
 from exogym.comm.mean import mean_, start_mean
+from exogym.strategy.index_selectors import (SELECTOR_MODES, IndexSelector, PartitionedIndexSelector,
+                                             RandomIndexSelector, ShuffledSequentialIndexSelector, flat_indices,
+                                             num_parts, partition_part, shared_random, shuffled_permutation,
+                                             shuffled_window)
 from exogym.strategy.optim import OptimSpec
 
 __all__ = ["SparseCommunicator", "TopKSparseCommunicator", "SPARTAStrategy", "SPARSIFICATION_MODES",
-           "RandomIndexSelector"]
+           "IndexSelector", "RandomIndexSelector", "ShuffledSequentialIndexSelector", "PartitionedIndexSelector"]
 
 SPARSIFICATION_MODES = ("random", "sequential", "shuffled_sequential", "partitioned", "blockwise")
-_RANDOM, _PARTITIONED, _BLOCK, _SHUFFLED = 4, 5, 6, 7  # salts of the shared random streams
-
-
-def _parameter_generator(seed: int, salt: int, cycle: int, index: int) -> torch.Generator:
-    """A CPU generator every node seeds identically for (seed, purpose, cycle, parameter index)."""
-    mixed = np.random.SeedSequence([seed, salt, cycle, index]).generate_state(1, dtype=np.uint64)[0] >> 1
-    return torch.Generator().manual_seed(int(mixed))
-
-
-def num_parts(p: float, n: int) -> int:
-    """Parts of an n-entry parameter for the partitioned and shuffled-sequential modes: ceil(1/p), as the
-    original EXO Gym (each step averages at most a fraction p); the partitioned mode caps it at n."""
-    return max(1, math.ceil(1 / p - 1e-9))  # 1e-9: 1/p of a decimal p such as 0.1 may land a hair above 10
+_RANDOM, _BLOCK = 4, 6  # salts of the shared random streams (index_selectors.py has the others)
 
 
 class SparseCommunicator(CommunicationModule):
@@ -67,10 +58,21 @@ class SparseCommunicator(CommunicationModule):
     1 prefer TopKSparseCommunicator, which sends quantized drifts instead of values.
     """
 
-    def __init__(self, p_sparta: float = 0.005, *, sparsification_mode: str = "random", async_delay: int = 0,
-                 seed: int = 0, quantization_bits: int | None = None, compression: Quantizer | None = None,
-                 interval: int = 1):
-        check_number("p_sparta", p_sparta, positive=True, maximum=1.0)
+    def __init__(self, p_sparta: "float | IndexSelector" = 0.005, *, sparsification_mode: str = "random",
+                 async_delay: int = 0, seed: int = 0, quantization_bits: int | None = None,
+                 compression: Quantizer | None = None, interval: int = 1):
+        self.selector: IndexSelector | None = None
+        if isinstance(p_sparta, IndexSelector):  # the original's SparseCommunicator(index_selector)
+            if sparsification_mode != "random":
+                raise ValueError(f"SparseCommunicator got an index selector ({p_sparta!r}) and sparsification_mode="
+                                 f"{sparsification_mode!r}; the selector picks the entries, drop sparsification_mode")
+            mode = SELECTOR_MODES.get(type(p_sparta))
+            if mode is not None:  # the built-in selectors are the modes of the same name, exactly
+                p_sparta, sparsification_mode = p_sparta.p, mode
+            else:
+                self.selector = p_sparta
+        if self.selector is None:
+            check_number("p_sparta", p_sparta, positive=True, maximum=1.0)
         check_int("interval", interval, minimum=1)
         self.interval = interval
         if sparsification_mode == "topk":
@@ -97,7 +99,10 @@ class SparseCommunicator(CommunicationModule):
         if local_step % self.interval or len(alive_ranks()) == 1:
             return  # not an averaging step, or the average of one node is itself
         params = trainable_parameters(self.model)
-        chosen = self.select(local_step // self.interval, [p.numel() for p in params])
+        if self.selector is not None:
+            chosen = self._select_with(local_step // self.interval - 1, params)
+        else:
+            chosen = self.select(local_step // self.interval, [p.numel() for p in params])
         sent = self._gather(params, chosen)
         averaged = [v.clone() for v in sent]
         self._reduce(averaged)
@@ -132,27 +137,24 @@ class SparseCommunicator(CommunicationModule):
             return out
         if self.mode == "shuffled_sequential":
             return [self._window(t, i, n) for i, n in enumerate(sizes)]
-        out = []
-        for i, n in enumerate(sizes):
-            parts = min(num_parts(p, n), n)
-            cycle, part = divmod(t, parts)
-            perm = torch.randperm(n, generator=_parameter_generator(self.seed, _PARTITIONED, cycle, i))
-            out.append(perm[part::parts].clone())
-        return out
+        return [partition_part(self.seed, i, n, p, t) for i, n in enumerate(sizes)]
 
     def _window(self, t: int, index: int, n: int) -> torch.Tensor:
-        """Window t mod P of parameter `index`'s fixed permutation: P windows of n // P entries, the first
-        n mod P of them one longer, so together they cover every entry once."""
-        def draw() -> torch.Tensor:
-            return torch.randperm(n, generator=_parameter_generator(self.seed, _SHUFFLED, 0, index))
-
+        """Window t mod P of parameter `index`'s fixed permutation (shuffled_window)."""
         # Drawn once per parameter and the same on every node: kept once for the run (outside one, drawn anew)
-        perm = keep_once(self, ("sparta_permutation", self.seed, index, n), draw)
-        parts = num_parts(self.p_sparta, n)
-        w = t % parts
-        size, extra = divmod(n, parts)
-        start = w * size + min(w, extra)
-        return perm[start:start + size + (w < extra)]
+        perm = keep_once(self, ("sparta_permutation", self.seed, index, n),
+                         lambda: shuffled_permutation(self.seed, index, n))
+        return shuffled_window(perm, self.p_sparta, t)
+
+    def _select_with(self, t: int, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per parameter, the flat indices the selector picks at averaging t, every node with the same random
+        streams (shared_random), so every node picks the same entries and no mask is sent."""
+        out = []
+        for i, p in enumerate(params):
+            with shared_random(self.seed, t, i, p.device):
+                picked = self.selector.get_indices(p.detach(), t)
+            out.append(flat_indices(picked, p, self.selector))
+        return out
 
     # ---- the steps of one synchronisation -------------------------------------------------------
     @torch.no_grad()
@@ -193,7 +195,10 @@ class SparseCommunicator(CommunicationModule):
         self.pending.clear()  # the survivor's corrections belong to averages the joiner did not send
 
     def expected_fraction(self, sizes: list[int]) -> float:
-        """The fraction of the model's entries sent per step, on average (for bytes-per-step estimates)."""
+        """The fraction of the model's entries sent per step, on average (for bytes-per-step estimates); an index
+        selector of your own: its p, else nan."""
+        if self.selector is not None:
+            return float(getattr(self.selector, "p", math.nan))
         if self.mode == "random":
             return self.p_sparta
         if self.mode in ("sequential", "blockwise"):
@@ -296,14 +301,4 @@ class SPARTAStrategy(ModularStrategy):
         self._use_modules([module])
 
 
-class RandomIndexSelector:
-    """The original repository's selector (`from exogym.strategy.sparta import RandomIndexSelector`):
-    get_indices(param, iteration) is a boolean mask of param's shape, each entry True with probability p, drawn
-    from the calling node's random stream (so nodes differ; the original's scripts broadcast rank 0's mask)."""
 
-    def __init__(self, p: float):
-        check_number("p", p, minimum=0.0, maximum=1.0)
-        self.p = p
-
-    def get_indices(self, param: torch.Tensor, iteration: int) -> torch.Tensor:
-        return torch.bernoulli(torch.full(param.shape, self.p, device=param.device)).bool()

@@ -154,10 +154,12 @@ class PlaygroundSPARTA(Strategy):
 
 def test_playground_custom_strategy(wandb_calls):
     assert get_device() == default_device().type and isinstance(get_device(), str)
-    with pytest.warns(UserWarning, match=r"PlaygroundSPARTA has no p, so p=0.005 has no effect"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a strategy of your own keeps p as an attribute, as the original: no warning
         strategy = PlaygroundSPARTA(optim_spec=OptimSpec(torch.optim.AdamW, lr=0.0004), lr_scheduler="lambda_cosine",
                                     lr_scheduler_kwargs={"warmup_steps": 2, "cosine_anneal": True}, max_norm=1.0,
                                     p=0.005)
+    assert strategy.p == 0.005
     trainer = Trainer(toy.TinyMLP(), toy.make_classification(256), toy.make_classification(32, seed=1))
     trainer.fit(num_epochs=1, max_steps=3, strategy=strategy, num_nodes=4, device=get_device(), batch_size=16,
                 minibatch_size=8, shuffle=False, val_size=32, val_interval=2, wandb_project="sparta",
