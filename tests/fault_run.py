@@ -20,7 +20,7 @@ from faulty import FailOnNode  # noqa: E402
 from toy import TinyMLP  # noqa: E402
 
 MAX_STEPS, CHECKPOINT_INTERVAL, BATCH = 30, 4, 16
-PEER_TIMEOUT = 5.0  # node_timeout of the runs over several processes: a stopped process is named this soon
+PEER_TIMEOUT = 10.0  # node_timeout of the runs over several processes: a stopped process is named this soon
 
 
 def fit(kind: str = "none", step: int = 0, **kwargs):

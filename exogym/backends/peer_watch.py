@@ -12,9 +12,10 @@ from typing import Any, Sequence
 
 from exogym.backends.errors import PeerLostError, describe_process
 
-__all__ = ["PeerWatch", "BEAT_S"]
+__all__ = ["PeerWatch", "BEAT_S", "STARTUP_S"]
 
 BEAT_S = 1.0  # how often a process beats
+STARTUP_S = 60.0  # the least a process that never beat is given before it counts as lost
 _FINISHED = b"finished"
 
 
@@ -101,9 +102,12 @@ class PeerWatch:
             if beat == _FINISHED:
                 continue
             last, since = self._seen.get(p, (None, now))
+            # A process yet to beat may still be starting (loading its data or a checkpoint under load): it has
+            # STARTUP_S at least before it counts as lost.
+            limit = self.timeout if beat is not None else max(self.timeout, STARTUP_S)
             if beat != last or p not in self._seen:
                 self._seen[p] = (beat, now)
-            elif now - since >= self.timeout:
+            elif now - since >= limit:
                 what = describe_process(p, self.nodes_of(p))
                 raise PeerLostError(f"{what} stopped responding: no heartbeat for {now - since:.0f} s (fit's "
                                     f"node_timeout={self.timeout:g}); it is stopped, hung, or cut off by a network "
