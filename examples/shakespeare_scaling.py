@@ -34,7 +34,7 @@ from exogym import Trainer
 from exogym.data.shakespeare import CharBlocks, load_shakespeare
 from exogym.models import GPT
 from exogym.strategy import DiLoCoStrategy, OptimSpec, SimpleReduceStrategy
-from exogym.sweep import grid, run_folder, sweep
+from exogym.sweep import grid, sweep
 
 BLOCK = 64  # characters of context per example
 # "full" is sized for a 2-core CPU: its 24 runs (4 DDP, 20 DiLoCo) in ~30 minutes on one thread.
@@ -108,7 +108,7 @@ class ScalingRun:
     lr: float
     val_blocks: int
 
-    def __call__(self, config: dict) -> tuple:
+    def __call__(self, config: dict, run) -> tuple:  # run: the sweep's settings for this run (SweepRun)
         train, blocks = _data(self.val_blocks)
         torch.manual_seed(config["seed"])  # the same initial weights for every run; no dropout, so DDP on K = 1 node
         model = GPT(train.vocab.size, BLOCK, n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd)
@@ -120,10 +120,8 @@ class ScalingRun:
         k = config["nodes"]
         trainer = Trainer(model, train, None)
         final = trainer.fit(strategy, k, max_steps=self.steps, batch_size=self.global_batch // k, seed=config["seed"],
-                            device="cpu")
-        folder = run_folder()
-        if folder is not None:  # the model beside the run's record, for the samples below
-            torch.save(final.state_dict(), folder / "model.pt")
+                            device="cpu", **run.fit_kwargs)
+        torch.save(final.state_dict(), run.folder / "model.pt")  # the model beside the run's record, for the samples
         return trainer.record, {"held_out_loss": held_out_loss(final, blocks)}
 
 

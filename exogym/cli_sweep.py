@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -24,7 +25,8 @@ from exogym._validation import MAX_SEED, check_int
 from exogym.cluster.network import PRESETS
 from exogym.fit_nodes import check_node_memory
 from exogym.sweep.objective import metric_name, parse_bytes
-from exogym.sweep.space import Choice, Float, Int, Space, space
+from exogym.sweep.space import Choice, Float, Int, Space, check_grid_size, space
+from exogym.sweep.storage import StorageUnavailable, SweepStopped
 from exogym.sweep.sweep import SEARCHES, read_definition, sweep
 from exogym.tasks import TASKS, get_task
 
@@ -33,7 +35,8 @@ __all__ = ["add_sweep_command", "TaskRun"]
 # Options of `exogym run` that are not parameters of a sweep: what to run, where, and how it prints.
 _NOT_SWEPT = {"help", "task", "seed", "device", "log_dir", "overwrite", "quiet", "run_name", "strategy"}
 # May accompany --resume: how this process takes part, not what the sweep is.
-_RESUME_OPTIONS = {"workers", "retry_failed", "trials", "quiet", "resume", "command", "func", "debug"}
+_RESUME_OPTIONS = {"workers", "retry_failed", "trials", "quiet", "resume", "command", "func", "debug", "action",
+                   "port", "host", "storage_patience"}
 
 
 @dataclass
@@ -45,7 +48,7 @@ class TaskRun:
     fixed: dict[str, Any]  # every option's value, but the configuration's
     builders: dict[str, Callable[[argparse.Namespace], Any]] = field(repr=False)
 
-    def __call__(self, config: dict[str, Any]) -> Any:
+    def __call__(self, config: dict[str, Any], run: Any) -> Any:
         from exogym import RandomFailures, Trainer
 
         args = argparse.Namespace(**{**self.fixed, **config})
@@ -55,7 +58,8 @@ class TaskRun:
         trainer = Trainer(model, train, val)
         trainer.fit(strategy, args.nodes, max_steps=args.steps, batch_size=args.batch_size,
                     val_interval=args.val_interval or max(1, args.steps // 20), val_size=args.val_size, seed=args.seed,
-                    device=args.device, active_nodes=args.active_nodes, failures=failures, network=args.network)
+                    device=args.device, active_nodes=args.active_nodes, failures=failures, network=args.network,
+                    **run.fit_kwargs)
         return trainer.record
 
 
@@ -131,17 +135,29 @@ def add_sweep_command(sub: Any, *, formatter_class: type, training_options: Call
                                                      "(default: none, no limit)")
     p.add_argument("--max-sim-time", type=float, default=None, help="a configuration taking longer (simulated s) is "
                                                                     "infeasible (needs --network) (default: none)")
-    p.add_argument("--workers", type=int, default=1, help="configurations run at once, each in its own process")
+    p.add_argument("action", nargs="*", metavar="dashboard FOLDER|URL",
+                   help="exogym sweep dashboard FOLDER|URL [--port P]: serve the sweep's study with optuna-dashboard")
+    p.add_argument("--port", type=int, default=8080, help="with dashboard: the port to serve on")
+    p.add_argument("--host", default="127.0.0.1", help="with dashboard: the address to serve on")
+    p.add_argument("--workers", type=int, default=None,
+                   help="configurations run at once, each in its own process (default: 1; on --resume the sweep's own)")
     p.add_argument("--checkpoint-interval", type=int, default=None,
                    help="save every run every N steps, so an interrupted run resumes where it was (default: none)")
-    p.add_argument("--storage", default=None, help="the Optuna study's database URL (default: SQLite in the sweep "
-                                                   "folder; postgresql://... for several machines)")
+    p.add_argument("--storage", default=None,
+                   help="the Optuna study's database URL, postgresql://user@host/db for several machines (pip install "
+                        "'exogym[postgres]'); each machine runs the same command with its own --out (default: a "
+                        "journal file in the sweep folder)")
+    p.add_argument("--study-name", default=None, help="the study's name in --storage (default: the --out folder's name)")
+    p.add_argument("--storage-patience", type=float, default=600.0,
+                   help="seconds a worker retries an unreachable storage, with backoff, before it gives up")
     p.add_argument("--out", default=None, help="the sweep folder, never written over (default: none; a new sweep needs it)")
     p.add_argument("--resume", default=None, metavar="FOLDER",
                    help="continue (or join) the sweep in FOLDER with its own settings; finished configurations "
                         "are not rerun (default: none, a new sweep)")
     p.add_argument("--retry-failed", action="store_true", help="with --resume: run failed and diverged ones again")
     p.add_argument("--quiet", action="store_true", help="no progress bar or table")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                   help="show the full traceback of any error (as exogym --debug sweep)")
     p.set_defaults(func=lambda args: cmd_sweep(args, p, training_options, builders))
 
 
@@ -247,12 +263,17 @@ def _check_model_metric(task: str, objective: str) -> None:
 
 def cmd_sweep(args: argparse.Namespace, parser: argparse.ArgumentParser, training_options: Callable,
               builders: dict) -> int:
+    if args.action:
+        if args.action[0] != "dashboard" or len(args.action) != 2:
+            raise ValueError(f"exogym sweep takes options, or `dashboard FOLDER|URL`; got {' '.join(args.action)!r}")
+        from exogym.sweep.dashboard import serve
+        return serve(args.action[1], host=args.host, port=args.port)
     if args.resume is not None:
         given = [k for k, v in vars(args).items() if k not in _RESUME_OPTIONS and v != parser.get_default(k)]
         if given:
             raise ValueError(f"--resume continues the sweep with its own settings; "
                              f"{', '.join('--' + g.replace('_', '-') for g in given)} cannot change them (only "
-                             "--workers, --retry-failed, --trials and --quiet may be given)")
+                             "--workers, --retry-failed, --trials, --storage-patience, --quiet and --debug may be given)")
         stored = read_definition(args.resume).argv
         if stored is None:
             raise ValueError(f"the sweep in {args.resume!r} was started from Python, not by exogym sweep; rerun its "
@@ -292,11 +313,17 @@ def _start(args: argparse.Namespace, training_options: Callable, builders: dict,
         raise ValueError("the objective reads simulated time: give the runs a network (--network low, home, ...)")
     for seed in joined.seeds:
         check_int("--seeds: a seed", seed, minimum=0, maximum=MAX_SEED)
+    if joined.is_grid:
+        check_grid_size(joined)  # a grid too large is refused with its count before anything is listed
+    examples = len(_task_data(args.task)[1])  # the data loads (or says why not) before any trial starts
     for config in (joined.configurations() if joined.is_grid else []):  # every run's settings checked before any trial
         values = argparse.Namespace(**{**run.fixed, **config})
         builders[config.get("strategy", run.fixed.get("strategy"))](values).check_nodes(values.nodes)
         check_node_memory(values.nodes)
-    _task_data(args.task)  # the data loads (or says why not) before any trial starts
+        if -(-examples // values.nodes) < values.batch_size:  # as fit refuses it: every run of it would fail
+            raise ValueError(f"--nodes {values.nodes} --batch-size {values.batch_size}: the {args.task} training data "
+                             f"has {examples} examples, fewer than one step needs (nodes x batch size = "
+                             f"{values.nodes * values.batch_size}); use fewer nodes or a smaller --batch-size")
     _check_model_metric(args.task, args.objective)
     swept = joined.names
     out = args.resume if resume else args.out
@@ -304,6 +331,11 @@ def _start(args: argparse.Namespace, training_options: Callable, builders: dict,
         _sweep(run, joined, out, args, resume, (_command(args, run, flags, swept, training_options), flags, argv))
     except KeyboardInterrupt:
         return 130  # the sweep said how to resume
+    except (StorageUnavailable, SweepStopped) as e:
+        if getattr(args, "debug", False):
+            raise
+        print(f"exogym sweep: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
@@ -312,5 +344,6 @@ def _sweep(run: TaskRun, joined: Space, out: str, args: argparse.Namespace, resu
           direction=args.direction, budget_bytes=args.budget_bytes and parse_bytes(args.budget_bytes, "--budget-bytes"),
           budget_sim_time=args.budget_sim_time, max_bytes=args.max_bytes and parse_bytes(args.max_bytes, "--max-bytes"),
           max_sim_time=args.max_sim_time, workers=args.workers, resume=resume, retry_failed=args.retry_failed,
-          storage=args.storage, checkpoint_interval=args.checkpoint_interval, progress=not args.quiet,
+          storage=args.storage, study_name=args.study_name, storage_patience=args.storage_patience,
+          checkpoint_interval=args.checkpoint_interval, progress=not args.quiet,
           _command=command)

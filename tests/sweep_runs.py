@@ -17,7 +17,7 @@ class _Slow(TinyMLP):
         return super().forward(batch)
 
 
-def tiny(config: dict) -> object:
+def tiny(config: dict, run) -> object:
     """DiLoCo on 2 nodes, a few steps of a tiny MLP; config: H, outer_lr, seed, and (tests) steps, fail, poison."""
     if config.get("fail"):
         raise ValueError("this configuration fails on purpose")
@@ -27,36 +27,18 @@ def tiny(config: dict) -> object:
     model = (_Slow if config.get("slow") else TinyMLP)()
     trainer = Trainer(model, train, val)
     trainer.fit(DiLoCoStrategy("sgd", lr=0.1, H=config.get("H", 5), outer_lr=config.get("outer_lr", 0.7)), 2,
-                max_steps=config.get("steps", 10), batch_size=8, val_interval=5, val_size=64, seed=config["seed"])
+                max_steps=config.get("steps", 10), batch_size=8, val_interval=5, val_size=64, seed=config["seed"],
+                **run.fit_kwargs)
     return trainer.record
 
 
-def slow(config: dict) -> object:
-    return tiny({**config, "slow": True, "steps": 30})
+def slow(config: dict, run) -> object:
+    return tiny({**config, "slow": True, "steps": 30}, run)
 
 
-def take_all(url: str, study_name: str, out: str, start: object) -> None:
-    """The race test's worker: once both workers are ready (the barrier `start`), take trials from the study until
-    none is left, finishing each after 10 ms, and write the numbers taken to `out`."""
-    from exogym.sweep.objective import Objective
-    from exogym.sweep.runs import RunOutcome
-    from exogym.sweep.space import grid
-    from exogym.sweep.study import StudyLedger
-
-    ledger = StudyLedger(url, study_name, grid(i=list(range(30))), Objective(), search="grid", trials=None)
-    taken = []
-    start.wait(60)
-    while (job := ledger.next_job()) is not None:
-        taken.append(job.config["i"])
-        time.sleep(0.01)
-        ledger.finish(job, [RunOutcome(0, "completed", {"objective": 1.0, "violation": 0.0})])
-    with open(out, "w") as f:
-        f.write(" ".join(map(str, taken)))
-
-
-def kill_sweep(out: str, resume: bool = False) -> None:
+def kill_sweep(out: str, resume: str = "") -> None:
     """The kill test's sweep, started as `python -c "import sweep_runs; sweep_runs.kill_sweep(out)"` (so that its
     functions are sweep_runs.*, whichever process runs them)."""
     from exogym.sweep import grid, sweep
-    sweep(slow, grid(H=[2, 4, 5], seed=[0]), out=out, workers=2, checkpoint_interval=5, resume=resume,
-          progress=False)
+    sweep(slow, grid(H=[2, 4, 5], seed=[0]), out=out, workers=None if resume else 2, checkpoint_interval=5,
+          resume=bool(resume), progress=False)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
@@ -40,20 +39,6 @@ def test_grid_runs_every_configuration_once_and_averages_the_seeds(tmp_path):
     assert [r["objective"] for r in load(tmp_path / "s").table()] == [r["objective"] for r in rows]
     with pytest.raises(ValueError, match="holds a sweep already"):  # a sweep folder is never written over
         sweep(tiny, grid(H=[2]), out=tmp_path / "s", progress=False)
-
-
-def test_grid_without_optuna_is_kept_in_its_run_folders(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "optuna", None)  # import optuna now raises ImportError
-    with pytest.raises(ImportError, match=r"pip install 'exogym\[sweep\]'"):
-        sweep(tiny, space(H=Int(2, 6)), search="random", trials=2, out=tmp_path / "r", progress=False)
-    assert not (tmp_path / "r").exists()
-    space_ = grid(H=[2, 5], seed=[0, 1])
-    rows = sweep(tiny, space_, out=tmp_path / "s", progress=False).table()
-    assert [r["status"] for r in rows] == ["completed"] * 2 and not (tmp_path / "s" / "study.db").exists()
-    marks = {p: p.stat().st_mtime_ns for p in (tmp_path / "s" / "runs").glob("*/summary.json")}
-    again = sweep(tiny, space_, out=tmp_path / "s", resume=True, progress=False).table()
-    assert [r["objective"] for r in again] == [r["objective"] for r in rows]
-    assert marks == {p: p.stat().st_mtime_ns for p in (tmp_path / "s" / "runs").glob("*/summary.json")}  # not rerun
 
 
 @pytest.mark.parametrize("search", ["random", "tpe"])
@@ -137,7 +122,7 @@ def test_bad_sweep_arguments_stop_before_any_trial(tmp_path):
         (dict(space=grid(H=[2]), search="bayes"), "search must be one of"),
         (dict(space=grid(H=[2]), workers=0), "workers must be an int >= 1"),
         (dict(space=grid(H=[2]), objective="nope"), "unknown objective"),
-        (dict(space=grid(H=[2]), workers=2, run=lambda c: None), "must be importable"),
+        (dict(space=grid(H=[2]), workers=2, run=lambda c, r: None), "must be importable"),
     ]:
         with pytest.raises((ValueError, TypeError), match=match):
             sweep(kwargs.pop("run", tiny), out=out, progress=False, **kwargs)

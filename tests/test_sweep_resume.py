@@ -5,7 +5,6 @@ command line's --resume."""
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import re
 import signal
@@ -17,30 +16,10 @@ from pathlib import Path
 import pytest
 
 from exogym.sweep import grid, load, sweep
-from sweep_runs import slow, take_all
 
 optuna = pytest.importorskip("optuna")
 HERE = Path(__file__).parent
-
-
-def test_two_workers_never_take_the_same_trial(tmp_path):
-    from exogym.sweep.objective import Objective
-    from exogym.sweep.study import StudyLedger
-
-    url = f"sqlite:///{tmp_path / 'study.db'}"
-    StudyLedger(url, "race", grid(i=list(range(30))), Objective(), search="grid", trials=None, create=True)
-    context = multiprocessing.get_context("spawn")
-    start = context.Barrier(2)  # both take from the same moment on
-    procs = [context.Process(target=take_all, args=(url, "race", str(tmp_path / f"taken{i}"), start))
-             for i in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        assert p.exitcode == 0
-    taken = [[int(t) for t in (tmp_path / f"taken{i}").read_text().split()] for i in range(2)]
-    assert sorted(taken[0] + taken[1]) == list(range(30))  # every trial taken once, none twice
-    assert all(taken)  # both workers took some: they did race
+ROOT = HERE.parent
 
 
 def _checkpointed_run(runs: Path) -> Path | None:
@@ -51,33 +30,66 @@ def _checkpointed_run(runs: Path) -> Path | None:
     return None
 
 
-def test_a_worker_killed_mid_run_loses_only_that_run_and_resume_runs_it_from_its_checkpoint(tmp_path):
-    out = tmp_path / "s"
-    sweep_proc = subprocess.Popen([sys.executable, "-c", "import sys, sweep_runs; sweep_runs.kill_sweep(sys.argv[1])",
-                                   str(out)], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(HERE)})
+def _wait_for_checkpointed_run(out: Path, proc: subprocess.Popen) -> Path:
     deadline, victim = time.monotonic() + 120, None
-    while victim is None and time.monotonic() < deadline and sweep_proc.poll() is None:
+    while victim is None and time.monotonic() < deadline and proc.poll() is None:
         victim = _checkpointed_run(out / "runs")
         time.sleep(0.05)
     assert victim is not None, "no run reached a checkpoint"
+    return victim
+
+
+def _start(out: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import sys, sweep_runs; sweep_runs.kill_sweep(*sys.argv[1:])",
+                             str(out), *args], cwd=out.parent, env={**os.environ, "PYTHONPATH": f"{HERE}:{ROOT}"},
+                            start_new_session=True)
+
+
+def test_a_worker_killed_mid_run_is_replaced_and_its_configuration_reruns_from_its_checkpoint(tmp_path):
+    out = tmp_path / "s"
+    proc = _start(out)
+    victim = _wait_for_checkpointed_run(out, proc)
     pid = json.loads((victim / ".exogym-run").read_text())["pid"]  # the worker process running it
     os.kill(pid, signal.SIGKILL)
-    assert sweep_proc.wait(180) == 0  # the other worker finishes the rest
-
-    space = grid(H=[2, 4, 5], seed=[0])
-    finished = {p.parent.name: p.stat().st_mtime_ns for p in (out / "runs").glob("*/summary.json")}
-    rows = sweep(slow, space, out=out, checkpoint_interval=5, resume=True, progress=False).table()
+    assert proc.wait(180) == 0  # a new worker took the dead one's place, and its configuration ran again
+    rows = load(out).table()
     assert sorted(r["H"] for r in rows) == [2, 4, 5]  # every configuration exactly once
     assert all(r["status"] == "completed" and r["seeds"] == 1 for r in rows)
     killed = next(r for r in rows if Path(r["run_dirs"]) == victim)
     assert killed["attempts"] == 2 and all(r["attempts"] == 1 for r in rows if r is not killed)
     assert "resumed" in json.loads((victim / "config.json").read_text())  # from its checkpoint, not from scratch
-    assert {p.parent.name: p.stat().st_mtime_ns for p in (out / "runs").glob("*/summary.json")
-            if p.parent != victim} == finished  # finished runs were not run again
     for r in rows:  # each run's rows once: no two workers ran it, and the resumed run continued its own file
         with open(Path(r["run_dirs"]) / "train.csv") as f:
             assert [int(line.split(",")[0]) for line in list(f)[1:]] == list(range(1, 31))
-    assert sorted(p.name for p in (out / "runs").iterdir()) == sorted(Path(r["run_dirs"]).name for r in rows)
+
+
+def test_a_sweep_killed_outright_resumes_bit_identically_with_its_own_workers(tmp_path):
+    whole = tmp_path / "whole"
+    assert _start(whole).wait(180) == 0
+    out = tmp_path / "s"
+    proc = _start(out)
+    _wait_for_checkpointed_run(out, proc)
+    os.killpg(proc.pid, signal.SIGKILL)  # the sweep and its workers, at once
+    proc.wait(30)
+    finished = {p.parent.name: p.stat().st_mtime_ns for p in (out / "runs").glob("*/summary.json")}
+    assert _start(out, "resume").wait(180) == 0  # resume=True, no workers given: the sweep's own 2
+    assert json.loads((out / "sweep.json").read_text())["workers"] == 2
+    rows, expected = load(out).table(), load(whole).table()
+    assert [r["objective"] for r in rows] == [r["objective"] for r in expected]  # bit-identical
+    assert all(r["status"] == "completed" for r in rows)
+    assert {p.parent.name: p.stat().st_mtime_ns for p in (out / "runs").glob("*/summary.json")
+            if p.parent.name in finished} == finished  # finished runs were not run again
+
+
+def test_a_script_without_the_main_guard_gets_one_line_naming_the_fix(tmp_path):
+    script = tmp_path / "no_guard.py"
+    script.write_text("from exogym.sweep import grid, sweep\nfrom sweep_runs import tiny\n"
+                      f"sweep(tiny, grid(H=[2, 3]), workers=2, out={str(tmp_path / 's')!r}, progress=False)\n")
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": f"{HERE}:{ROOT}"})
+    assert done.returncode != 0
+    assert "put the sweep(...) call under `if __name__ == \"__main__\":`" in done.stderr
+    assert "bootstrapping" not in done.stderr and done.stderr.count("Traceback") <= 1
 
 
 def test_the_command_line_sweeps_resumes_and_refuses_what_it_cannot_do(tmp_path, capsys):

@@ -5,19 +5,23 @@
     result.table()                                         # one row per configuration, mean and spread over seeds
     result.frontier("payload_bytes_per_node", "val_loss")  # the Pareto-optimal configurations
 
-`run_one(config)` builds a Trainer, calls fit with the configuration's values (config["seed"] included) and
-returns trainer.record; each run's folder lands under out/runs/. A configuration is one set of parameter
+`run_one(config, run)` builds a Trainer, calls fit with the configuration's values (config["seed"] included)
+and the sweep's settings for the run (`trainer.fit(..., **run.fit_kwargs)`: its folder under out/runs/, its
+checkpoints, where it resumes from) and returns trainer.record. A configuration is one set of parameter
 values, run with every seed; its results are the mean and spread over the seeds. `exogym sweep` does the same
 for the built-in tasks from the command line. docs/sweeps.md tells the whole story.
 
 Modules, one job each: space (grid and search spaces), objective (what is optimised), runs (one run in its run
-folder), study (Optuna's study: the bookkeeping), folders (the bookkeeping without Optuna, grids only), workers
-(worker processes), results (table, best, frontier), plots (frontier and heatmap), sweep (the whole of it).
+folder), study (Optuna's study: the bookkeeping), storage (where the study lives, outages), definition (sweep.json),
+workers (worker processes), results (table, best, frontier), plots (frontier and heatmap), dashboard
+(optuna-dashboard), sweep (the whole of it).
 """
 
 from exogym.sweep.objective import Objective
-from exogym.sweep.runs import run_folder
+from exogym.sweep.runs import SweepRun
 from exogym.sweep.space import Choice, Float, Int, Space, grid, space
+from exogym.sweep.storage import StorageUnavailable, SweepStopped
 from exogym.sweep.sweep import SweepResult, load, sweep
 
-__all__ = ["sweep", "load", "grid", "space", "Int", "Float", "Choice", "Space", "Objective", "SweepResult", "run_folder"]
+__all__ = ["sweep", "load", "grid", "space", "Int", "Float", "Choice", "Space", "Objective", "SweepResult",
+           "SweepRun", "StorageUnavailable", "SweepStopped"]

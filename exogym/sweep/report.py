@@ -14,10 +14,10 @@ __all__ = ["SweepResult"]
 
 
 class SweepResult:
-    """A sweep's results, read from its study (or run folders): table(), best(), frontier(x, y), write()."""
+    """A sweep's results, read from its study: table(), best(), frontier(x, y), write()."""
 
-    def __init__(self, definition: Any, ledger: Any):  # a sweep.Definition
-        self.definition, self.ledger = definition, ledger
+    def __init__(self, definition: Any, study: Any):  # a sweep.Definition and its study.SweepStudy
+        self.definition, self.study = definition, study
         self.folder = Path(definition.folder)
         self.objective, self.space = definition.objective, definition.space
         self.params = definition.space.names
@@ -25,7 +25,7 @@ class SweepResult:
     def table(self) -> list[dict[str, Any]]:
         """One row per configuration: parameters, status, seeds completed, and for the objective and every
         metric its mean over the seeds (and `<name>_std`, the sample standard deviation)."""
-        return table_rows(self.ledger.entries(), self.params, self.folder)
+        return table_rows(self.study.entries(), self.params, self.folder)
 
     def best(self) -> dict[str, Any] | None:
         """The completed, feasible row with the best mean objective."""

@@ -1,20 +1,20 @@
 """One run of a sweep: a configuration with one seed, as a normal run folder under the sweep folder.
 
-The user's run function builds a Trainer and calls `fit` without naming a folder. While it runs, the first
-`fit` call of the run is given (through `exogym.adapters`, the core's argument hook, and only for the
-arguments the call leaves out): a CSVLogger writing `<sweep>/runs/<run name>/`, checkpoints in that folder's
-`checkpoints/` every `checkpoint_interval` steps, `resume_from=` its last checkpoint when an earlier attempt
-left one (the run continues bit-identically), `overwrite=True` when an earlier attempt left a folder without one
-(it starts again), and `progress=False` (the sweep shows its own bar).
+The user's run function is called as `run(config, run)`: `config` holds the configuration's values and its
+seed, `run` is a SweepRun, the run's settings from the sweep, handed over explicitly. The function passes them
+on to fit: `trainer.fit(strategy, nodes, ..., **run.fit_kwargs)` gives fit a CSVLogger writing
+`<sweep>/runs/<run name>/`, checkpoints in its `checkpoints/` every `checkpoint_interval` steps, `resume_from=`
+the last checkpoint an earlier attempt left (the run continues bit-identically), `overwrite=True` when an
+earlier attempt left a folder without one (it starts again), and `progress=False` (the sweep shows its own bar).
 
 How a run ends: "completed"; "diverged" (a nan/inf loss: FloatingPointError, or a nan objective), "failed"
 (any other exception, with its message). Ctrl-C and SIGTERM propagate as KeyboardInterrupt: the run is
-interrupted, and continues from its checkpoint when the sweep resumes.
+interrupted, and continues from its checkpoint when the sweep resumes. The outcome is written into the run
+folder (`sweep_run.json`) before it goes to the study, so an outage of the study's storage never loses it.
 """
 
 from __future__ import annotations
 
-import contextvars
 import fcntl
 import json
 import math
@@ -25,18 +25,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from exogym.adapters import register_adapter
 from exogym.runs.checkpoint import CheckpointError, find_checkpoint
 from exogym.runs.loggers import CSVLogger
 from exogym.sweep.objective import MissingMetricError, Objective
 from exogym.sweep.space import Value, run_name
-from exogym.trainer import Trainer
 
-__all__ = ["MISSING_METRIC", "RunOutcome", "run_seed", "run_folder", "RunLock", "config_status", "write_outcome",
-           "read_outcome", "RUNS", "LOCKS"]
+__all__ = ["MISSING_METRIC", "NO_FOLDER", "RunOutcome", "SweepRun", "run_seed", "RunLock", "config_status",
+           "write_outcome", "read_outcome", "RUNS", "LOCKS"]
 
 RUNS, LOCKS = "runs", ".locks"  # under the sweep folder: the run folders, and one lock file per run
 MISSING_METRIC = "MissingMetric"  # how an outcome's error starts when the run lacks what the objective reads
+NO_FOLDER = "NoRunFolder"  # how it starts when the run function did not pass run.fit_kwargs on to fit
 
 
 @dataclass
@@ -60,50 +59,40 @@ class RunOutcome:
         return cls(**data)
 
 
-@dataclass
-class _FitDefaults:
-    """What the first fit call of a sweep run is given (see the module's docstring)."""
+@dataclass(frozen=True)
+class SweepRun:
+    """The settings the sweep gives one run, handed to the run function as its second argument.
 
-    log_dir: Path
+    Attributes:
+        name: The run's name, "H=30,outer_lr=0.6,seed=0": its folder under `<sweep>/runs/`.
+        folder: The run folder (fit's CSVLogger writes it); save more into it (a model, samples).
+        seed: The run's seed (also config["seed"]).
+        checkpoint_interval: Steps between checkpoints (the sweep's checkpoint_interval=), or None.
+        resume_from: The last checkpoint an earlier attempt of this run left (None: the run starts afresh).
+        overwrite: Whether an earlier attempt left a folder without a checkpoint (fit starts the run again).
+    """
+
     name: str
-    checkpoint_interval: int | None
-    resume_from: Path | None
-    overwrite: bool
-    used: bool = False
+    folder: Path
+    seed: int
+    checkpoint_interval: int | None = None
+    resume_from: Path | None = None
+    overwrite: bool = False
 
-
-_ACTIVE: contextvars.ContextVar[_FitDefaults | None] = contextvars.ContextVar("exogym_sweep_run", default=None)
-
-
-def run_folder() -> Path | None:
-    """The run folder of the sweep run this process is running (to save more into it: a model, samples), or None
-    outside a sweep run."""
-    d = _ACTIVE.get()
-    return None if d is None else d.log_dir / d.name
-
-
-def _fill_fit_defaults(target: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    d = _ACTIVE.get()
-    if d is None or d.used:
-        return args, kwargs
-    d.used = True  # a run function calling fit twice: only the first call is the sweep's run
-    kwargs = dict(kwargs)
-    if kwargs.get("logger") in (None, True) and kwargs.get("run_name") is None:
-        kwargs["logger"] = CSVLogger(d.log_dir, d.name)
-    kwargs.setdefault("progress", False)
-    folder = d.log_dir / d.name
-    if d.checkpoint_interval is not None and kwargs.get("checkpoint_interval") is None:
-        kwargs["checkpoint_interval"] = d.checkpoint_interval
-    if kwargs.get("checkpoint_interval") is not None or d.resume_from is not None:
-        kwargs.setdefault("checkpoint_dir", folder / "checkpoints")
-    if d.resume_from is not None:
-        kwargs.setdefault("resume_from", d.resume_from)
-    elif d.overwrite:
-        kwargs.setdefault("overwrite", True)
-    return args, kwargs
-
-
-register_adapter(Trainer.fit, _fill_fit_defaults)
+    @property
+    def fit_kwargs(self) -> dict[str, Any]:
+        """What to pass on to `trainer.fit(...)`: logger (a CSVLogger writing `folder`), progress=False, and the
+        checkpoint settings (checkpoint_interval, checkpoint_dir, resume_from or overwrite) where they apply."""
+        kwargs: dict[str, Any] = {"logger": CSVLogger(self.folder.parent, self.name), "progress": False}
+        if self.checkpoint_interval is not None:
+            kwargs["checkpoint_interval"] = self.checkpoint_interval
+        if self.checkpoint_interval is not None or self.resume_from is not None:
+            kwargs["checkpoint_dir"] = self.folder / "checkpoints"
+        if self.resume_from is not None:
+            kwargs["resume_from"] = self.resume_from
+        elif self.overwrite:
+            kwargs["overwrite"] = True
+        return kwargs
 
 
 class RunLock:
@@ -205,20 +194,20 @@ def _unpack(result: Any) -> tuple[Any, dict[str, float]]:
     return record, dict(extra)
 
 
-def run_seed(run: Callable[[dict[str, Value]], Any], config: Mapping[str, Value], seed: int, *, sweep_dir: Path,
+def run_seed(run: Callable[..., Any], config: Mapping[str, Value], seed: int, *, sweep_dir: Path,
              objective: Objective, checkpoint_interval: int | None) -> RunOutcome:
-    """Run `config` with `seed` once, in its run folder; KeyboardInterrupt (Ctrl-C, SIGTERM) propagates."""
+    """Run `config` with `seed` once, in its run folder, and write its outcome there (sweep_run.json);
+    KeyboardInterrupt (Ctrl-C, SIGTERM) propagates."""
     name = run_name(config, seed)
     folder = sweep_dir / RUNS / name
     checkpoint, left_folder = _earlier_attempt(folder)
-    defaults = _FitDefaults(sweep_dir / RUNS, name, checkpoint_interval, checkpoint, overwrite=left_folder)
-    token = _ACTIVE.set(defaults)
+    settings = SweepRun(name, folder, seed, checkpoint_interval, checkpoint, overwrite=left_folder)
     start = time.perf_counter()
     outcome = RunOutcome(seed, "completed", run_dir=f"{RUNS}/{name}",
                          resumed_from=str(checkpoint.relative_to(sweep_dir)) if checkpoint else None)
     given = _Config({**config, "seed": seed})
     try:
-        record, extra = _unpack(run(given))
+        record, extra = _unpack(run(given, settings))
         outcome.metrics = objective.measure(record, extra)
         if not math.isfinite(outcome.metrics["objective"]):
             outcome.status, outcome.error = "diverged", f"the objective is {outcome.metrics['objective']}"
@@ -229,18 +218,22 @@ def run_seed(run: Callable[[dict[str, Value]], Any], config: Mapping[str, Value]
     except Exception as e:
         outcome.status = "failed"
         outcome.error = f"{type(e).__name__}: {e}\n" + "".join(traceback.format_exception(e)[-6:])
-    finally:
-        _ACTIVE.reset(token)
     outcome.wall_s = time.perf_counter() - start
     if outcome.status == "completed":  # a run that stopped early may not have reached every parameter
         outcome.unread = sorted(set(config) - given.read)
-    if not defaults.used or not folder.exists():
-        outcome.run_dir = None  # the run function never called fit, or fit wrote no folder (logger=False)
+    if outcome.status == "completed" and not (folder / "summary.json").exists():
+        outcome.status = "failed"  # every run would write nowhere: the sweep stops after this one (workers.work)
+        outcome.error = (f"{NO_FOLDER}: the run wrote no run folder {folder}: pass the sweep's settings on to fit, "
+                         "trainer.fit(..., **run.fit_kwargs) (run: the run function's second argument)")
+    if not folder.exists():
+        outcome.run_dir = None
+    else:
+        write_outcome(folder, outcome)
     return outcome
 
 
 def write_outcome(folder: Path, outcome: RunOutcome) -> None:
-    """The outcome as <run folder>/sweep_run.json (the folders' own bookkeeping, when Optuna is not used)."""
+    """The outcome as <run folder>/sweep_run.json, written before it goes to the study (an outage loses nothing)."""
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / "sweep_run.json.tmp"
     tmp.write_text(json.dumps(outcome.to_json(), indent=1) + "\n")

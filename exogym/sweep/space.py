@@ -19,9 +19,13 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Union
 
-__all__ = ["Int", "Float", "Choice", "Space", "grid", "space", "config_key", "run_name", "Value"]
+__all__ = ["Int", "Float", "Choice", "Space", "grid", "space", "config_key", "run_name", "Value", "MAX_GRID",
+           "check_grid_size"]
 
 Value = Union[int, float, str, bool, None]  # what a parameter may hold: JSON and Optuna can store it
+# The most configurations a grid sweep takes: each is an Optuna trial queued before the first run starts (about
+# 4 ms each in a journal file, more on a database server). A larger grid is refused with its count.
+MAX_GRID = 10_000
 
 
 def _check_value(name: str, value: Any) -> None:
@@ -160,13 +164,24 @@ class Space:
         """Every parameter a list of values (ranges cannot be enumerated)."""
         return all(isinstance(d, Choice) for part in self.parts for d in part.values())
 
-    def configurations(self) -> list[dict[str, Value]]:
-        """Every configuration of the grid, in order, each once (a union may list one twice)."""
+    def _check_grid(self) -> None:
         if not self.is_grid:
             ranges = [n for part in self.parts for n, d in part.items() if not isinstance(d, Choice)]
             raise ValueError(f"a grid lists values; {', '.join(sorted(set(ranges)))} "
                              f"{'is a range' if len(set(ranges)) == 1 else 'are ranges'}: use search='random' or "
                              "'tpe' with trials=N, or give lists of values")
+
+    def count(self) -> int:
+        """How many configurations the grid has, counted without listing them (a union of large parts counts a
+        configuration two parts share twice; parts of up to MAX_GRID configurations are listed and counted
+        exactly)."""
+        self._check_grid()
+        total = sum(math.prod(len(d.values) for d in part.values()) for part in self.parts)
+        return len(self.configurations()) if len(self.parts) > 1 and total <= MAX_GRID else total
+
+    def configurations(self) -> list[dict[str, Value]]:
+        """Every configuration of the grid, in order, each once (a union may list one twice)."""
+        self._check_grid()
         out: dict[str, dict[str, Value]] = {}
         for part in self.parts:
             names = list(part)
@@ -222,6 +237,18 @@ class Space:
         return " + ".join(f"[{p}]" if len(parts) > 1 else p for p in parts) + f"; seeds {list(self.seeds)}"
 
 
+def check_grid_size(grid_space: Space) -> int:
+    """The grid's number of configurations; ValueError with the count when it is over MAX_GRID."""
+    count = grid_space.count()
+    if count > MAX_GRID:
+        seeds = len(grid_space.seeds)
+        raise ValueError(f"the grid has {count:,} configurations x {seeds} seed(s) = {count * seeds:,} runs; a grid "
+                         f"sweep takes at most {MAX_GRID:,} configurations (each is an Optuna trial, queued before "
+                         "the first run): fix some parameters, split the grid, or search it (search='random' or "
+                         "'tpe' with trials=N; exogym sweep --search random --trials N)")
+    return count
+
+
 def _build(params: Mapping[str, Any]) -> Space:
     params = dict(params)
     seeds = _seeds(params.pop("seed")) if "seed" in params else (0,)
@@ -232,7 +259,7 @@ def grid(**params: Any) -> Space:
     """Every combination of the listed values (a single value is fixed); seed=[...] are the seeds each
     configuration runs with (default [0]). Join grids with + for configurations that are not one product."""
     out = _build(params)
-    out.configurations()  # ranges are refused here, with the fix
+    out.count()  # ranges are refused here, with the fix (nothing is listed: a grid may be huge)
     return out
 
 

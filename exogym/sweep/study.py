@@ -1,63 +1,38 @@
-"""The sweep's bookkeeping in an Optuna study: which configurations exist, which ran, how they ended.
+"""The sweep's bookkeeping: an Optuna study, run through Optuna's own API.
 
-One Optuna trial is one configuration (all its seeds); its value is the objective's mean over the seeds, and
-its user attributes hold each seed's outcome ("run:<seed>"), the configuration's key, the worker that ran it
-(host, pid) and how it ended ("status": completed, diverged, failed, interrupted). The study lives in
-Optuna's storage: SQLite in the sweep folder by default, or any SQL URL Optuna takes (several machines).
-
-- A grid is written into the study when the sweep is created, one WAITING trial per configuration; workers
-  take them one at a time. A search asks Optuna's sampler (random, or TPE with Optuna's constraints) for a new
-  trial while the budget of trials lasts.
-- Taking a WAITING trial sets it RUNNING only if it is still WAITING, in one transaction. SQLite cannot lock a
-  row, so its transactions here start with BEGIN IMMEDIATE: one writer at a time, and two workers never take
-  the same trial.
-- A trial whose worker died (its pid gone on this host, or, from another machine, no Optuna heartbeat for
-  GRACE_S) is marked interrupted. Resuming queues an interrupted trial again (and a failed or diverged one when
-  asked); seeds that completed in an earlier attempt are not run again.
+- One trial is one configuration (all its seeds). A worker runs trials with `study.optimize(n_trials=1)`:
+  Optuna claims a waiting trial (or asks its sampler for a new one), beats its heartbeat where the storage has
+  one, fails stale trials first, and tells the result. Each seed's outcome is kept on the trial (user attribute
+  `run:<seed>`) as it finishes, and in its run folder (`sweep_run.json`) before that, so a result the
+  storage could not take (an outage) reaches the study later and is never run again.
+- A grid is queued up front with `study.enqueue_trial` (each configuration once, its values fixed); a search
+  asks the sampler (random or TPE) for up to `trials` configurations.
+- States are Optuna's; the user attribute `reason` says why a trial is not plainly COMPLETE: FAIL with reason
+  `failed`, `diverged` or `interrupted`; COMPLETE with reason `infeasible` (over a constraint, which the TPE
+  sampler is told through Optuna's constraints); PRUNED with reason `over budget` (a search's trial asked past
+  its budget by a worker racing another) or `no configuration left` (a grid's worker asking as the last one
+  was taken). Any Optuna tool reads the study as it is.
+- Retries are Optuna's `RetryHeartbeatStaleTrialCallback`: a trial failed as stale (its heartbeat stopped), or
+  whose worker process died, or (on resume) one interrupted (or failed, with retry_failed) is queued again as a
+  new trial with the same values; the new trial carries the seeds already done.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import threading
+import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-from exogym.sweep.objective import Objective
-from exogym.sweep.runs import RunOutcome, config_status
-from exogym.sweep.space import Choice, Float, Int, Space, Value, config_key
+from exogym.sweep.runs import RunOutcome, config_status, read_outcome
+from exogym.sweep.space import Choice, Float, Int, Value, config_key, run_name
+from exogym.sweep.storage import import_optuna, open_storage, patient
 
-__all__ = ["StudyLedger", "Job", "Entry", "import_optuna", "INSTALL"]
+__all__ = ["SweepStudy", "Entry", "REASONS", "GRID_BATCH"]
 
-INSTALL = "pip install 'exogym[sweep]'"
-HEARTBEAT_S, GRACE_S = 30, 120
-
-
-def import_optuna(why: str) -> Any:
-    try:
-        import optuna
-    except ImportError as e:
-        raise ImportError(f"{why} needs Optuna: {INSTALL} (grid sweeps run without it)") from e
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    return optuna
-
-
-@dataclass
-class Job:
-    """A configuration a worker runs: its values, key and seeds (number: the Optuna trial, or -1)."""
-
-    config: dict[str, Value]
-    seeds: tuple[int, ...]
-    number: int = -1
-    trial_id: int = -1
-    held: Any = None  # the folder ledger's lock, held while the job runs
-
-    @property
-    def key(self) -> str:
-        return config_key(self.config)
+REASONS = ("failed", "diverged", "interrupted", "infeasible", "over budget", "no configuration left")
+GRID_BATCH = 500  # grid configurations queued per step; the study notes how many are queued after each
 
 
 @dataclass
@@ -71,77 +46,175 @@ class Entry:
     number: int = -1
 
 
-def _alive(host: str, pid: int) -> bool | None:
-    """Whether a worker on this host still runs (None: another host, cannot tell from here)."""
-    if host != socket.gethostname():
-        return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True
-    return True
+def _retry_callback(optuna: Any, max_retry: int | None) -> Any:
+    with warnings.catch_warnings():  # Optuna calls it experimental
+        warnings.simplefilter("ignore")
+        return optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=max_retry)
 
 
-def _storage(optuna: Any, url: str) -> Any:
-    sqlite = url.startswith("sqlite")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        storage = optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 300}} if sqlite else None,
-                                             heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S)
-    if sqlite:  # SQLite has no SELECT ... FOR UPDATE: make every transaction take the write lock when it begins
-        from sqlalchemy import event
-
-        @event.listens_for(storage.engine, "connect")
-        def _no_implicit_begin(dbapi_connection: Any, _record: Any) -> None:
-            dbapi_connection.isolation_level = None
-            # Write-ahead log, synced at checkpoints: a commit costs no fsync of its own (13 per trial), and a
-            # killed process loses nothing it committed. (SQLite on a network file system: use a server URL.)
-            dbapi_connection.execute("PRAGMA journal_mode=WAL")
-            dbapi_connection.execute("PRAGMA synchronous=NORMAL")
-
-        @event.listens_for(storage.engine, "begin")
-        def _begin_immediate(connection: Any) -> None:
-            connection.exec_driver_sql("BEGIN IMMEDIATE")
-
-        storage.engine.dispose()  # connections opened before the listeners go
-    return storage
+class _NotCompleted(Exception):
+    """Raised by a trial whose configuration failed or diverged: Optuna records it as FAIL."""
 
 
-class StudyLedger:
-    """The Optuna study of one sweep (see the module's docstring)."""
+class SweepStudy:
+    """The Optuna study of one sweep (see the module's docstring). `definition` is the sweep's Definition."""
 
-    def __init__(self, url: str, study_name: str, space: Space, objective: Objective, *, search: str,
-                 trials: int | None, sampler_seed: int = 0, create: bool = False):
-        optuna = import_optuna(f"search={search!r}" if search != "grid" else "a sweep kept in an Optuna study")
-        self.optuna, self.space, self.objective, self.search, self.trials = optuna, space, objective, search, trials
-        self.storage = _storage(optuna, url)
-        if search == "tpe":
-            sampler = optuna.samplers.TPESampler(seed=sampler_seed)  # reads the constraints finish() sets
-        else:
-            sampler = optuna.samplers.RandomSampler(seed=sampler_seed)
-        direction = objective.direction
+    def __init__(self, definition: Any, *, create: bool = False, worker: int = 0, worker_id: str = ""):
+        optuna = import_optuna("a sweep")
+        self.optuna, self.definition = optuna, definition
+        self.space, self.objective = definition.space, definition.objective
+        self.search, self.trials = definition.search, definition.trials
+        self.url, self.patience, self.worker_id = definition.url, definition.storage_patience, worker_id
+        self.storage = open_storage(definition.storage, folder=definition.path, heartbeat=definition.heartbeat,
+                                    grace=definition.grace, max_retry=definition.max_retry,
+                                    patience=definition.storage_patience)
+        self.beats = definition.storage != "default" and not definition.storage.startswith("sqlite")
+        seed = definition.sampler_seed + worker
+        sampler = optuna.samplers.TPESampler(seed=seed) if self.search == "tpe" else \
+            optuna.samplers.RandomSampler(seed=seed)
+        name = definition.study_name
+        self.created = False
         if create:
-            self.study = optuna.create_study(storage=self.storage, study_name=study_name, direction=direction,
-                                             sampler=sampler)
-            if search == "grid":
-                self._write_grid()
-        else:
-            self.study = optuna.load_study(storage=self.storage, study_name=study_name, sampler=sampler)
-        self.study_id = self.storage.get_study_id_from_name(study_name)
-        self._beat: tuple[threading.Event, threading.Thread] | None = None
+            try:  # one maker: the database refuses a second study of this name, and that process joins it
+                self.study = self._patient(lambda: optuna.create_study(
+                    storage=self.storage, study_name=name, direction=self.objective.direction, sampler=sampler),
+                    "a new study")
+                self.created = True
+            except optuna.exceptions.DuplicatedStudyError:
+                create = False
+        if not create:
+            try:
+                self.study = self._patient(lambda: optuna.load_study(storage=self.storage, study_name=name,
+                                                                     sampler=sampler), "the study")
+            except KeyError:
+                raise ValueError(f"the study {name!r} is not in {definition.shown_storage}: the sweep folder "
+                                 f"{definition.folder} points at a study that was never created (or was "
+                                 "deleted); start the sweep again with another out=") from None
+        self._told: tuple[int, float | None] | None = None
 
-    # -- the configurations ------------------------------------------------------------------------------
-    def _distributions(self, names: list[str]) -> dict[str, Any]:
-        return {n: self.optuna.distributions.CategoricalDistribution(self.space.choices(n)) for n in names}
+    def _patient(self, call: Callable[[], Any], what: str = "the study") -> Any:
+        return patient(call, url=self.url, patience=self.patience, what=what)
 
-    def _write_grid(self) -> None:
-        waiting = self.optuna.trial.TrialState.WAITING
-        self.study.add_trials([
-            self.optuna.trial.create_trial(state=waiting, params=c, distributions=self._distributions(list(c)),
-                                           user_attrs={"key": config_key(c)})
-            for c in self.space.configurations()])
+    # -- setting the study up --------------------------------------------------------------------------------
+    def stored_definition(self, wait: float = 0.0) -> dict[str, Any] | None:
+        """The sweep's definition kept on the study (waiting up to `wait` s for its maker to write it)."""
+        deadline = time.monotonic() + wait
+        while True:
+            data = self._patient(lambda: self.study.user_attrs.get("exogym_sweep"))
+            if data is not None or time.monotonic() >= deadline:
+                return data
+            time.sleep(0.2)
+
+    def describe_as(self, data: dict[str, Any]) -> None:
+        self._patient(lambda: self.study.set_user_attr("exogym_sweep", data))
+
+    def queue_grid(self) -> int:
+        """Queue every grid configuration not queued yet (a start interrupted while queueing continues where it
+        stopped); the number queued in all."""
+        if self.search != "grid":
+            return 0
+        configs = self.space.configurations()
+        done = self._patient(lambda: self.study.user_attrs.get("exogym_queued", 0))
+        first = True
+        while done < len(configs):
+            end = min(done + GRID_BATCH, len(configs))
+            for cell in range(done, end):
+                config = configs[cell]
+                self._patient(lambda: self.study.enqueue_trial(
+                    config, user_attrs={"key": config_key(config), "config": config, "cell": cell},
+                    skip_if_exists=first), "the grid")  # after an interrupted start, the last batch may be there
+            first = False
+            done = end
+            self._patient(lambda: self.study.set_user_attr("exogym_queued", end), "the grid")
+        return done
+
+    # -- running trials --------------------------------------------------------------------------------------
+    def _trials(self, states: tuple[Any, ...] | None = None) -> list[Any]:
+        return self._patient(lambda: self.study.get_trials(deepcopy=False, states=states))
+
+    def fail_stale(self) -> None:
+        """Optuna's fail_stale_trials (a storage with a heartbeat): stale trials failed and queued again."""
+        if self.beats:
+            with warnings.catch_warnings():  # Optuna calls it experimental
+                warnings.simplefilter("ignore")
+                self._patient(lambda: self.optuna.storages.fail_stale_trials(self.study))
+
+    def has_work(self) -> bool:
+        """Whether a trial is waiting or a search has budget left. While other workers' trials run on a storage
+        with a heartbeat, wait: one whose worker died is failed as stale and queued again."""
+        state = self.optuna.trial.TrialState
+        while True:
+            self.fail_stale()
+            trials = self._trials()
+            if any(t.state == state.WAITING for t in trials):
+                return True
+            if self.search != "grid" and self._fresh(trials) < (self.trials or 0):
+                return True
+            if not (self.beats and any(t.state == state.RUNNING for t in trials)):
+                return False
+            time.sleep(self.definition.heartbeat)
+
+    def _fresh(self, trials: list[Any], before: int | None = None) -> int:
+        """Trials a search asked its sampler for (not retries, not those pruned as over budget)."""
+        return sum(1 for t in trials if "cell" not in t.user_attrs and "retry_history" not in t.system_attrs
+                   and t.user_attrs.get("reason") != "over budget" and (before is None or t.number < before))
+
+    def run_trial(self, execute: Callable[[dict[str, Value], dict[int, RunOutcome], Callable[[RunOutcome], None]],
+                                          list[RunOutcome]]) -> list[RunOutcome] | None:
+        """Run one trial through study.optimize: execute(config, seeds done, record) runs the seeds not done and
+        returns every seed's outcome. Returns the outcomes (None: the trial was pruned, nothing ran)."""
+        self._told, result = None, {}
+
+        def objective(trial: Any) -> float:
+            config = self._config_of(trial)
+            if config is None:
+                raise self.optuna.TrialPruned()
+            self._set(trial, "key", config_key(config))
+            self._set(trial, "worker", self.worker_id)
+            done = self.done_runs(trial, config)
+            try:
+                outcomes = execute(config, done, lambda o: self._set(trial, f"run:{o.seed}", o.to_json()))
+            except KeyboardInterrupt:
+                self._set(trial, "reason", "interrupted")
+                raise
+            result["outcomes"] = outcomes
+            return self._finish(trial, outcomes)
+
+        def attempt() -> None:
+            if self._told is None:
+                self.study.optimize(objective, n_trials=1, catch=(_NotCompleted,))
+                return
+            number, value = self._told  # the trial ran and its outcomes are stored; only Optuna's tell is left
+            try:
+                if value is None:
+                    self.study.tell(number, state=self.optuna.trial.TrialState.FAIL)
+                else:
+                    self.study.tell(number, value)
+            except self.optuna.exceptions.UpdateFinishedTrialError:
+                pass  # failed as stale meanwhile: its retry takes the stored outcomes, nothing is run again
+
+        self._patient(attempt, "a trial")
+        return result.get("outcomes")
+
+    def _set(self, trial: Any, name: str, value: Any) -> None:
+        self._patient(lambda: trial.set_user_attr(name, value), "a run's outcome")
+
+    def _config_of(self, trial: Any) -> dict[str, Value] | None:
+        """The trial's configuration: queued (a grid, a retry) or proposed by the sampler; None when it is pruned."""
+        queued = trial.user_attrs.get("config")
+        if queued is not None:
+            for name, value in queued.items():  # Optuna records each value with its distribution
+                trial.suggest_categorical(name, self.space.choices(name))
+            return self.space.ordered(queued)
+        if self.search == "grid":
+            self._set(trial, "reason", "no configuration left")
+            return None
+        if self._fresh(self._trials(), before=trial.number) >= (self.trials or 0):
+            self._set(trial, "reason", "over budget")
+            return None
+        config = self.space.ordered(self._suggest(trial))
+        self._set(trial, "config", config)
+        return config
 
     def _suggest(self, trial: Any) -> dict[str, Value]:
         branch = self.space.branch()
@@ -161,150 +234,93 @@ class StudyLedger:
                 config[name] = trial.suggest_float(name, dim.low, dim.high, log=dim.log)
         return config
 
-    def _asked(self) -> int:
-        """Trials that count against the budget: all but the re-runs of interrupted or failed ones."""
-        return sum(1 for t in self.study.get_trials(deepcopy=False) if "retry_of" not in t.user_attrs)
+    def _finish(self, trial: Any, outcomes: list[RunOutcome]) -> float:
+        status = config_status(outcomes, self.space.seeds)
+        if status != "completed":
+            self._set(trial, "reason", status)
+            self._told = (trial.number, None)
+            raise _NotCompleted(status)
+        value = sum(o.metrics["objective"] for o in outcomes) / len(outcomes)
+        violation = max(o.metrics["violation"] for o in outcomes)
+        self._set(trial, "reason", "infeasible" if violation > 0 else None)
+        for name in ("payload_bytes_per_node", "wire_bytes_per_node", "sim_time_s"):  # shown by Optuna's tools
+            values = [o.metrics[name] for o in outcomes if name in o.metrics]
+            if values:
+                self._set(trial, name, sum(values) / len(values))
+        if self.objective.max_bytes is not None or self.objective.max_sim_time is not None:
+            self._patient(lambda: trial.set_constraint("violation", violation))  # read by the TPE sampler
+        self._told = (trial.number, value)
+        return value
 
-    def _pop_waiting(self) -> int | None:
-        running = self.optuna.trial.TrialState.RUNNING
-        for t in self.storage.get_all_trials(self.study_id, deepcopy=False,
-                                             states=(self.optuna.trial.TrialState.WAITING,)):
-            try:
-                if self.storage.set_trial_state_values(t._trial_id, state=running):
-                    return t._trial_id  # this transaction saw it WAITING and made it RUNNING: it is ours
-            except self.optuna.exceptions.UpdateFinishedTrialError:
-                continue
-        return None
-
-    def next_job(self) -> Job | None:
-        trial_id = self._pop_waiting()
-        if trial_id is not None:
-            frozen = self.storage.get_trial(trial_id)
-            config = dict(frozen.params)
-        elif self.search != "grid" and self._asked() < self.trials:
-            with warnings.catch_warnings():  # Optuna notes that its heartbeat is meant for optimize(): ours beats
-                warnings.simplefilter("ignore", UserWarning)
-                trial = self.study.ask()
-            trial_id, config = trial._trial_id, self._suggest(trial)
-            frozen = self.storage.get_trial(trial_id)
-        else:
-            return None
-        config = self.space.ordered(config)  # Optuna may keep the values in another order
-        self.storage.set_trial_user_attr(trial_id, "key", config_key(config))
-        self.storage.set_trial_user_attr(trial_id, "worker", {"host": socket.gethostname(), "pid": os.getpid()})
-        self._start_heartbeat(trial_id)
-        return Job(config, self.space.seeds, frozen.number, trial_id)
-
-    # -- while and after a configuration runs ----------------------------------------------------------------
-    def _start_heartbeat(self, trial_id: int) -> None:
-        self._stop_heartbeat()
-        stop = threading.Event()
-
-        def beat() -> None:
-            while not stop.wait(HEARTBEAT_S):
-                try:
-                    self.storage.record_heartbeat(trial_id)
-                except Exception:  # the next beat tries again; a missed one only makes the trial look older
-                    pass
-        self.storage.record_heartbeat(trial_id)
-        thread = threading.Thread(target=beat, name=f"exogym-sweep-heartbeat-{trial_id}", daemon=True)
-        thread.start()
-        self._beat = (stop, thread)
-
-    def _stop_heartbeat(self) -> None:
-        if self._beat is not None:
-            self._beat[0].set()
-            self._beat[1].join()
-            self._beat = None
-
-    def done_runs(self, job: Job) -> dict[int, RunOutcome]:
-        """Seeds of this configuration that completed (or diverged) in any attempt: never run again."""
+    def done_runs(self, trial: Any, config: dict[str, Value]) -> dict[int, RunOutcome]:
+        """Seeds of this configuration that completed (or diverged) in an earlier attempt (carried by the retry),
+        or whose outcome sits in its run folder without having reached the study: never run again."""
         done: dict[int, RunOutcome] = {}
-        for t in self.study.get_trials(deepcopy=False):
-            if t.user_attrs.get("key") != job.key:
-                continue
-            for seed in job.seeds:
-                data = t.user_attrs.get(f"run:{seed}")
-                if data and data["status"] in ("completed", "diverged"):
-                    done[seed] = RunOutcome.from_json(data)
+        for seed in self.space.seeds:
+            data = trial.user_attrs.get(f"run:{seed}")
+            outcome = RunOutcome.from_json(data) if data else \
+                read_outcome(self.definition.path / "runs" / run_name(config, seed))
+            if outcome is not None and outcome.status in ("completed", "diverged"):
+                done[seed] = outcome
         return done
 
-    def record_run(self, job: Job, outcome: RunOutcome) -> None:
-        self.storage.set_trial_user_attr(job.trial_id, f"run:{outcome.seed}", outcome.to_json())
+    # -- workers that stopped ----------------------------------------------------------------------------------
+    def retry(self, trial: Any) -> None:
+        """Queue `trial` (FAIL) again through Optuna's retry callback (its values, its seeds done)."""
+        callback = _retry_callback(self.optuna, self.definition.max_retry)
+        self._patient(lambda: callback(self.study, trial), "a retry")
 
-    def finish(self, job: Job, outcomes: list[RunOutcome]) -> None:
-        self._stop_heartbeat()
-        status = config_status(outcomes, job.seeds)
-        self.storage.set_trial_user_attr(job.trial_id, "status", status)
-        if status == "completed":
-            values = [o.metrics["objective"] for o in outcomes]
-            violation = max(o.metrics["violation"] for o in outcomes)
-            self.storage.set_trial_user_attr(job.trial_id, "violation", violation)
-            if self.objective.max_bytes is not None or self.objective.max_sim_time is not None:
-                # Optuna's constraints (<= 0: feasible), which its TPE sampler takes into account.
-                self.optuna.trial.Trial(self.study, job.trial_id).set_constraint("violation", violation)
-            self.study.tell(job.number, sum(values) / len(values))
-        else:
-            self.study.tell(job.number, state=self.optuna.trial.TrialState.FAIL)
-
-    def interrupt(self, job: Job) -> None:
-        self._stop_heartbeat()
-        self._mark_interrupted(job.trial_id)
-
-    def _mark_interrupted(self, trial_id: int) -> None:
-        try:
-            self.storage.set_trial_user_attr(trial_id, "status", "interrupted")
-            self.storage.set_trial_state_values(trial_id, state=self.optuna.trial.TrialState.FAIL)
-        except self.optuna.exceptions.UpdateFinishedTrialError:
-            pass  # another process marked it first
-
-    # -- resuming ------------------------------------------------------------------------------------------
-    def mark_dead(self) -> int:
-        """RUNNING trials whose worker is gone (on this host: its pid; elsewhere: no heartbeat): interrupted."""
-        found = 0
-        for t in self.study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.RUNNING,)):
-            worker = t.user_attrs.get("worker")
-            if worker and _alive(worker["host"], worker["pid"]) is False:
-                self._mark_interrupted(t._trial_id)
-                found += 1
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            self.optuna.storages.fail_stale_trials(self.study)  # another machine's worker: by Optuna's heartbeat
-        return found
+    def interrupt_running(self, worker_id: str | None = None) -> int:
+        """RUNNING trials of a worker that is gone (worker_id; None: every RUNNING trial, when no other process
+        can hold one) marked FAIL with reason interrupted, and queued again."""
+        count = 0
+        for t in self._trials((self.optuna.trial.TrialState.RUNNING,)):
+            if worker_id is not None and t.user_attrs.get("worker") != worker_id:
+                continue
+            self._patient(lambda: self.storage.set_trial_user_attr(t._trial_id, "reason", "interrupted"))
+            try:
+                self._patient(lambda: self.storage.set_trial_state_values(
+                    t._trial_id, state=self.optuna.trial.TrialState.FAIL))
+            except self.optuna.exceptions.UpdateFinishedTrialError:
+                continue  # it ended meanwhile
+            self.retry(self._patient(lambda: self.storage.get_trial(t._trial_id)))
+            count += 1
+        return count
 
     def requeue(self, retry_failed: bool) -> int:
-        """Queue again every interrupted trial (and failed/diverged ones when retry_failed) not yet re-queued."""
-        trials = self.study.get_trials(deepcopy=False)
-        queued = {t.user_attrs.get("retry_of") for t in trials}
+        """Queue again every interrupted configuration (and failed or diverged ones when retry_failed) whose latest
+        attempt is not queued already."""
+        state = self.optuna.trial.TrialState
+        trials = self._trials()
+        retried = {n for t in trials for n in t.system_attrs.get("retry_history", ())}
         again = ("interrupted", "failed", "diverged") if retry_failed else ("interrupted",)
         latest: dict[str, Any] = {}
-        for t in trials:  # only a configuration's latest attempt decides
-            latest[t.user_attrs.get("key", str(t.number))] = t
+        for t in trials:
+            if "key" in t.user_attrs:
+                latest[t.user_attrs["key"]] = t
         count = 0
         for t in latest.values():
-            if t.state != self.optuna.trial.TrialState.FAIL or t.number in queued:
-                continue
-            if t.user_attrs.get("status", "interrupted") in again:  # no status: failed by Optuna's heartbeat
-                self.study.add_trial(self.optuna.trial.create_trial(
-                    state=self.optuna.trial.TrialState.WAITING, params=t.params, distributions=t.distributions,
-                    user_attrs={"key": t.user_attrs.get("key"), "retry_of": t.number}))
+            if t.state == state.FAIL and t.number not in retried and t.user_attrs.get("reason", "interrupted") in again:
+                callback = _retry_callback(self.optuna, None)  # asked for: no retry limit
+                self._patient(lambda: callback(self.study, t), "a retry")
                 count += 1
         return count
 
-    # -- what the table shows ------------------------------------------------------------------------------
+    # -- what the table shows --------------------------------------------------------------------------------
     def entries(self) -> list[Entry]:
         state = self.optuna.trial.TrialState
         by_key: dict[str, Entry] = {}
-        for t in sorted(self.study.get_trials(deepcopy=False), key=lambda t: t.number):
+        for t in sorted(self._trials(), key=lambda t: (t.user_attrs.get("cell", -1), t.number)):
             key = t.user_attrs.get("key")
             if key is None:
-                continue  # asked but never given its configuration (a worker stopped in between)
+                continue  # pruned before it was given a configuration
             status = {state.COMPLETE: "completed", state.RUNNING: "running", state.WAITING: "waiting"}.get(
-                t.state, t.user_attrs.get("status", "interrupted"))
+                t.state, t.user_attrs.get("reason") or "interrupted")  # infeasible: the table's feasible column
             entry = by_key.get(key)
             if entry is None:
-                entry = by_key[key] = Entry(dict(t.params) or json.loads(key), status, number=t.number, attempts=0)
-            entry.attempts += 1
+                entry = by_key[key] = Entry(dict(t.user_attrs.get("config") or json.loads(key)), status,
+                                            number=t.number, attempts=0)
+            entry.attempts += t.state != state.WAITING
             if not (entry.status == "completed" and status != "completed"):
                 entry.status, entry.number = status, t.number
             for name, data in t.user_attrs.items():
@@ -313,5 +329,5 @@ class StudyLedger:
         return list(by_key.values())  # the grid's order (a search: the order its trials were asked)
 
     def total(self) -> int:
-        return len(self.space.configurations()) if self.search == "grid" else int(self.trials or 0)
+        return self.space.count() if self.search == "grid" else int(self.trials or 0)
 

@@ -81,7 +81,8 @@ def test_wandb_logger_with_experiment_name_runs_offline_without_network(monkeypa
     _trainer().fit(strategy=DiLoCoStrategy(H=2), logger=logger, log_interval=50, max_steps=3, progress=False,
                    device="cpu", batch_size=8)
     assert logger.run.settings.mode == "offline" and logger.run.name == "diloco_vs_sparta_comparison"
-    assert list(Path(tmp_path, "wandb").glob("offline-run-*"))
+    # wandb reads WANDB_DIR once per process, so an earlier test's may hold: the run's own folder says where it went.
+    assert Path(logger.run.dir).parent.name.startswith("offline-run-") and Path(logger.run.dir).is_dir()
 
 
 def test_strategy_configuration_snippet_cosine_schedule_recorded_canonically():
