@@ -129,6 +129,10 @@ def build_plan(c: FitConfig, *, model: torch.nn.Module, train_dataset: DatasetOr
     launcher = choose_launcher(environment, ln.backend, c.num_nodes, processes=ln.processes, port=ln.port,
                                checkpoint_dir_shared=k.checkpoint_interval is None or k.checkpoint_dir is not None
                                or run_name is not None)
+    if c.strategy.sends_messages and launcher.processes > 1 and ln.backend == "sim":
+        raise ValueError(f"{type(c.strategy).__name__} sends point-to-point messages on the simulated clock, which "
+                         "the sim backend runs in one process for now; use processes=1 (the default), and under "
+                         "torchrun one process or backend='torch'")
     is_main = launcher.is_main
     logger = logger if is_main else None
     node_devices = launcher.node_devices(resolve_node_devices(

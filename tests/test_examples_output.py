@@ -21,6 +21,7 @@ EXAMPLES = {
     "shakespeare_gpt": ("out", "shakespeare_gpt.json", ["--nodes", "2"]),
     "hf_shakespeare": ("out", "hf_shakespeare.json", ["--H", "5"]),
     "elastic_compute": ("plot", "elastic_compute.png", ["--quick"]),
+    "async_heterogeneous": ("out", "async_heterogeneous.json", ["--rounds", "3"]),
 }
 
 

@@ -15,6 +15,13 @@ in the group, W the group's bandwidth in bytes/s (its slowest link), a the laten
 The group's W and a: nodes can sit in datacenters (fast links inside, slow between); a group
 spanning more than one datacenter runs at the inter-datacenter bandwidth and latency. Per-node
 bandwidth caps (a node on a slow uplink) lower W further: the slowest member sets the pace.
+
+Point-to-point messages (exogym.comm.messages) take a + N / W on the link between sender and receiver, where W
+is the smallest of the link's bandwidth, the sender's upload cap (node_upload, server_upload) and the receiver's
+download cap (node_download, server_download); per-node node_bandwidth caps both directions. The server (a
+strategy's, see exogym.comm.messages.Server) has its own link: server_bandwidth and server_latency (default: the
+cluster's bandwidth and latency). Links are not shared: two messages on one link at once each get W (no
+congestion is modelled).
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["Network", "parse_bandwidth", "parse_seconds", "PRESETS", "TOPOLOGIES"]
+__all__ = ["Network", "parse_bandwidth", "parse_seconds", "PRESETS", "TOPOLOGIES", "SERVER"]
+
+SERVER = -1  # the rank of a strategy's server in the network model and in messages (it sorts before every node)
 
 TOPOLOGIES = ("ring", "tree", "ps")
 
@@ -81,6 +90,10 @@ class Network:
     datacenters: lists of ranks that share fast links (bandwidth/latency); between datacenters
         the links run at inter_bandwidth/inter_latency. Default: one datacenter.
     node_bandwidth: optional per-rank caps (a node on a slow uplink slows every group it is in).
+    node_upload / node_download: optional per-rank caps on what a node sends / receives in point-to-point
+        messages (a home connection: node_upload=["10Mbps"] * K, node_download=["100Mbps"] * K).
+    server_bandwidth / server_latency: the server's link (default: bandwidth / latency); server_upload /
+        server_download cap what it sends / receives.
     """
 
     bandwidth: float | str = "100Gbps"
@@ -90,6 +103,12 @@ class Network:
     inter_bandwidth: float | str | None = None
     inter_latency: float | str | None = None
     node_bandwidth: Sequence[float | str] | None = None
+    node_upload: Sequence[float | str] | None = None
+    node_download: Sequence[float | str] | None = None
+    server_bandwidth: float | str | None = None
+    server_latency: float | str | None = None
+    server_upload: float | str | None = None
+    server_download: float | str | None = None
 
     def __post_init__(self) -> None:
         if self.topology not in TOPOLOGIES:
@@ -112,6 +131,17 @@ class Network:
         if self.node_bandwidth is not None:
             caps = [parse_bandwidth(b, f"node_bandwidth[{i}]") for i, b in enumerate(self.node_bandwidth)]
         set_(self, "_caps", caps)
+        for name in ("node_upload", "node_download"):
+            given = getattr(self, name)
+            set_(self, f"_{name}", None if given is None else
+                 [parse_bandwidth(b, f"{name}[{i}]") for i, b in enumerate(given)])
+        set_(self, "_server_w", self._w if self.server_bandwidth is None
+             else parse_bandwidth(self.server_bandwidth, "server_bandwidth"))
+        set_(self, "_server_a", self._a if self.server_latency is None
+             else parse_seconds(self.server_latency, "server_latency"))
+        for name in ("server_upload", "server_download"):
+            given = getattr(self, name)
+            set_(self, f"_{name}", math.inf if given is None else parse_bandwidth(given, name))
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "Network":
@@ -126,6 +156,10 @@ class Network:
             raise ValueError(f"datacenters cover {len(self._dc)} ranks but the run has num_nodes={num_nodes}")
         if self._caps is not None and len(self._caps) != num_nodes:
             raise ValueError(f"node_bandwidth has {len(self._caps)} entries but the run has num_nodes={num_nodes}")
+        for name in ("node_upload", "node_download"):
+            caps = getattr(self, f"_{name}")
+            if caps is not None and len(caps) != num_nodes:
+                raise ValueError(f"{name} has {len(caps)} entries but the run has num_nodes={num_nodes}")
 
     def link(self, ranks: Sequence[int]) -> tuple[float, float]:
         """(bytes/s, latency s) of the slowest link a group of these ranks uses."""
@@ -135,6 +169,24 @@ class Network:
         if self._caps is not None:
             w = min([w] + [self._caps[r] for r in ranks])
         return w, a
+
+    def message_seconds(self, nbytes: int, src: int, dst: int) -> float:
+        """Seconds a point-to-point message of `nbytes` takes from `src` to `dst` (node ranks, or SERVER):
+        latency + nbytes / W, W the smallest of the link's bandwidth, src's upload cap and dst's download cap."""
+        if src == dst:
+            return 0.0
+        if SERVER in (src, dst):
+            w, a = self._server_w, self._server_a
+            node = dst if src == SERVER else src
+            if self._caps is not None:
+                w = min(w, self._caps[node])
+        else:
+            w, a = self.link((src, dst))
+        up = self._server_upload if src == SERVER else (self._node_upload[src] if self._node_upload else math.inf)
+        down = (self._server_download if dst == SERVER
+                else (self._node_download[dst] if self._node_download else math.inf))
+        w = min(w, up, down)
+        return a + (nbytes / w if math.isfinite(w) else 0.0)
 
     def duration(self, op: str, nbytes: int, ranks: Sequence[int]) -> float:
         """Seconds the collective `op` on `nbytes` takes for the group `ranks` (formulas in the module doc)."""

@@ -7,7 +7,10 @@ in-process sim, or torch.distributed) and adds the bytes that node sends to its 
 
 from exogym.comm.collectives import (all_gather, all_reduce, alive_ranks, barrier, broadcast, get_rank,
                                      get_world_size, in_running_node, new_group, reduce_scatter)
-from exogym.comm.transport import CollectiveError, Group, ReduceOp, Work
+from exogym.comm.messages import (SERVER, Message, Server, irecv, isend, now, read_server, recv, send, serve, poll)
+from exogym.comm.transport import CollectiveError, Group, MessageError, ReduceOp, Work
 
 __all__ = ["ReduceOp", "Group", "Work", "CollectiveError", "all_reduce", "broadcast", "all_gather", "reduce_scatter",
-           "barrier", "new_group", "get_rank", "get_world_size", "alive_ranks", "in_running_node"]
+           "barrier", "new_group", "get_rank", "get_world_size", "alive_ranks", "in_running_node",
+           "SERVER", "Message", "MessageError", "Server", "send", "isend", "recv", "irecv", "poll", "serve", "read_server",
+           "now"]

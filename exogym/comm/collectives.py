@@ -20,9 +20,15 @@ import torch
 from exogym.comm import transport as _comm
 from exogym.comm.transport import Group, ReduceOp, Work
 
+from exogym.comm.messages import (SERVER, Message, Server, irecv, isend, now, read_server, recv,  # noqa: E402
+                                  send, serve, poll)
+
 __all__ = [
     "ReduceOp", "Group", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier",
     "new_group", "get_rank", "get_world_size", "alive_ranks", "in_running_node",
+    # point-to-point messages and the server (exogym.comm.messages), here too so that
+    # exogym.strategy.communicate offers them beside the collectives, as torch.distributed does
+    "SERVER", "Message", "Server", "send", "isend", "recv", "irecv", "poll", "serve", "read_server", "now",
 ]
 
 

@@ -15,7 +15,7 @@ import contextlib
 import contextvars
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
 
 import torch
 
@@ -23,12 +23,17 @@ if TYPE_CHECKING:
     from exogym.cluster.membership import Membership
     from exogym.cluster.simtime import NodeClock
 
-__all__ = ["CollectiveError", "Group", "ReduceOp", "Transport", "TransportBase", "CommStats",
+__all__ = ["CollectiveError", "MessageError", "Group", "ReduceOp", "Transport", "TransportBase", "CommStats",
            "current_transport", "bind_transport"]
 
 
 class CollectiveError(RuntimeError):
     """Nodes used collectives in a way that would hang or corrupt a real cluster (names the nodes and calls)."""
+
+
+class MessageError(CollectiveError):
+    """A point-to-point message that can never be delivered or taken (a recv no send will match, a server that
+    raised): names the nodes, the message and the simulated time."""
 
 
 class ReduceOp(str, enum.Enum):
@@ -144,6 +149,7 @@ class CommStats:
     bytes_by_op: dict[str, int] = field(default_factory=dict)
     calls_by_op: dict[str, int] = field(default_factory=dict)
     payload_bytes: int = 0  # a class default too, so stats pickled before it existed read 0
+    bytes_received: int = 0  # point-to-point messages taken in (the node's download; collectives count sends only)
 
     def add(self, op: str, nbytes: int, payload: int = 0) -> None:
         self.bytes_sent += nbytes
@@ -207,6 +213,40 @@ class TransportBase:
         if self.membership is None or step is None:
             return self.world.ranks
         return self.membership.alive(step)
+
+    # Point-to-point messages and the server (exogym.comm.messages); a backend without them says so.
+    def send_message(self, message: Any, *, blocking: bool) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} has no point-to-point messages")
+
+    def receive_message(self, src: int | None, tag: int | None, into: torch.Tensor | None, *, blocking: bool) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} has no point-to-point messages")
+
+    def poll_messages(self, src: int | None, tag: int | None) -> list[Any]:
+        raise NotImplementedError(f"{type(self).__name__} has no point-to-point messages")
+
+    def serve(self, make: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} cannot run a server")
+
+    def read_server(self, read: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} cannot run a server")
+
+    def close_messages(self) -> None:
+        """After the node's last step and its global model: a backend with real messages winds them down."""
+
+    def pause_for_checkpoint(self) -> None:
+        """Before a checkpoint is saved: a backend whose nodes exchange messages aligns their clocks. Nothing by
+        default."""
+
+    def messages_state(self) -> dict[str, Any] | None:
+        """What of the messages (in flight, the server) the checkpoint keeps, on the node that keeps it."""
+        return None
+
+    def load_messages_state(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot restore messages in flight")
+
+    def now(self) -> float:
+        """The node's clock: simulated seconds (sim backend), or seconds since the run started."""
+        return self.clock.now
 
     def restore(self, stats: CommStats, clock: "NodeClock") -> None:
         """A resumed node continues its byte counts and its virtual clock."""

@@ -75,6 +75,7 @@ class TrainNode:
         self.step = 0
         self._unflushed: list[_StepRecord] = []  # the steps since the last flush
         self._step_flops: float | None = None
+        self._measured_s = 0.0  # the last step's measured compute seconds (compute_time="measured")
         self._tokens = self.log.rows[-1].get("tokens", 0) if self.log.rows else 0
         self._eval_model: torch.nn.Module | None = None
         self._call = None  # how the model is called (model(batch) or model(**batch)), decided on the first batch
@@ -104,6 +105,7 @@ class TrainNode:
             batch = next(batches)  # drawn even when the node sits out: its data position is a function of the step
             loss, metrics = None, {}  # a node that sits out the step logs no loss (and no compute time)
             if not self._up(self.step + 1):  # down: no compute, no collectives, until it comes up again
+                self._pass_down_time(comm)
                 self._record_step(comm, None, {}, s.current_lr())
                 self._after_step(comm, self.step + 1)
                 continue
@@ -120,10 +122,17 @@ class TrainNode:
             self._record_step(comm, loss, metrics, lr)
             self._after_step(comm, self.step + 1)
         final = global_state_dict(self.model, s, comm, result=self.rank == 0)
+        comm.close_messages()  # the torch backend's message threads end with the run (the sim's: nothing to do)
         self.log.comm = {"bytes_sent": comm.stats.bytes_sent, "payload_bytes": comm.stats.payload_bytes,
                          "bytes_by_op": dict(comm.stats.bytes_by_op), "calls_by_op": dict(comm.stats.calls_by_op)}
+        if comm.stats.bytes_received:
+            self.log.comm["bytes_received"] = comm.stats.bytes_received
         if cfg.time_model is not None:
             self.log.comm["sim_time"] = comm.clock.as_dict()
+        server = comm.served() if self.rank == 0 and hasattr(comm, "served") else None
+        if server is not None:  # a strategy's server runs with node 0: its record goes with node 0's log
+            self.log.comm["server"] = {"updates": server.updates, "bytes_sent": server.stats.bytes_sent,
+                                       "bytes_received": server.stats.bytes_received}
         return self.log, (final if self.rank == 0 else None)
 
     def _record_step(self, comm: Transport, loss: torch.Tensor | None, metrics: dict[str, torch.Tensor],
@@ -139,7 +148,11 @@ class TrainNode:
         if self.rank not in m.alive(step):
             return False
         joiners = m.joiners(step)
-        if joiners:  # every node up at this step takes part (some send, the joiners receive)
+        rejoin = getattr(self.strategy, "rejoin_from_server", None)
+        if joiners and rejoin is not None:  # the strategy's server hands the joiner the global state; nobody waits
+            if self.rank in joiners:
+                rejoin()
+        elif joiners:  # every node up at this step takes part (some send, the joiners receive)
             self.execution.release(self.rank, self.model)  # a survivor's state is sent whole
             hand_over_state(self.model, self.strategy, step, list(m.survivors(step)), list(joiners))
         return True
@@ -162,6 +175,8 @@ class TrainNode:
         if self.resume is not None:  # the strategy's state (optimizers and all), counts and clock, where they were
             s.load_state_dict(self.resume.strategy)
             comm.restore(self.resume.comm_stats, self.resume.clock)
+            if "messages" in self.resume.strategy:
+                comm.load_messages_state(self.resume.strategy["messages"])
             first_step = self.resume.step
         self.execution.adopt_optimizer(self.rank, self.model, getattr(s, "optim", None))
         self.model.train()
@@ -187,7 +202,12 @@ class TrainNode:
     def _save_checkpoint(self, comm: Transport, done: int) -> None:
         # The global random streams are this node's own while it runs (the backend swapped them in).
         self.execution.release(self.rank, self.model)
-        state = NodeState(done, self.model.state_dict(), self.strategy.state_dict(),
+        comm.pause_for_checkpoint()  # messages: the nodes meet in simulated time, so the checkpoint is a cut
+        strategy_state = self.strategy.state_dict()
+        messages = comm.messages_state()  # in flight, and the server's (one node keeps them)
+        if messages is not None:
+            strategy_state = {**strategy_state, "messages": messages}
+        state = NodeState(done, self.model.state_dict(), strategy_state,
                           GlobalRNGState.capture(self.device).to_plain(), comm.stats, self.log, comm.clock)
         save_node_state(self.checkpoints, self.rank, state)
         comm.barrier(comm.world)  # every node's file is on disk before node 0 publishes the checkpoint
@@ -200,6 +220,17 @@ class TrainNode:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
+    def _pass_down_time(self, comm: Transport) -> None:
+        """A strategy whose nodes run on their own clocks (clock_runs_while_down) has a node that is down spend a
+        step's compute time idle, so that it comes back at the time its step count says, not in the past. Other
+        strategies' down nodes keep their clocks (their collectives realign them)."""
+        model = self.cfg.time_model
+        if model is None or not getattr(self.strategy, "clock_runs_while_down", False):
+            return
+        seconds = model.compute_seconds(self.rank, flops=self._step_flops or 0.0, measured_s=self._measured_s)
+        comm.clock.now += seconds
+        comm.clock.wait_s += seconds
+
     def _timed_forward_backward(self, batch: Any, comm: Transport) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Forward/backward, advancing the node's virtual clock by its compute time when time is simulated."""
         model = self.cfg.time_model
@@ -208,6 +239,7 @@ class TrainNode:
                                                               measure=model is not None and model.measured)
         if flops is not None:
             self._step_flops = flops
+        self._measured_s = seconds
         if model is not None:
             comm.clock.add_compute(model.compute_seconds(self.rank, flops=self._step_flops or 0.0,
                                                          measured_s=seconds))
@@ -284,6 +316,9 @@ class TrainNode:
             self._eval_model = copy.deepcopy(self.model)
         self._eval_model.load_state_dict(state, strict=True)
         row: dict[str, float] = {"step": done}
+        facts = getattr(self.strategy, "validation_facts", None)
+        if facts is not None:  # e.g. a server's: the simulated time and the updates applied when node 0 read it
+            row.update(facts())
         for prefix, model in (("local", self.model), ("global", self._eval_model)):
             for name, value in self._evaluate(model).items():
                 row[f"{prefix}_{name}"] = value

@@ -22,9 +22,10 @@ __all__ = ["RunCurves", "load_run", "plot_runs", "X_AXES"]
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 _DASHES = ("-", "--", "-.", ":", (0, (5, 1, 1, 1)), (0, (3, 1, 1, 1, 1, 1)))
 
-X_AXES = ("step", "examples", "tokens", "bytes", "wall_time_s", "sim_time_s")
+X_AXES = ("step", "examples", "tokens", "bytes", "wall_time_s", "sim_time_s", "updates")
 _X_LABELS = {"step": "step", "examples": "examples seen", "tokens": "tokens seen",
-             "bytes": "bytes sent per node", "wall_time_s": "wall-clock seconds", "sim_time_s": "simulated seconds"}
+             "bytes": "bytes sent per node", "wall_time_s": "wall-clock seconds", "sim_time_s": "simulated seconds",
+             "updates": "server updates applied"}
 
 
 @dataclass
@@ -67,6 +68,8 @@ def _series(run: RunCurves, x: str, y: str) -> tuple[list[float], list[float]]:
     else:
         columns = sorted(set(run.train[0] if run.train else {}) | set(run.val[0] if run.val else {}))
         raise KeyError(f"run {run.label!r} has no column {y!r}; it has {columns}")
+    if rows is run.val and x in rows[0]:  # a validation row that says where it was taken (a server's strategies)
+        return [r[x] for r in rows], [r[y] for r in rows]
     if run.train and x not in run.train[0]:
         raise KeyError(f"run {run.label!r} has no x column {x!r}; choose one of "
                        f"{[a for a in X_AXES if a in run.train[0]]}")

@@ -228,15 +228,44 @@ class RunRecord:
         clocks = self.sim_time_per_node
         return max(c["now"] for c in clocks) if clocks else None
 
+    @property
+    def updates(self) -> list[dict[str, float]]:
+        """One row per update a strategy's server applied (asynchronous strategies): sim_time_s (when it was
+        applied), node, staleness (server updates since the node's model was sent to it), weight, and what else
+        applies (quorum size, tokens); [] without a server."""
+        server = self.comm_per_node[0].get("server") if self.comm_per_node else None
+        return list(server["updates"]) if server else []
+
+    @property
+    def time_per_node(self) -> list[dict[str, float]]:
+        """Per node, its simulated seconds: compute_s, comm_s (transfers), idle_s (waiting for others or for
+        messages, and after it finished until the run's end) and total_s (the run's simulated wall-clock)."""
+        end = self.sim_time_s
+        out = []
+        for c in self.sim_time_per_node:
+            idle = c["wait_s"] + (end - c["now"])
+            out.append({"compute_s": c["compute_s"], "comm_s": c["comm_s"], "idle_s": idle, "total_s": end})
+        return out
+
+    @property
+    def goodput(self) -> float | None:
+        """Useful compute over the nodes' total simulated time: the sum of the nodes' compute seconds over
+        K x the run's simulated wall-clock (None without a time model)."""
+        times = self.time_per_node
+        if not times or not times[0]["total_s"]:
+            return None
+        return sum(t["compute_s"] for t in times) / (len(times) * times[0]["total_s"])
+
     def summary(self) -> dict[str, Any]:
         """The headline numbers (what summary.json holds)."""
         last_val = self.val[-1] if self.val else {}
-        return {"steps": len(self.train), "final_train_loss": self.train[-1]["loss"] if self.train else None,
+        return {"steps": len(self.train), "final_train_loss": self.train[-1].get("loss") if self.train else None,  # none: every node sat out
                 **{f"final_{k}": v for k, v in last_val.items() if k != "step"},
                 "bytes_per_node": self.bytes_per_node, "total_bytes": self.total_bytes,
                 "wire_bytes_per_node": self.bytes_per_node, "payload_bytes_per_node": self.payload_bytes_per_node,
                 "bytes_convention": "wire: what the ring algorithms send per node (all-reduce 2N(R-1)/R, all-gather "
                                     "n(R-1)); payload: each node's own data put on the wire once (the papers' count)",
                 "wall_time_s": self.wall_time_s, "sim_time_s": self.sim_time_s,
-                "sim_time_per_node": self.sim_time_per_node, "peak_memory_mb": self.peak_memory_mb,
+                "sim_time_per_node": self.sim_time_per_node, "goodput": self.goodput,
+                "updates_applied": len(self.updates), "peak_memory_mb": self.peak_memory_mb,
                 "comm_per_node": self.comm_per_node}

@@ -11,9 +11,13 @@ from exogym.strategy.sparta_diloco import SPARTADiLoCoStrategy
 from exogym.strategy.demo import DeMo, DeMoStrategy
 from exogym.strategy.dgc import DGCStrategy
 from exogym.strategy.streaming_diloco import StreamingDiLoCoCommunicator, StreamingDiLoCoStrategy
+from exogym.strategy.async_diloco import AsyncDiLoCoStrategy
+from exogym.strategy.fedbuff import FedBuffStrategy
+from exogym.strategy.decoupled_diloco import DecoupledDiLoCoStrategy
+from exogym.strategy.gossip import GossipStrategy
 
 __all__ = ["Strategy", "SimpleReduceStrategy", "OptimSpec",
            "CommunicateOptimizeStrategy", "CommunicationModule", "AveragingCommunicator", "SparseCommunicator",
            "DiLoCoCommunicator", "DiLoCoStrategy", "FedAvgStrategy", "SPARTAStrategy", "SPARTADiLoCoStrategy",
            "DeMo", "DeMoStrategy", "DGCStrategy", "TopKSparseCommunicator", "StreamingDiLoCoCommunicator",
-           "StreamingDiLoCoStrategy"]
+           "StreamingDiLoCoStrategy", "AsyncDiLoCoStrategy", "FedBuffStrategy", "DecoupledDiLoCoStrategy", "GossipStrategy"]

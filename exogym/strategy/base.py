@@ -59,6 +59,9 @@ class Strategy(metaclass=Adaptable):
     # The sim backend checks that the members of a collective issued it at the same step (an async call counts at
     # the step it was issued). False: this strategy's nodes meet at different steps on purpose.
     collectives_match_steps = True
+    # True: the strategy's nodes talk by point-to-point messages (exogym.comm.messages) on the simulated clock,
+    # which run in one process for now: fit refuses processes > 1 (and torchrun's sim) before any node starts.
+    sends_messages = False
 
     def __new__(cls, *args: Any, **kwargs: Any):
         # Keep the constructor arguments, so a run's config.json can say exactly how the strategy was built.

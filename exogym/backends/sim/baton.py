@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 import greenlet
 
 from exogym.backends.sim.watchdog import Watchdog, WatchdogInterrupt
-from exogym.comm.transport import CollectiveError
+from exogym.comm.transport import CollectiveError, MessageError
 
 __all__ = ["Baton", "CollectiveCall", "Pending"]
 
@@ -94,6 +94,8 @@ class Baton:
         self._across: dict[tuple, Pending] = {}  # collectives gone to other processes, by key
         self._finished: set[int] = set()
         self._hub: greenlet.greenlet | None = None
+        self.post: Any = None  # point-to-point messages on the simulated clock (exogym.backends.sim.postoffice)
+        self._receiving: dict[int, str] = {}  # rank -> the message it waits for
 
     def run(self, node_fns: list[Callable[[], Any]]) -> list[Any]:
         """Run node_fns[i] as node local[i]; return their results in that order, or raise the first exception a
@@ -150,13 +152,18 @@ class Baton:
 
         nodes = {r: greenlet.greenlet(lambda r=r, fn=fn: body(r, fn)) for r, fn in zip(self.local, node_fns)}
         crossing = self._exchange is not None
+        post = self.post
         try:
-            while self._ready or self._parked or crossing and self._exchange.busy:
+            while self._ready or self._parked or post is not None and post.has_events() or crossing and self._exchange.busy:
                 if not self._ready and self._parked:  # the parked nodes' batched step, then they run on
                     parked, self._parked = self._parked, []
                     self._turn = f"computing the batched step of nodes {parked}"
                     self._on_compute(parked)
                     self._ready.extend(sorted(parked))
+                    continue
+                if not self._ready and post is not None and post.has_events():  # the next event in simulated time
+                    self._turn = "delivering a message"
+                    post.next_event()
                     continue
                 if not self._ready:  # every node here waits on other processes
                     self._turn = "this process's nodes waited for nodes in other processes"
@@ -170,6 +177,10 @@ class Baton:
                 finally:
                     self.running = None
                     self._on_pause(rank)
+            if self._receiving:
+                raise MessageError("deadlock: no message will ever arrive for the nodes waiting in recv (every "
+                                   "other node is finished or waits itself, and nothing is in flight):\n"
+                                   + self._describe_waiting())
             if self._blocked:
                 raise CollectiveError("deadlock: every unfinished node waits in a collective that cannot "
                                       "complete:\n" + self._describe_waiting())
@@ -297,6 +308,27 @@ class Baton:
             del self._blocked[r]
         self._ready.extend(sorted(pending.waiters))
 
+    # ---- point-to-point messages (the post office calls these) ------------------------------------
+    def idle_but(self, rank: int) -> bool:
+        """No node but `rank` (the one running) is ready to run or parked."""
+        return not self._ready and not self._parked
+
+    def sleep(self, rank: int) -> None:
+        """Hand the baton back until the post office wakes `rank` (its observation's turn in simulated time)."""
+        self._hub.switch()
+
+    def wake(self, rank: int) -> None:
+        self._ready.append(rank)
+
+    def await_message(self, rank: int, what: str) -> None:
+        """Block `rank` until a message it can take arrives (wake_receiver)."""
+        self._receiving[rank] = what
+        self._hub.switch()
+
+    def wake_receiver(self, rank: int) -> None:
+        del self._receiving[rank]
+        self._ready.append(rank)
+
     def park(self, rank: int, compute: Callable[[list[int]], None]) -> None:
         """The compute rendezvous (fused execution): wait until no node can run any more, when
         compute(parked ranks) does every parked node's work in one batched step (every node of a run parks with the
@@ -323,7 +355,8 @@ class Baton:
         lines = [self._describe(p) for p in self._pending.values()]
         lines += [self._describe(p) + f"\n    (sent across; waiting for nodes {sorted(set(p.group) - set(p.calls))} in "
                   "other processes)" for p in self._across.values()]
-        idle = sorted(set(self.local) - set(self._blocked) - self._finished)
+        lines += [f"  node {r}: waits in {what}" for r, what in sorted(self._receiving.items())]
+        idle = sorted(set(self.local) - set(self._blocked) - set(self._receiving) - self._finished)
         if self._finished:
             lines.append(f"  finished: nodes {sorted(self._finished)}")
         if idle:

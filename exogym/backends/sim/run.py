@@ -13,6 +13,7 @@ from exogym.backends.sim.baton import Baton
 from exogym.backends.sim.exchange import Exchange
 from exogym.backends.sim.fused.engine import FusedEngine
 from exogym.backends.sim.fused.execution import FusedExecution
+from exogym.backends.sim.postoffice import PostOffice
 from exogym.backends.sim.transport import SimTransport
 from exogym.backends.errors import NodeTimeoutError, PeerLostError
 from exogym.comm.transport import CollectiveError
@@ -99,6 +100,7 @@ def run_sim(plan: "RunPlan", sinks: "RunSinks", *, local: Sequence[int] | None =
 
     baton = Baton(k, on_resume=resume, on_pause=pause, node_timeout=plan.node_timeout, step_of=lambda r: comms[r].step,
                   local=local, exchange=exchange, on_stuck=on_stuck if sinks.on_stuck is not None else None)
+    baton.post = PostOffice(baton, k, plan.cfg.time_model, spans_processes=exchange is not None)
     owner = exchange.owner if exchange is not None else None
     comms.update((r, SimTransport(baton, r, k, plan.cfg.time_model, plan.cfg.membership, owner)) for r in local)
     execution = SequentialExecution() if plan.execution == "sequential" else FusedExecution(FusedEngine(

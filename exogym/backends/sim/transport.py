@@ -13,6 +13,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from exogym.backends.sim.baton import Baton, CollectiveCall, CollectiveError, Pending
+from exogym.backends.sim.postoffice import SimRecvWork, SimSendWork
+from exogym.comm.messages import Message, Server
 from exogym.comm.transport import TransportBase, Group, ReduceOp, make_group, payload_nbytes, tensor_nbytes
 from exogym.cluster.membership import Membership
 from exogym.cluster.simtime import TimeModel
@@ -255,6 +257,60 @@ class SimTransport(TransportBase):
 
     def new_group(self, ranks: Sequence[int]) -> Group:
         return make_group(ranks, self.num_nodes)
+
+    # ---- point-to-point messages and the server (exogym.backends.sim.postoffice) -------------------
+    def send_message(self, message: Message, *, blocking: bool) -> SimSendWork | None:
+        message.sent_at = self.clock.now
+        self.baton.post.post(message)
+        work = SimSendWork(self.clock, message)
+        if blocking:
+            work.wait()
+            return None
+        return work
+
+    def receive_message(self, src: int | None, tag: int | None, into: torch.Tensor | None, *,
+                        blocking: bool) -> Message | SimRecvWork:
+        work = SimRecvWork(self, src, tag, into)
+        return work.wait() if blocking else work
+
+    def poll_messages(self, src: int | None, tag: int | None) -> list[Message]:
+        post = self.baton.post
+        post.observe(self.rank, self.clock.now)
+        taken = post.take_arrived(self.rank, src, tag)
+        self.stats.bytes_received += sum(m.nbytes for m in taken)
+        return taken
+
+    def serve(self, make: Callable[[], Server]) -> Server:
+        return self.baton.post.serve(make)
+
+    def read_server(self, read: Callable[[Server], Any]) -> Any:
+        post = self.baton.post
+        if post.server is None:
+            raise RuntimeError("read_server: the run has no server (declare one with exogym.comm.serve)")
+        post.observe(self.rank, self.clock.now)
+        return read(post.server)
+
+    def pause_for_checkpoint(self) -> None:
+        """A run with messages pauses at a checkpoint: every node waits until the last one gets there (their clocks
+        move to its clock, as idle time), so the checkpoint is a cut in simulated time: what is in flight then is
+        saved with it, and a resumed run continues exactly (exogym.backends.sim.postoffice)."""
+        if not self.baton.post.active:
+            return
+        latest = torch.tensor([self.clock.now], dtype=torch.float64)
+        self.all_reduce(latest, ReduceOp.MAX, self.world)
+        self.clock.catch_up(float(latest))
+
+    def messages_state(self) -> dict[str, Any] | None:
+        """The post office's state at the pause (node 0 keeps it in its checkpoint file), or None."""
+        post = self.baton.post
+        return post.state_dict() if post.active and self.rank == 0 else None
+
+    def load_messages_state(self, state: dict[str, Any]) -> None:
+        self.baton.post.load_state_dict(state)
+
+    def served(self) -> Server | None:
+        """The run's server, if a strategy declared one (its record goes with node 0's log)."""
+        return self.baton.post.server
 
 
 

@@ -30,6 +30,8 @@ import torch.distributed as dist
 from exogym.backends.torch.heartbeat import (CollectiveLedger, Heartbeat, is_timeout, mismatch_report,
                                              missing_members_report)
 from exogym.backends.errors import NodeTimeoutError
+from exogym.backends.torch.messages import TorchPostOffice, _RecvWork
+from exogym.cluster.network import SERVER
 from exogym.comm.transport import CollectiveError, TransportBase, Group, ReduceOp, make_group, payload_nbytes, tensor_nbytes
 from exogym.cluster.simtime import NodeClock, TimeModel
 
@@ -82,6 +84,50 @@ class TorchTransport(TransportBase):
         self._process_groups: dict[tuple[int, ...], Any] = {}  # ranks -> torch ProcessGroup (or NON_GROUP_MEMBER)
         self.ledger = CollectiveLedger()  # the collectives entered, for naming who never came when one times out
         self.heartbeat: Heartbeat | None = None  # publishes the ledger (set by the backend when it has a store)
+        self.post = TorchPostOffice(rank, num_nodes, timeout.total_seconds())  # messages and the server
+
+    # ---- point-to-point messages and the server (exogym.backends.torch.messages) -------------------
+    def send_message(self, message: Any, *, blocking: bool) -> Any:
+        work = self.post.post(message)
+        return None if blocking else work
+
+    def _what(self, src: int | None, tag: int | None) -> str:
+        who = "any node" if src is None else "the server" if src == SERVER else f"node {src}"
+        return f"recv from {who}" + ("" if tag is None else f" with tag {tag}") + f" at step {self.step}"
+
+    def receive_message(self, src: int | None, tag: int | None, into: torch.Tensor | None, *, blocking: bool) -> Any:
+        def take() -> Any:
+            m = self.post.take(src, tag, self._what(src, tag))[0]
+            self.stats.bytes_received += m.nbytes
+            if into is not None:
+                into.copy_(m.tensor)
+            return m
+        work = _RecvWork(take)
+        return work.wait() if blocking else work
+
+    def poll_messages(self, src: int | None, tag: int | None) -> list[Any]:
+        taken = self.post.take(src, tag, "poll", wait=False)
+        self.stats.bytes_received += sum(m.nbytes for m in taken)
+        return taken
+
+    def serve(self, make: Any) -> Any:
+        return self.post.serve(make)
+
+    def read_server(self, read: Any) -> Any:
+        if self.post.server is None:
+            raise RuntimeError(f"read_server: the server runs in rank 0's process, not on node {self.rank}")
+        with self.post.server_lock:
+            return read(self.post.server)
+
+    def served(self) -> Any:
+        return self.post.server
+
+    def now(self) -> float:
+        """Wall-clock seconds since this node's transport was made (messages run in real time here)."""
+        return self.post.now()
+
+    def close_messages(self) -> None:
+        self.post.close()
 
     # ---- groups ------------------------------------------------------------------------------
     def new_group(self, ranks: Sequence[int]) -> Group:

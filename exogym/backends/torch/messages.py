@@ -1,0 +1,238 @@
+"""Point-to-point messages and the server on the torch backend: real asynchronous messages over torch.distributed.
+
+Each process (one node) runs a receiver thread, started with the node's first message call: it takes every
+message meant for this process (a header from any sender, then that sender's meta and tensor) and puts it in the
+node's mailbox or, in rank 0's process, in the server's queue. The server (a strategy's `Server`) runs on a
+thread of rank 0's process and handles its queue in the order messages came in; a node's `recv` waits on its
+mailbox. Times are wall-clock seconds since the node's transport was made; what a node reads depends on real
+timing (as on a cluster), unlike the sim backend, where the simulated clock decides.
+
+Why no message is taken out of order between two processes: a sender sends a message's header, meta and tensor
+under one lock, in that order, and torch.distributed delivers the messages of one (sender, receiver, tag) pair in
+the order they were sent; the receiver takes a header from any sender, then that sender's meta and tensor by its
+rank. So a sender's messages arrive in the order it sent them, each whole.
+
+The end: every process sends each other a stop header after its last message and waits for everyone's; the
+server's queue is then complete, and no receive is left posted when the process group goes down.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from exogym.cluster.network import SERVER
+from exogym.comm.messages import Message, Server
+from exogym.comm.transport import MessageError
+
+__all__ = ["TorchPostOffice"]
+
+_HEADER, _BODY = 7001, 7002  # torch.distributed tags of headers and of metas and tensors
+_MESSAGE, _STOP = 0, 1
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8,
+           torch.int8, torch.int16, torch.bool]
+
+
+class _SendWork:
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+
+class _RecvWork:
+    def __init__(self, take: Callable[[], Message]):
+        self._take, self._message = take, None
+
+    def is_completed(self) -> bool:
+        return self._message is not None
+
+    def wait(self, timeout: Any = None) -> Message:
+        if self._message is None:
+            self._message = self._take()
+        return self._message
+
+
+class TorchPostOffice:
+    """One process's messages: its mailbox, its receiver thread, and (rank 0) the server and its thread."""
+
+    def __init__(self, rank: int, num_nodes: int, timeout_s: float):
+        self.rank, self.num_nodes, self.timeout_s = rank, num_nodes, timeout_s
+        self.t0 = time.perf_counter()
+        self._mail: list[Message] = []
+        self._cv = threading.Condition()
+        self._send_lock = threading.Lock()
+        self._receiver: threading.Thread | None = None
+        self._stops = 0
+        self.server: Server | None = None
+        self._server_queue: queue.Queue = queue.Queue()
+        self._server_thread: threading.Thread | None = None
+        self.server_lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._sent = 0
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    # ---- sending -------------------------------------------------------------------------------
+    def post(self, message: Message) -> _SendWork:
+        self._start()
+        message.sent_at = message.arrives_at = self.now()
+        if message.src != SERVER:
+            message.seq, self._sent = self._sent, self._sent + 1
+        process = 0 if message.dst == SERVER else message.dst
+        if process == self.rank:  # the server in this process, or the server answering node 0
+            self._arrived(message)
+            return _SendWork()
+        tensor = message.tensor.detach().to("cpu").contiguous()
+        meta = torch.frombuffer(bytearray(json.dumps(message.meta).encode()), dtype=torch.uint8)
+        header = torch.tensor([_MESSAGE, message.src, message.dst, message.tag, message.seq, tensor.numel(),
+                               _DTYPES.index(tensor.dtype), meta.numel()], dtype=torch.int64)
+        with self._send_lock:  # header, meta, tensor in a row: the receiver takes them by our rank
+            dist.send(header, process, tag=_HEADER)
+            if meta.numel():
+                dist.send(meta, process, tag=_BODY)
+            if tensor.numel():
+                dist.send(tensor.reshape(-1), process, tag=_BODY)
+        return _SendWork()
+
+    # ---- receiving -----------------------------------------------------------------------------
+    def _start(self) -> None:
+        if self._receiver is None and self.num_nodes > 1:
+            self._receiver = threading.Thread(target=self._receive_loop, name=f"exogym-messages-{self.rank}",
+                                              daemon=True)
+            self._receiver.start()
+
+    def _receive_loop(self) -> None:
+        try:
+            while self._stops < self.num_nodes - 1:
+                header = torch.empty(8, dtype=torch.int64)
+                src_process = dist.recv(header, tag=_HEADER)
+                kind, src, dst, tag, seq, numel, dtype, meta_len = header.tolist()
+                if kind == _STOP:
+                    with self._cv:
+                        self._stops += 1
+                        self._cv.notify_all()
+                    continue
+                meta = torch.empty(meta_len, dtype=torch.uint8)
+                if meta_len:
+                    dist.recv(meta, src_process, tag=_BODY)
+                tensor = torch.empty(numel, dtype=_DTYPES[dtype])
+                if numel:
+                    dist.recv(tensor, src_process, tag=_BODY)
+                message = Message(src, dst, tensor, tag, json.loads(bytes(meta.tolist()).decode()) if meta_len else {},
+                                  seq=seq)
+                message.arrives_at = self.now()
+                self._arrived(message)
+        except BaseException as e:  # noqa: BLE001 - a broken process group: the node's next wait says so
+            with self._cv:
+                self._error = e
+                self._cv.notify_all()
+
+    def _arrived(self, message: Message) -> None:
+        if message.dst == SERVER:
+            self._server_queue.put(message)
+            return
+        with self._cv:
+            self._mail.append(message)
+            self._cv.notify_all()
+
+    def take(self, src: int | None, tag: int | None, what: str, *, wait: bool = True) -> list[Message]:
+        """The first matching message (waiting up to the run's timeout), or with wait=False every matching one."""
+        self._start()
+        deadline = time.monotonic() + self.timeout_s
+        with self._cv:
+            while True:
+                self._raise_if_failed(what)
+                found = [m for m in self._mail if (src is None or m.src == src) and (tag is None or m.tag == tag)]
+                if found and wait:
+                    self._mail.remove(found[0])
+                    return [found[0]]
+                if not wait:
+                    self._mail = [m for m in self._mail if m not in found]
+                    return found
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise MessageError(f"node {self.rank} waited {self.timeout_s:g} s (fit's node_timeout) in {what} "
+                                       "and nothing came")
+                self._cv.wait(timeout=min(left, 1.0))
+
+    def _raise_if_failed(self, what: str) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise MessageError(f"node {self.rank} in {what}: {error}") from error
+
+    # ---- the server ------------------------------------------------------------------------------
+    def serve(self, make: Callable[[], Server]) -> Server | None:
+        if self.rank != 0:
+            return None
+        if self.server is None:
+            server = make()
+            if not isinstance(server, Server):
+                raise TypeError(f"serve(make) needs make() to return an exogym.comm.Server, got "
+                                f"{type(server).__name__}")
+            server._post = self
+            self.server = server
+            self._start()
+            self._server_thread = threading.Thread(target=self._serve_loop, name="exogym-server", daemon=True)
+            self._server_thread.start()
+        return self.server
+
+    def wake_server(self, at: float) -> None:
+        delay = max(0.0, at - self.now())
+        threading.Timer(delay, lambda: self._server_queue.put(("wake", at))).start()
+
+    def _serve_loop(self) -> None:
+        server = self.server
+        while True:
+            item = self._server_queue.get()
+            if item is None:
+                return
+            try:
+                with self.server_lock, torch.no_grad():
+                    server.now = self.now()
+                    if isinstance(item, tuple):
+                        server.wake(item[1])
+                    else:
+                        server.stats.bytes_received += item.nbytes
+                        server.receive(item)
+            except BaseException as e:  # noqa: BLE001 - node 0 raises it, naming the message
+                what = item.describe() if isinstance(item, Message) else f"its timer at {item[1]:.6g} s"
+                with self._cv:
+                    self._error = MessageError(f"the server ({type(server).__name__}) raised while handling {what}: "
+                                               f"{type(e).__name__}: {e}")
+                    self._error.__cause__ = e
+                    self._cv.notify_all()
+                return
+
+    # ---- the end ----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """After the node's last message: tell every other process, wait for theirs, stop the server."""
+        if self._receiver is None:
+            return
+        stop = torch.tensor([_STOP, self.rank, -2, 0, 0, 0, 0, 0], dtype=torch.int64)
+        with self._send_lock:
+            for process in range(self.num_nodes):
+                if process != self.rank:
+                    dist.send(stop, process, tag=_HEADER)
+        deadline = time.monotonic() + self.timeout_s
+        with self._cv:
+            while self._stops < self.num_nodes - 1:
+                self._raise_if_failed("the end of the run's messages")
+                if time.monotonic() > deadline:
+                    raise MessageError(f"node {self.rank} waited {self.timeout_s:g} s for the other nodes to finish "
+                                       "their messages")
+                self._cv.wait(timeout=1.0)
+        self._receiver.join()
+        if self._server_thread is not None:
+            self._server_queue.put(None)
+            self._server_thread.join()
+            with self._cv:
+                self._raise_if_failed("the end of the run")

@@ -1,0 +1,244 @@
+"""Point-to-point messages and the server: `send`, `recv`, `isend`, `irecv`, as in torch.distributed, and a
+`Server` a strategy declares (global state, and the code that reacts to each message it receives).
+
+What a message is: one tensor (copied when it is sent, so the sender may change its own at once), a `tag`
+(an int, as in torch.distributed) and `meta`, a small dict of int/float values (a model version, a step
+count; 8 bytes each on the wire). It goes from a node to another node or to the server (`dst=SERVER`).
+
+When it arrives (the sim backend, where the simulated clock decides): a message leaves at the sender's clock
+and arrives after the network model's transfer time (latency + bytes / the slowest of the link, the sender's
+upload and the receiver's download; exogym.cluster.network.Network.message_seconds). A receiver takes the
+messages meant for it in order of arrival, ties broken by the sender's rank (the server's, -1, first), then by
+the order they were sent; the server handles each message at its arrival time, in that same order. Every
+observation (a `recv`, `read_server`) happens in simulated-time order across the nodes, so what any node or
+the server reads depends on simulated time only, never on how the host scheduled the nodes.
+
+Blocking and clocks: `send` blocks until the message has arrived (the transfer is communication time on the
+sender's clock); `isend` returns at once, and its handle's `wait()` brings the clock to the arrival.
+`recv` returns the first matching message that has arrived by the node's clock, or waits for the next one
+(the wait is idle time). A `recv` that no message will ever match (every node that could send is finished or
+waits itself) raises a `MessageError` naming the nodes and what each waits for; so does a server that raises,
+naming the message it was handling.
+
+Bytes: a message counts its tensor and meta bytes as sent by the sender (under op "send") and as received by
+the receiver (`bytes_received`); the server's own counts are in the record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from exogym.cluster.network import SERVER
+from exogym.comm import transport as _comm
+from exogym.comm.transport import MessageError
+
+__all__ = ["SERVER", "Message", "MessageError", "Server", "send", "isend", "recv", "irecv", "poll", "serve",
+           "read_server", "now"]
+
+_META_BYTES = 8  # one int or float of a message's meta
+
+
+@dataclass
+class Message:
+    """One message: who sent it to whom, its tensor, tag and meta, and when it left and arrived (seconds on the
+    simulated clock; on the torch backend, seconds since the run started)."""
+
+    src: int
+    dst: int
+    tensor: torch.Tensor
+    tag: int = 0
+    meta: dict[str, float] = field(default_factory=dict)
+    sent_at: float = 0.0
+    arrives_at: float = 0.0
+    seq: int = 0  # the sender's count of messages sent, from 0
+
+    @property
+    def nbytes(self) -> int:
+        return _comm.tensor_nbytes(self.tensor) + _META_BYTES * len(self.meta)
+
+    def describe(self) -> str:
+        who = lambda r: "the server" if r == SERVER else f"node {r}"  # noqa: E731
+        return (f"message #{self.seq} from {who(self.src)} to {who(self.dst)} (tag {self.tag}, tensor "
+                f"{tuple(self.tensor.shape)} {str(self.tensor.dtype).replace('torch.', '')}, sent at "
+                f"{self.sent_at:.6g} s, arriving at {self.arrives_at:.6g} s)")
+
+
+class Server:
+    """A strategy's server: the run's global state and the code reacting to each message it receives.
+
+    Subclass it and implement `receive(message)`; reply with `self.send(dst, tensor, tag=..., meta=...)`. A run
+    has at most one server; on the sim backend it runs in the process of node 0, between the nodes' turns, at
+    each message's arrival time (`self.now`); on the torch backend, on a thread of rank 0's process. Record each
+    update it applies with `self.record_update(node=..., staleness=..., weight=...)` (a row of
+    `trainer.record.updates`, with the simulated time added).
+    """
+
+    rank = SERVER
+
+    def __init__(self) -> None:
+        self.now = 0.0  # the arrival time of the message being handled
+        self.updates: list[dict[str, float]] = []
+        self.stats = _comm.CommStats()
+        self._post: Any = None  # the backend's way out, bound by serve()
+
+    def receive(self, message: Message) -> None:
+        """React to one message (in arrival order). Raise to stop the run (the error names the message)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement receive(message)")
+
+    def send(self, dst: int, tensor: torch.Tensor, *, tag: int = 0, meta: Mapping[str, float] | None = None) -> None:
+        """Send `tensor` to node `dst`; it leaves now (the current message's arrival time)."""
+        message = Message(SERVER, _check_dst(dst, self._post.num_nodes, SERVER), tensor.detach().clone(), int(tag),
+                          _check_meta(meta), sent_at=self.now)
+        self.stats.add("send", message.nbytes, message.nbytes)
+        self._post.post(message)
+
+    def wake_at(self, at: float) -> None:
+        """Have `wake(at)` called at simulated time `at` (no earlier than now), in order with the arrivals (a
+        timer: a grace window that closes with no message arriving)."""
+        if not at >= self.now:
+            raise ValueError(f"wake_at({at!r}) is before the server's clock {self.now!r}")
+        self._post.wake_server(at)
+
+    def wake(self, at: float) -> None:
+        """Called at the time a `wake_at` asked for (self.now is it). Nothing by default."""
+
+    def record_update(self, **row: float) -> None:
+        """One applied update, for trainer.record.updates: node, staleness, weight, and whatever else applies."""
+        self.updates.append({"sim_time_s": self.now, **row})
+
+    def snapshot(self) -> dict[str, Any]:
+        """What `read_server` hands a node by default: override to expose the global state."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The server's state for a checkpoint (tensors and plain data). Override with the global state."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what state_dict() returned."""
+
+
+def _check_dst(dst: object, num_nodes: int, src: int) -> int:
+    if isinstance(dst, bool) or not isinstance(dst, int) or not (dst == SERVER or 0 <= dst < num_nodes):
+        raise ValueError(f"dst must be a node rank in 0..{num_nodes - 1} or SERVER ({SERVER}), got {dst!r}")
+    if dst == src:
+        raise ValueError(f"node {src} named itself as the other end of a message; a node sends to and receives "
+                         "from other nodes or SERVER")
+    return dst
+
+
+def _check_meta(meta: Mapping[str, float] | None) -> dict[str, float]:
+    out = dict(meta or {})
+    for k, v in out.items():
+        if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"a message's meta holds str keys and int/float values, got {k!r}: {v!r}")
+    return out
+
+
+def _message(tensor: torch.Tensor, dst: int, tag: int, meta: Mapping[str, float] | None) -> tuple[Any, Message]:
+    c = _comm.current_transport()
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    message = Message(c.rank, _check_dst(dst, c.num_nodes, c.rank), tensor.detach().clone(), int(tag),
+                      _check_meta(meta))
+    c.stats.add("send", message.nbytes, message.nbytes)
+    return c, message
+
+
+def isend(tensor: torch.Tensor, dst: int, *, tag: int = 0, meta: Mapping[str, float] | None = None) -> Any:
+    """Send a copy of `tensor` to node `dst` (or SERVER) and return at once.
+
+    Args:
+        tensor: what to send (copied now; the caller may change its own at once).
+        dst: a node's rank, or SERVER.
+        tag: an int the receiver may select on.
+        meta: a few int/float values sent with it (8 bytes each).
+
+    Returns:
+        A handle whose wait() returns when the message has arrived (the sender's clock moves to the arrival).
+
+    Raises:
+        ValueError: dst is not a rank or SERVER, or is the sender itself.
+        TypeError: tensor is not a tensor, or meta holds other than str -> int/float.
+    """
+    c, message = _message(tensor, dst, tag, meta)
+    return c.send_message(message, blocking=False)
+
+
+def send(tensor: torch.Tensor, dst: int, *, tag: int = 0, meta: Mapping[str, float] | None = None) -> None:
+    """Send a copy of `tensor` to node `dst` (or SERVER); returns once it has arrived (the transfer is
+    communication time on the sender's clock).
+
+    Args:
+        tensor: what to send (copied now).
+        dst: a node's rank, or SERVER.
+        tag: an int the receiver may select on.
+        meta: a few int/float values sent with it (8 bytes each).
+
+    Raises:
+        ValueError: dst is not a rank or SERVER, or is the sender itself.
+        TypeError: tensor is not a tensor, or meta holds other than str -> int/float.
+    """
+    c, message = _message(tensor, dst, tag, meta)
+    c.send_message(message, blocking=True)
+
+
+def irecv(tensor: torch.Tensor | None = None, src: int | None = None, *, tag: int | None = None) -> Any:
+    """Start receiving the next message from `src` (None: any sender, SERVER: the server) with `tag` (None: any);
+    the handle's wait() returns the Message (and copies its tensor into `tensor`, when given)."""
+    c = _comm.current_transport()
+    if src is not None:
+        _check_dst(src, c.num_nodes, c.rank)
+    return c.receive_message(src, tag, tensor, blocking=False)
+
+
+def recv(tensor: torch.Tensor | None = None, src: int | None = None, *, tag: int | None = None) -> Message:
+    """Receive the next message from `src` with `tag`, in arrival order (waiting for it is idle time).
+
+    Args:
+        tensor: if given, the message's tensor is copied into it.
+        src: a node's rank, SERVER, or None for any sender.
+        tag: the tag to match, or None for any.
+
+    Returns:
+        The Message (src, tensor, tag, meta, sent_at, arrives_at).
+
+    Raises:
+        MessageError: no message will ever match (every node that could send is finished or waits itself).
+        ValueError: src is not a rank or SERVER.
+    """
+    c = _comm.current_transport()
+    if src is not None:
+        _check_dst(src, c.num_nodes, c.rank)
+    return c.receive_message(src, tag, tensor, blocking=True)
+
+
+def poll(src: int | None = None, *, tag: int | None = None) -> list[Message]:
+    """Every message from `src` (None: any sender) with `tag` (None: any) that has arrived by this node's clock, in
+    arrival order; [] if none has. Never waits."""
+    c = _comm.current_transport()
+    if src is not None:
+        _check_dst(src, c.num_nodes, c.rank)
+    return c.poll_messages(src, tag)
+
+
+def serve(make: Callable[[], Server]) -> Server | None:
+    """Declare the run's server: every node calls it (in setup) with the same factory; the server is made once,
+    where it runs, and returned there (the sim backend: to every node; the torch backend: to rank 0; None
+    elsewhere). Read its state from a node with `read_server`."""
+    return _comm.current_transport().serve(make)
+
+
+def read_server(read: Callable[[Server], Any] | None = None) -> Any:
+    """`read(server)` (default: server.snapshot()) as of this node's clock: every message that arrived at the
+    server before it has been handled, none after. Only where the server runs (any node on the sim backend,
+    rank 0 on the torch backend)."""
+    return _comm.current_transport().read_server(read or (lambda server: server.snapshot()))
+
+
+def now() -> float:
+    """The calling node's clock: simulated seconds (sim backend with a time model), else seconds of its run."""
+    return _comm.current_transport().now()

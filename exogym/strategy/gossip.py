@@ -1,0 +1,204 @@
+"""Gossip: no server; every node averages its parameters with its neighbours' on a topology."""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any, Mapping
+
+import torch
+
+from exogym._validation import check_int, check_number
+from exogym.comm import messages as msg
+from exogym.strategy.base import Strategy, trainable_parameters
+from exogym.strategy.optim import OptimSpec, ensure_optim_spec
+from exogym.strategy.server_rounds import flat_parameters
+
+__all__ = ["GossipStrategy", "TOPOLOGIES", "neighbours"]
+
+TOPOLOGIES = ("ring", "torus", "exponential", "random_pairs")
+
+
+def _grid(k: int) -> tuple[int, int]:
+    rows = max(d for d in range(1, int(math.isqrt(k)) + 1) if k % d == 0)
+    return rows, k // rows
+
+
+def neighbours(topology: str, rank: int, k: int, round_: int, seed: int) -> tuple[list[int], list[int]]:
+    """(the nodes `rank` sends to, the nodes it receives from) in gossip round `round_` (from 0):
+    ring: i-1 and i+1; torus: the four neighbours on a rows x cols grid with wrap-around (rows the largest
+    divisor of K not above sqrt K); exponential: one peer, i + 2^j (receiving from i - 2^j), j = round mod the
+    number of powers of 2 below K; random_pairs: a perfect matching drawn from (seed, round), the odd node out
+    alone. Each list without the node itself and without repeats."""
+    if k == 1:
+        return [], []
+    if topology == "ring":
+        peers = sorted({(rank - 1) % k, (rank + 1) % k} - {rank})
+        return peers, peers
+    if topology == "torus":
+        rows, cols = _grid(k)
+        r, c = divmod(rank, cols)
+        peers = sorted({((r - 1) % rows) * cols + c, ((r + 1) % rows) * cols + c, r * cols + (c - 1) % cols,
+                        r * cols + (c + 1) % cols} - {rank})
+        return peers, peers
+    if topology == "exponential":
+        hop = 2 ** (round_ % max(1, math.ceil(math.log2(k))))
+        return [(rank + hop) % k], [(rank - hop) % k]
+    order = list(range(k))
+    random.Random(seed * 1_000_003 + round_).shuffle(order)
+    i = order.index(rank)
+    partner = order[i ^ 1] if (i ^ 1) < k else None
+    return ([partner], [partner]) if partner is not None else ([], [])
+
+
+class GossipStrategy(Strategy):
+    """Gossip (decentralized) SGD: each node takes a local optimizer step, and every H steps mixes its parameters
+    with its neighbours' on a topology (ring, torus, exponential graph, random pairs). No server, no all-reduce.
+
+    mode="sync" (D-PSGD; Lian et al., "Can Decentralized Algorithms Outperform Centralized Algorithms?", NeurIPS
+    2017): in gossip round r every node sends its parameters to its neighbours, waits for theirs and takes the
+    uniform average x_i <- (x_i + sum_j x_j) / (1 + |N_i|) (the exponential graph: x_i <- (x_i + x_{i-2^j}) / 2).
+    mode="async": no node waits. Asynchronous gossip as push-sum (GoSGD, Blot et al. 2016; the asynchronous
+    setting of AD-PSGD, Lian et al., ICML 2018, without its atomic pairwise average, which needs a thread on the
+    peer): each node keeps a weight w_i (1 at the start); at its gossip points it folds in every message that has
+    arrived, x_i <- (w_i x_i + sum w_j x_j) / (w_i + sum w_j), w_i <- w_i + sum w_j, then halves w_i and sends
+    (x_i, w_i) to one neighbour (a random one of its own seeded stream; the exponential graph's next peer). The
+    weights sum to K at all times, so the nodes converge to the plain average. At the end every message in flight
+    is taken in.
+
+    Bytes per gossip round: sync, each node sends M to every out-neighbour (ring 2M, torus up to 4M, exponential
+    and random pairs M) and receives as much; async, M + 8 bytes to one neighbour.
+
+    Args:
+        optim_spec: the local optimizer (default SGD, lr 0.01); `lr` sets its learning rate.
+        topology: "ring", "torus", "exponential" or "random_pairs".
+        mode: "sync" or "async".
+        H: local steps between gossip rounds.
+        seed: the random pairs' and the async peers' streams.
+        time_budget_s: async only: a node sits out its remaining steps once its simulated clock reaches this.
+        max_norm: clip each local step's gradient norm.
+
+    Raises:
+        ValueError: an unknown topology or mode, H below 1.
+    """
+
+    _default_inner = OptimSpec(torch.optim.SGD, lr=0.01)
+    collectives_match_steps = True
+    supports_membership_changes = False  # a node down would leave its neighbours waiting (sync) or lose weight
+    sends_messages = True
+
+    def __init__(self, optim_spec: OptimSpec | str | type | None = None, *, topology: str = "ring",
+                 mode: str = "sync", H: int = 1, lr: float | None = None, seed: int = 0,
+                 time_budget_s: float | None = None, max_norm: float | None = None, **kwargs: Any):
+        super().__init__(max_norm=max_norm, **kwargs)
+        if topology not in TOPOLOGIES:
+            raise ValueError(f"topology must be one of {list(TOPOLOGIES)}, got {topology!r}")
+        if mode not in ("sync", "async"):
+            raise ValueError(f"mode must be 'sync' or 'async', got {mode!r}")
+        check_int("H", H, minimum=1)
+        check_int("seed", seed, minimum=0)
+        check_number("time_budget_s", time_budget_s, positive=True, allow_none=True)
+        if time_budget_s is not None and mode != "async":
+            raise ValueError("time_budget_s needs mode='async': in sync gossip a node that stops would leave its "
+                             "neighbours waiting")
+        self.time_budget_s = time_budget_s
+        self.topology, self.mode, self.H, self.seed = topology, mode, H, seed
+        spec = ensure_optim_spec(optim_spec, lr=lr) if optim_spec is not None else None
+        self.optim_spec = spec or OptimSpec(self._default_inner.cls, **{**self._default_inner.kwargs,
+                                                                        **({} if lr is None else {"lr": lr})})
+
+    def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
+        super()._init_node(model, rank, num_nodes)
+        self._params = trainable_parameters(model)
+        self._round, self._weight = 0, 1.0
+        self._rng = random.Random(self.seed * 7919 + rank)
+        self._sent = torch.zeros(num_nodes, dtype=torch.int64)  # async: messages sent to each node
+        self._taken = torch.zeros(num_nodes, dtype=torch.int64)  # async: messages taken from each node
+        self._stopped = False
+
+    def skip_compute(self) -> bool:
+        if not self._stopped and self.time_budget_s is not None and msg.now() >= self.time_budget_s:
+            self._stopped = True
+        return self._stopped
+
+    @torch.no_grad()
+    def _load(self, theta: torch.Tensor) -> None:
+        for p, chunk in zip(self._params, theta.split([p.numel() for p in self._params])):
+            p.copy_(chunk.view_as(p))
+
+    def step(self) -> None:
+        if self._stopped:
+            super().step()
+            return
+        self._clip_grads()
+        self.optim.step()
+        if (self.local_step + 1) % self.H == 0 and self.num_nodes > 1:
+            self._sync_round() if self.mode == "sync" else self._push()
+            self._round += 1
+        super().step()
+
+    @torch.no_grad()
+    def _sync_round(self) -> None:
+        out, into = neighbours(self.topology, self.rank, self.num_nodes, self._round, self.seed)
+        x = flat_parameters(self.model)
+        works = [msg.isend(x, j, tag=self._round) for j in out]
+        total = x.clone()
+        for j in into:
+            total += msg.recv(src=j, tag=self._round).tensor
+        for w in works:
+            w.wait()
+        self._load(total / (1 + len(into)))
+
+    @torch.no_grad()
+    def _fold(self, messages: list[msg.Message]) -> None:
+        """Push-sum: fold the arrived (x_j, w_j) into (x_i, w_i)."""
+        if not messages:
+            return
+        x = flat_parameters(self.model) * self._weight
+        for m in messages:
+            x += m.tensor * m.meta["w"]
+            self._weight += m.meta["w"]
+            self._taken[m.src] += 1
+        self._load(x / self._weight)
+
+    @torch.no_grad()
+    def _push(self) -> None:
+        self._fold(msg.poll())
+        out, _ = neighbours(self.topology, self.rank, self.num_nodes, self._round, self.seed)
+        if self.topology in ("ring", "torus"):
+            out = [self._rng.choice(out)]
+        elif self.topology == "random_pairs":
+            out = [self._rng.choice([r for r in range(self.num_nodes) if r != self.rank])]
+        self._weight /= 2
+        msg.isend(flat_parameters(self.model), out[0], meta={"w": self._weight})
+        self._sent[out[0]] += 1
+
+    def finish(self) -> None:
+        """Async: every message still in flight is taken in (the counts go round once), so no weight is lost."""
+        if self.mode != "async" or self.num_nodes == 1:
+            return
+        from exogym.comm.collectives import all_reduce
+        counts = torch.zeros(self.num_nodes, self.num_nodes, dtype=torch.int64)
+        counts[self.rank] = self._sent
+        all_reduce(counts)  # counts[j, i]: messages j sent to i
+        for j in range(self.num_nodes):
+            missing = int(counts[j, self.rank] - self._taken[j])
+            self._fold([msg.recv(src=j) for _ in range(missing)])
+
+    def validation_facts(self) -> dict[str, float]:
+        """A validation row's simulated time: node 0's clock when it validated (the nodes' clocks differ)."""
+        return {"sim_time_s": msg.now()}
+
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        state = super().state_dict()
+        state["local"].update(round=self._round, weight=self._weight, rng=self._rng.getstate(),
+                              sent=self._sent.clone(), taken=self._taken.clone(), stopped=self._stopped)
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Mapping[str, Any]]) -> None:
+        super().load_state_dict(state)
+        local = state["local"]
+        self._round, self._weight = local["round"], local["weight"]
+        self._rng.setstate(local["rng"])
+        self._sent, self._taken = local["sent"].clone(), local["taken"].clone()
+        self._stopped = local["stopped"]
