@@ -7,7 +7,7 @@ Words used throughout:
 - round: one outer synchronisation of a strategy that communicates every H steps.
 """
 
-from exogym.backends.errors import NodeProcessError, NodeTimeoutError
+from exogym.backends.errors import NodeProcessError, NodeTimeoutError, PeerLostError
 from exogym.cluster.membership import RandomFailures
 from exogym.comm.transport import CollectiveError
 from exogym.engine.node import NonFiniteLoss
@@ -22,5 +22,5 @@ from exogym import compat  # noqa: E402 - on top of everything above, and instal
 compat.install()
 
 __all__ = ["Trainer", "LocalTrainer", "RunRecord", "CollectiveError", "NodeProcessError", "NodeTimeoutError",
-           "RunFolderError", "DiskFullError", "RandomFailures", "NonFiniteLoss", "RunInterrupted"]
+           "RunFolderError", "DiskFullError", "RandomFailures", "NonFiniteLoss", "RunInterrupted", "PeerLostError"]
 __version__ = "0.1.0"

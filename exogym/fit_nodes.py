@@ -4,6 +4,7 @@ machine's memory holds the nodes."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -210,9 +211,20 @@ def check_node_memory(num_nodes: int, *, model: torch.nn.Module | None = None, o
                      f"{', a smaller model' if len(parts) > 1 else ''}, or free some memory")
 
 
-def peak_memory_mb(devices: list[torch.device]) -> dict[str, float]:
-    """This process's peak resident memory, and each CUDA device's peak allocation, in MB."""
-    peaks: dict[str, float] = {}
+def peak_memory_mb(devices: list[torch.device], logs: Sequence[Any] = (), owner: Sequence[int] = (),
+                   caller_counts: bool = True) -> dict[str, Any]:
+    """The run's peak memory in MB: this process's peak resident memory ("process_rss"), each CUDA device's peak
+    allocation, and for a run over several processes each process's peak ("per_process_rss", by process) and
+    their sum with the caller's ("run_rss", an upper bound: pages the processes share count once per process).
+
+    Args:
+        devices: the nodes' devices.
+        logs: every node's log; a node's process stamps its peak in log.comm["process_peak_rss_mb"].
+        owner: the process of each node, by rank.
+        caller_counts: whether this process is not itself one of those processes (a local launch's caller), so
+            that its own peak adds to the run's.
+    """
+    peaks: dict[str, Any] = {}
     try:
         import resource
         import sys
@@ -222,4 +234,14 @@ def peak_memory_mb(devices: list[torch.device]) -> dict[str, float]:
         pass
     for d in sorted({d for d in devices if d.type == "cuda"}, key=str):
         peaks[str(d)] = torch.cuda.max_memory_allocated(d) / 2**20
+    per_process: dict[int, float] = {}
+    for log, p in zip(logs, owner):
+        rss = getattr(log, "comm", {}).get("process_peak_rss_mb")
+        if rss is not None:
+            per_process.setdefault(p, rss)
+    if per_process:
+        peaks["per_process_rss"] = [per_process.get(p, math.nan) for p in range(max(owner) + 1)]
+        peaks["run_rss"] = sum(per_process.values()) + (peaks.get("process_rss", 0.0) if caller_counts else 0.0)
+    else:
+        peaks["run_rss"] = peaks.get("process_rss", math.nan)
     return peaks

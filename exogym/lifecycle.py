@@ -93,6 +93,8 @@ class RunLifecycle:
             p.config["processes"] = p.processes
             if p.logger is not None:
                 p.logger.start(p.config)
+                if resumed.states is not None:  # rows between the last written one and the checkpoint: written
+                    live.fill_resumed(getattr(p.logger, "loggers", [p.logger]))
         except BaseException:
             self.abandon()
             raise
@@ -143,11 +145,17 @@ class RunLifecycle:
         config = self.plan.config
         self.record = RunRecord.from_nodes(logs, config=config, global_batch=config["global_batch"],
                                            wall_time_s=time.perf_counter() - self.started,
-                                           peak_memory_mb=peak_memory_mb(self.plan.devices))
+                                           peak_memory_mb=self._peak_memory(logs))
         self._end(Ending(COMPLETED), self.record)
         final_model = copy.deepcopy(self.plan.run.model).to(self.plan.devices[0])
         final_model.load_state_dict(final_state, strict=True)
         return final_model
+
+    def _peak_memory(self, logs: list[Any]) -> dict[str, Any]:
+        """Every process's peak memory, and the run's (exogym.fit_nodes.peak_memory_mb)."""
+        launcher = self.plan.launcher
+        owner = launcher.hosting[0].owner if launcher.hosting else ()
+        return peak_memory_mb(self.plan.devices, logs, owner, caller_counts=launcher.caller_is_extra)
 
     def fail(self, error: BaseException) -> RunRecord | None:
         """The nodes ran and stopped part-way (or one is stuck, and its process is about to end): the record of

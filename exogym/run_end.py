@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from exogym.backends.errors import NodeProcessError, NodeTimeoutError
+from exogym.backends.errors import NodeProcessError, NodeTimeoutError, PeerLostError
 from exogym.engine.node import NonFiniteLoss
 from exogym.launch.signals import interrupt_signal
 from exogym.runs.checkpoint import CheckpointError, find_checkpoint
@@ -70,7 +70,18 @@ class Ending:
             return {"status": COMPLETED}
         if self.status == INTERRUPTED:
             return {"status": INTERRUPTED, "signal": self.signal.name, "resume_from": self.resume_from}
-        return {"status": FAILED, "error": self.reason, **({"stuck": True} if self.status == STUCK else {})}
+        lost = self.lost_peer
+        return {"status": FAILED, "error": self.reason, **({"stuck": True} if self.status == STUCK else {}),
+                **({"lost_peer": lost} if lost is not None else {})}
+
+    @property
+    def lost_peer(self) -> dict[str, Any] | None:
+        """The process the run lost (its rank and nodes), when a process went away or stopped responding."""
+        error = self.error
+        lost = error if isinstance(error, PeerLostError) else getattr(error, "__cause__", None)
+        if not isinstance(lost, PeerLostError):
+            return None
+        return {"process": lost.process, "nodes": list(lost.nodes)}
 
     @property
     def folder_status(self) -> str:

@@ -1,6 +1,8 @@
-"""A small checkpointed run that a fault-injection test stops at a chosen step (python fault_run.py KIND STEP):
-node 1 reads its step-STEP batch and then raises, or sends its process SIGINT, SIGTERM or SIGKILL. KIND "none"
-runs it whole. The run writes logs/r/ in the working folder."""
+"""A small checkpointed run that a fault-injection test stops at a chosen step (python fault_run.py KIND STEP
+[LAUNCH]): node 1 reads its step-STEP batch and then raises, or sends its process SIGINT, SIGTERM, SIGKILL or
+SIGSTOP; "caller-SIGKILL" (with LAUNCH "processes"): it SIGKILLs the calling process. KIND "none" runs it whole, "resume" resumes logs/r whole. LAUNCH: "one" (one process, the default), "processes" (fit(processes=2): node 1
+in a process of its own) "torchrun" (the script run by `python -m torch.distributed.run --standalone
+--nproc-per-node 2`: node 1 in rank 1), or "torchrun-torch" (the same with backend="torch"). The run writes logs/r/ in the working folder."""
 
 from __future__ import annotations
 
@@ -18,10 +20,14 @@ from faulty import FailOnNode  # noqa: E402
 from toy import TinyMLP  # noqa: E402
 
 MAX_STEPS, CHECKPOINT_INTERVAL, BATCH = 30, 4, 16
+PEER_TIMEOUT = 10.0  # node_timeout of the runs over several processes: a stopped process is named this soon
 
 
 def fit(kind: str = "none", step: int = 0, **kwargs):
-    data = FailOnNode(1, BATCH * (step - 1), kind) if kind != "none" else FailOnNode(1, -1)
+    if kind == "caller-SIGKILL":  # node 1 kills the calling process (its own waits to be ended with it)
+        data = FailOnNode(1, BATCH * (step - 1), "SIGKILL", pid=os.getpid())
+    else:
+        data = FailOnNode(1, BATCH * (step - 1), kind) if kind != "none" else FailOnNode(1, -1)
     trainer = Trainer(TinyMLP(dropout=0.1), data)
     strategy = DiLoCoStrategy(OptimSpec(torch.optim.AdamW, lr=0.01), H=3)
     trainer.fit(strategy, 2, max_steps=MAX_STEPS, batch_size=BATCH, shuffle=False, progress=False, run_name="r",
@@ -29,6 +35,23 @@ def fit(kind: str = "none", step: int = 0, **kwargs):
     return trainer
 
 
+def command(kind: str, step: int, launch: str = "one") -> list[str]:
+    """The command line that runs this script with a fault, laid out as `launch` says."""
+    if launch.startswith("torchrun"):
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                os.path.abspath(__file__), kind, str(step), launch]
+    return [sys.executable, os.path.abspath(__file__), kind, str(step), launch]
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    fit(sys.argv[1], int(sys.argv[2]))
+    launch = sys.argv[3] if len(sys.argv) > 3 else "one"
+    options = {"processes": 2} if launch == "processes" else {}
+    if launch != "one":
+        options["node_timeout"] = PEER_TIMEOUT
+    if launch == "torchrun-torch":  # the torch backend: one node per torchrun process
+        options["backend"] = "torch"
+    if sys.argv[1] == "resume":  # from the run's newest checkpoint, with no fault
+        fit(resume_from="logs/r", **options)
+    else:
+        fit(sys.argv[1], int(sys.argv[2]), **options)

@@ -29,8 +29,8 @@ class NanOnNode:
 
 
 class FailAt(Dataset):
-    """256 examples; reading example `index` raises (fail="raise") or sends this process a signal ("SIGTERM",
-    "SIGINT") once. With shuffle=False and one node, example 16 * (s - 1) is step s's first."""
+    """256 examples; reading example `index` raises (fail="raise": a RuntimeError, "diskfull": a DiskFullError) or
+    sends this process a signal ("SIGTERM", "SIGINT", "SIGKILL", "SIGSTOP") once. With shuffle=False and one node, example 16 * (s - 1) is step s's first."""
 
     def __init__(self, index: int, fail: str = "raise", pid: int | None = None):
         self.data = make_classification(256)
@@ -43,6 +43,9 @@ class FailAt(Dataset):
     def __getitem__(self, i: int):
         if i == self.index and self.fail == "raise":
             raise RuntimeError(f"example {i} cannot be read")
+        if i == self.index and self.fail == "diskfull":
+            from exogym.runs.disk import DiskFullError
+            raise DiskFullError(f"no space left to write example {i}'s copy", "example.bin", needed=100, free=0)
         if i == self.index and not self.sent:
             self.sent = True
             os.kill(self.pid or os.getpid(), getattr(signal, self.fail))

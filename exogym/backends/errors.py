@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_NODE_TIMEOUT", "STUCK_EXIT_CODE", "NodeTimeoutError", "NodeProcessError"]
+__all__ = ["DEFAULT_NODE_TIMEOUT", "STUCK_EXIT_CODE", "NodeTimeoutError", "NodeProcessError", "PeerLostError",
+           "with_rank_note"]
 
 # Ten minutes: far above any single step or validation of the models this library is used with on one machine,
 # and far below "the run hangs overnight". fit(node_timeout=...) changes it; None disables the watchdog.
@@ -44,3 +45,39 @@ class NodeProcessError(RuntimeError):
     def __init__(self, message: str, rank: int):
         super().__init__(message)
         self.rank = rank
+
+
+class PeerLostError(NodeProcessError):
+    """Another process of the run went away (its connection closed: it died, or its machine did) or stopped
+    responding (no heartbeat for node_timeout: stopped, hung, or cut off by a network partition). `process` and
+    `nodes` name it; `rank` is its first node.
+
+    Args:
+        message: what happened, naming the process and its nodes.
+        process: the lost process's index (its torchrun rank).
+        nodes: the nodes it hosts.
+    """
+
+    def __init__(self, message: str, process: int, nodes: tuple[int, ...]):
+        super().__init__(message, nodes[0] if nodes else -1)
+        self.process, self.nodes = process, tuple(nodes)
+
+    def __reduce__(self) -> tuple:  # crosses from a run's process to the caller intact
+        return type(self), (str(self), self.process, self.nodes)
+
+
+def describe_process(process: int, nodes: tuple[int, ...]) -> str:
+    """'process 1 (node 1)' or 'process 1 (nodes 2-3)'."""
+    if len(nodes) == 1:
+        return f"process {process} (node {nodes[0]})"
+    return f"process {process} (nodes {nodes[0]}-{nodes[-1]})"
+
+
+def with_rank_note(error: BaseException, rank: int, process: int | None = None) -> BaseException:
+    """An exception raised in another process, as itself (its type kept: `except DiskFullError` still works), with a
+    note naming where it was raised."""
+    where = f"node {rank}" + (f" (process {process})" if process is not None else "")
+    note = f"(raised in the process of {where}; the run's other processes were ended)"
+    if note not in getattr(error, "__notes__", []):
+        error.add_note(note)
+    return error

@@ -17,6 +17,10 @@ as the run runs.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import pickle
+import threading
 import time
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Sequence
@@ -24,9 +28,13 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 import torch.distributed as dist
 
+from exogym.backends.errors import PeerLostError
+from exogym.backends.peer_watch import PeerWatch
 from exogym.backends.hosting import Hosting, Peers, ProcessBackend, block_of
 from exogym.launch.environment import Environment
 from exogym.launch.pickling import check_picklable
+from exogym.launch.shared_folder import check_shared_folder
+from exogym.launch.row_relay import LockedLive, RelayReader, StoreRelay, store_timeout
 from exogym.launch.signals import interrupt_on_sigterm
 from exogym.launch.supervision import HOST, process_context, supervise, wind_down
 from exogym.launch.worker import process_main, stamp_peak_rss, with_rows
@@ -76,6 +84,12 @@ class Launcher(ABC):
     def is_main(self) -> bool:
         """Whether this process holds the run folders and the loggers."""
         return True
+
+    @property
+    def caller_is_extra(self) -> bool:
+        """Whether the calling process runs beside the run's processes (a local launch's supervisor), so that its
+        memory adds to theirs."""
+        return isinstance(self, LocalProcesses)
 
     def node_devices(self, devices: Sequence[torch.device]) -> list[torch.device]:
         """Where this launch runs each node, given where fit places them."""
@@ -168,6 +182,13 @@ class LocalProcesses(Launcher):
             del store
 
 
+def _connection_lost(error: BaseException) -> bool:
+    """Whether an error says a connection to another process closed (it died, or its machine or link did)."""
+    text = str(error).lower()
+    return any(words in text for words in ("connection closed by peer", "connection reset by peer", "broken pipe",
+                                           "connection refused"))
+
+
 _torchrun_runs = 0  # per process: the n-th run of a torchrun job is the n-th in each of its processes
 
 
@@ -175,8 +196,9 @@ class Torchrun(Launcher):
     """This process is one of the processes torchrun started (the job's environment says which).
 
     Under the sim each process hosts a block of nodes; under torch one node. Every process returns the global model
-    and every node's log (gathered at the end), as a one-process run would; the other processes' rows reach this
-    process's live log at the end.
+    and every node's log (gathered at the end), as a one-process run would. Under the sim the other processes' rows
+    reach the main process's live log as they are flushed (exogym.launch.row_relay); under torch each process's
+    loggers follow its own node.
 
     Args:
         backend: what runs inside this process.
@@ -220,12 +242,28 @@ class Torchrun(Launcher):
             store = None
             if env.main_address is not None and env.main_port is not None:
                 store = dist.TCPStore(env.main_address, env.main_port, is_master=False, timeout=timeout)
-            peers = Peers(store, env.main_address or HOST, env.main_port or 0,
-                          f"exogym/{self.backend.name}/{_torchrun_runs}", time.perf_counter(), timeout)
-            results = self.backend.run(plan, sinks, hosting, peers)
-            stamp_peak_rss(results)
-            gathered: list[Any] = [None] * env.world_size
-            dist.all_gather_object(gathered, [log for log, _ in results])
+            run_key = f"exogym/{self.backend.name}/{_torchrun_runs}"
+            if plan.checkpoints is not None and store is not None and env.world_size > 1:
+                check_shared_folder(store, f"{run_key}/shared", env.rank, env.world_size, plan.checkpoints.root)
+            peers = Peers(store, env.main_address or HOST, env.main_port or 0, run_key, time.perf_counter(), timeout)
+            own_sinks, reader = self._relay(sinks, store, f"{run_key}/rows", timeout)
+            # Every rank beats in the store, so that a rank whose connection closed is named (below).
+            watch = PeerWatch(store, f"{run_key}/ranks", env.rank, hosting.owner, None) if store is not None else None
+            try:
+                try:
+                    results = self.backend.run(plan, own_sinks, hosting, peers)
+                except BaseException as e:
+                    raise self._peer_error(e, store, run_key, watch) from None
+                if watch is not None:
+                    watch.finished()
+                stamp_peak_rss(results)
+                gathered: list[Any] = [None] * env.world_size
+                dist.all_gather_object(gathered, [log for log, _ in results])
+            finally:
+                if watch is not None:
+                    watch.close()
+                if reader is not None:  # every row the others posted, also when the run stopped part-way
+                    reader.stop(store)
             state = next((s for _, s in results if s is not None), None)
             if not hosting.returns_model:  # the process holding node 0 hands the global model on
                 box = [state]
@@ -235,7 +273,59 @@ class Torchrun(Launcher):
             if owns_group:
                 dist.destroy_process_group()
         logs = [log for block in gathered for log in block]
-        for log in logs:  # the other processes' rows reach this process's loggers at the end
-            if log.rank not in hosting.nodes:
-                sinks.live.add_rows(log.rank, log.rows)
+        if reader is None:  # one node per process: each process's loggers follow its own node
+            for log in logs:
+                if log.rank not in hosting.nodes:
+                    sinks.live.add_rows(log.rank, log.rows)
         return [(logs[0], state)] + [(log, None) for log in logs[1:]]
+
+    def _peer_error(self, error: BaseException, store: Any, key: str, watch: PeerWatch | None) -> BaseException:
+        """What this process raises when its run stopped on `error`. A process posts its own error to the job's
+        store before it exits. A process whose connection to another closed (gloo's "Connection closed by peer",
+        on either backend) names the rank whose beat stopped (PeerLostError), not its own node; a process that
+        lost a peer raises the peer's posted error instead (its type kept, with a note naming the peer's rank
+        and nodes), when there is one."""
+        if store is None:
+            return error
+        interrupted = isinstance(error, KeyboardInterrupt)  # torchrun stops every rank once one of them died
+        if not isinstance(error, PeerLostError) and watch is not None and (_connection_lost(error) or interrupted):
+            with contextlib.suppress(Exception):
+                try:
+                    gone = watch.silent()
+                except KeyboardInterrupt as e:  # torchrun's SIGTERM to every rank, as one died: look again
+                    error, interrupted = e, True
+                    gone = watch.silent()
+                if interrupted:  # a rank stopped by the same signal posted it: a silent one that did not, died
+                    gone = [p for p in gone if not store.check([f"{key}/failed/{p}"])]
+                if gone:
+                    how = (f"its beat stopped, and then this rank was stopped ({error})" if interrupted else None)
+                    error = watch.lost(gone[0], error, how)
+        if not isinstance(error, PeerLostError):
+            with contextlib.suppress(Exception):
+                store.set(f"{key}/failed/{self.environment.rank}", pickle.dumps(error))
+            return error
+        with contextlib.suppress(Exception):
+            name = f"{key}/failed/{error.process}"
+            if store.check([name]):
+                theirs = pickle.loads(store.get(name))
+                if isinstance(theirs, BaseException):
+                    theirs.add_note(f"(raised by rank {error.process}, which hosts node(s) {list(error.nodes)}; "
+                                    f"rank {self.environment.rank} noticed it went away)")
+                    theirs.__cause__ = error
+                    return theirs
+        return error
+
+    def _relay(self, sinks: "RunSinks", store: Any, key: str, timeout: Any) -> tuple["RunSinks", RelayReader | None]:
+        """Under the sim every process's rows reach the main process's loggers as they are flushed (through the
+        job's store, exogym.launch.row_relay): this process's sinks, and the main process's reader of the others'
+        rows."""
+        if self.backend.one_node_per_process or store is None or self.processes == 1:
+            return sinks, None
+        env = self.environment
+        if not env.is_main:
+            return dataclasses.replace(sinks, live=StoreRelay(sinks.live, store, f"{key}/{env.rank}")), None
+        lock = threading.Lock()
+        connect = lambda: dist.TCPStore(env.main_address, env.main_port, is_master=False,  # noqa: E731
+                                        timeout=store_timeout(timeout))
+        reader = RelayReader(sinks.live, connect, [f"{key}/{p}" for p in range(1, self.processes)], lock).start()
+        return dataclasses.replace(sinks, live=LockedLive(sinks.live, lock)), reader

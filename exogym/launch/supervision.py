@@ -26,9 +26,10 @@ from typing import Any, Sequence
 
 import torch.multiprocessing as torch_mp
 
-from exogym.backends.errors import STUCK_EXIT_CODE, NodeProcessError, NodeTimeoutError
+from exogym.backends.errors import STUCK_EXIT_CODE, NodeProcessError, NodeTimeoutError, with_rank_note
 
-__all__ = ["HOST", "Failure", "process_context", "supervise", "wind_down", "end_processes", "collect_last_rows"]
+__all__ = ["HOST", "Failure", "process_context", "supervise", "wind_down", "end_processes", "collect_last_rows",
+           "keeps_type"]
 
 HOST = "127.0.0.1"  # every process is on this machine: the rendezvous store listens on loopback only
 _FINISH_GRACE_S = 60.0  # after the first process finishes, how long the others may take to finish too
@@ -137,12 +138,13 @@ def _failure_error(failures: list[Failure], finished: list[int], passthrough: tu
     died = [f for f in failures if not f.traceback]
     first = next((f for f in raised if not f.from_peer), died[0] if died else raised[0])
     if passthrough and isinstance(first.exception, passthrough):
-        first.exception.add_note(f"(raised in the process of node {first.rank}; the run's other processes were ended)")
-        return first.exception
+        return with_rank_note(first.exception, first.rank)
     if isinstance(first.exception, NodeTimeoutError):
         timeout = first.exception
         timeout.add_note(f"(reported by node {first.rank}, which waited for it; the run's node processes were ended)")
         return timeout
+    if first.exception is not None and keeps_type(first.exception):
+        return with_rank_note(first.exception, first.rank)
     lines = [f"node {first.rank} failed, so the run was stopped: {first.summary}"]
     if first.traceback:
         lines += ["", f"node {first.rank}'s traceback (in its own process):", first.traceback.rstrip()]
@@ -160,6 +162,14 @@ def _failure_error(failures: list[Failure], finished: list[int], passthrough: tu
     error = NodeProcessError("\n".join(lines), first.rank)
     error.__cause__ = first.exception
     return error
+
+
+def keeps_type(error: BaseException) -> bool:
+    """Whether an exception raised in a run's process reaches the caller as itself (with a note naming its node),
+    rather than wrapped in a NodeProcessError: exogym's own errors (DiskFullError, CheckpointError, RunFolderError,
+    ...), so that `except DiskFullError` works whatever the launcher. Other exceptions are wrapped, their
+    traceback in the message and the exception as __cause__."""
+    return type(error).__module__.startswith("exogym.") and not isinstance(error, NodeProcessError)
 
 
 def _shorten(text: str, limit: int = 200) -> str:

@@ -111,6 +111,20 @@ def stamp_peak_rss(results: list[Any]) -> None:
         log.comm["process_peak_rss_mb"] = rss_mb
 
 
+def exit_with_caller(poll_s: float = 1.0) -> None:
+    """This process ends when the caller that started it is gone (SIGKILLed: nothing could stop its processes),
+    rather than training on alone and writing checkpoints beside a resumed run. Its parent (the caller, or the
+    forkserver, which exits with the caller) changing means the caller is gone."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exogym-caller-watch", daemon=True).start()
+
+
 def process_main(backend: ProcessBackend, hosting: Hosting, plan: "RunPlan", port: int, conn: Connection,
                  start: float, threads: int, timeout: timedelta) -> None:
     """A process of a local launch: join the process group, run what it hosts, report; on any exception report it
@@ -127,6 +141,7 @@ def process_main(backend: ProcessBackend, hosting: Hosting, plan: "RunPlan", por
         timeout: the process group's timeout.
     """
     outbox = Outbox(conn)
+    exit_with_caller()
     try:
         raise_on_sigterm()
         torch.set_num_threads(threads)

@@ -153,6 +153,18 @@ class Logger(metaclass=Adaptable):
             summary: What `summary.json` holds: the headline numbers and how the run ended.
         """
 
+    def written_through(self, table: str) -> int | None:
+        """For a run resumed into the folder it already has: the last step of `table` this logger holds.
+
+        Args:
+            table: "train" or "val".
+
+        Returns:
+            That step (0: none), or None where the logger cannot say (then fit writes nothing again). fit logs the
+            rows between it and the checkpoint's step from what the checkpoint carries, so none is missing.
+        """
+        return None
+
 
 class _FolderLogger(Logger):
     """A logger writing into `<log_dir>/<run_name>/`, a folder it holds for one run (see `exogym.runs.folder`)."""
@@ -213,7 +225,8 @@ class CSVLogger(_FolderLogger):
 
     Also what its table views (`views=`, then the registered ones) make of each row. To resume a run in its
     folder, see `continue_after`. A run that fails before its first training row leaves no folder (the claim
-    is given back); once one is written, `summary.json` says how it ended.
+    is given back), unless it failed because a process of the run went away (`summary["lost_peer"]`); once one
+    is written, `summary.json` says how it ended.
 
     Args:
         log_dir: The folder of run folders.
@@ -229,14 +242,18 @@ class CSVLogger(_FolderLogger):
         self._files: dict[str, AppendFile] = {}
         self._columns: dict[str, list[str]] = {}
         self._trained = False  # a training row was written
+        self._through: dict[str, int] = {}  # resumed: the last step each table held
 
     def start(self, config: dict[str, Any]) -> None:
         run_dir = self._open_run_dir(config)
         self._trained = False
         try:
+            self._through = {}
             if self.after_step is not None:
                 for table in run_dir.glob("*.csv"):
                     truncate_rows_after(table, self.after_step)
+                for table in ("train", "val"):
+                    self._through[table] = _last_step(run_dir / f"{table}.csv")
                 (run_dir / "summary.json").unlink(missing_ok=True)  # written again when the run ends
             write_text(run_dir / "config.json", json.dumps(_json_safe(config), indent=2) + "\n", "the run's config")
         except BaseException:  # config.json is written whole or not at all: nothing of it is left to block the name
@@ -244,6 +261,9 @@ class CSVLogger(_FolderLogger):
                 self.claim.abandon()  # (fit gives back the claim it made itself)
             self.claim, self._own_claim, self._running = None, False, False
             raise
+
+    def written_through(self, table: str) -> int | None:
+        return self._through.get(table)
 
     def log(self, table: str, row: dict[str, float]) -> None:
         rows = {table: dict(row)}
@@ -274,7 +294,7 @@ class CSVLogger(_FolderLogger):
         self._files.clear()
         self._columns.clear()
         if summary.get("status") == "failed" and not self._trained and self.after_step is None \
-                and self.run_dir is not None and self.claim is not None:
+                and "lost_peer" not in summary and self.run_dir is not None and self.claim is not None:
             # Failed before a training row was written: no training to keep, so the folder is given back.
             for path in [self.run_dir / "config.json", *written]:
                 path.unlink(missing_ok=True)
@@ -293,6 +313,21 @@ def _csv_line(cells: Sequence[Any]) -> str:
     out = io.StringIO()
     csv.writer(out).writerow(cells)
     return out.getvalue()
+
+
+def _last_step(path: Path) -> int:
+    """The step of a CSV table's last row (0: no table, or no row)."""
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.reader(f))
+    except FileNotFoundError:
+        return 0
+    if len(rows) < 2 or "step" not in rows[0]:
+        return 0
+    try:
+        return int(float(rows[-1][rows[0].index("step")]))
+    except (ValueError, IndexError):
+        return 0
 
 
 def _csv_header(path: Path) -> list[str] | None:

@@ -125,6 +125,23 @@ class LiveLog:
                 kept = self._kept[log.rank]
                 kept.rows, kept.val, kept.diagnostics = list(log.rows), list(log.val), list(log.diagnostics)
 
+    def fill_resumed(self, loggers: Sequence["Logger"]) -> None:
+        """A resumed run whose loggers hold fewer rows than its checkpoint (its process stopped between the
+        checkpoint and the rows' flush): each logger gets the rows it misses up to the checkpoint's step, from the
+        rows the checkpoint carries (Logger.written_through says where it stands)."""
+        logs = self.partial_logs()
+        train = [merge_step_rows(rows, global_batch=self.global_batch) for rows in zip(*(l.rows for l in logs))]
+        for logger in loggers:
+            for table, rows in (("train", train), ("val", logs[0].val if logs else [])):
+                through = getattr(logger, "written_through", lambda _: None)(table)
+                if through is None:
+                    continue
+                for row in rows:
+                    step = int(row["step"])
+                    if step > through and (table == "val" or step % self.log_interval == 0
+                                           or step == self.last_step):
+                        logger.log(table, row)
+
     def add_rows(self, rank: int, rows: list[dict[str, float]]) -> None:
         """Node `rank`'s newest rows; a step whose rows every node has sent goes out merged.
 
@@ -213,7 +230,9 @@ class RunRecord:
         comm_per_node: Per node, its communication counts (bytes per collective, payload bytes, and its
             simulated clock under `sim_time`).
         wall_time_s: The run's wall-clock seconds.
-        peak_memory_mb: The process's peak resident memory (and per CUDA device, its peak allocation).
+        peak_memory_mb: Peak memory in MB: the calling process's resident memory (`process_rss`), the whole
+            run's over every process (`run_rss`) and, over several processes, each one's (`per_process_rss`);
+            per CUDA device, its peak allocation.
     """
 
     config: dict[str, Any]

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from exogym.backends.sim.baton import CollectiveCall, Pending
 from exogym.backends.sim.collective_parts import OPS
+from exogym.backends.peer_watch import PeerWatch
 from exogym.comm.transport import CollectiveError
 
 __all__ = ["Exchange", "Crossing"]
@@ -86,8 +87,9 @@ class Crossing:
 class Exchange:
     """This process's crossings; `owner[r]` is node r's process, `me` this one."""
 
-    def __init__(self, owner: Sequence[int], me: int, store: Any, run_key: str):
+    def __init__(self, owner: Sequence[int], me: int, store: Any, run_key: str, peer_timeout: float | None = None):
         self.owner, self.me, self.store, self.run_key = list(owner), me, store, run_key
+        self.peers = PeerWatch(store, run_key, me, self.owner, peer_timeout)
         self.processes = max(self.owner) + 1
         self._crossings: dict[int, Crossing] = {}
         self._events: queue.Queue = queue.Queue()
@@ -152,7 +154,7 @@ class Exchange:
                 work.wait()
                 self._events.put((x.key, into, buffer, None))
             except BaseException as e:  # noqa: BLE001 - reported to the process's own thread
-                self._events.put((x.key, into, buffer, e))
+                self._events.put((x.key, into, buffer, (src, e)))
 
         threading.Thread(target=wait, name="exogym-exchange", daemon=True).start()
 
@@ -171,7 +173,8 @@ class Exchange:
         while True:
             key, into, buffer, error = event
             if error is not None:
-                raise RuntimeError(f"a cross-process message failed: {error}") from error
+                src, cause = error
+                raise self.peers.lost(src, cause) from cause
             x = self._crossings[key]
             x.waiting -= 1
             kind, holder = into
@@ -282,6 +285,15 @@ class Exchange:
 
     def report_finished(self) -> None:
         self.store.set(f"{self.run_key}/stall/{self.me}", pickle.dumps((-1, "")))
+        self.peers.finished()
+
+    def check_peers(self) -> None:
+        """Raise PeerLostError when a process this one may wait for stopped responding (exogym.backends.peer_watch)."""
+        self.peers.check()
+
+    def close(self) -> None:
+        """The run stopped in this process: its heartbeat stops."""
+        self.peers.close()
 
     def _stalls(self) -> dict[int, tuple[int, str]] | None:
         keys = [f"{self.run_key}/stall/{p}" for p in range(self.processes)]

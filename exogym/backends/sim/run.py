@@ -15,7 +15,7 @@ from exogym.backends.sim.fused.engine import FusedEngine
 from exogym.backends.sim.fused.execution import FusedExecution
 from exogym.backends.sim.postoffice import PostOffice
 from exogym.backends.sim.transport import SimTransport
-from exogym.backends.errors import NodeTimeoutError
+from exogym.backends.errors import NodeTimeoutError, PeerLostError
 from exogym.comm.transport import CollectiveError
 from exogym.engine.execution import SequentialExecution
 from exogym.engine.node import keep_completed_rows
@@ -138,8 +138,11 @@ def run_hosted(plan: "RunPlan", sinks: "RunSinks", hosting: Hosting, peers: Peer
     """
     if peers is None:
         return run_sim(plan, sinks)
-    exchange = Exchange(hosting.owner, hosting.process, peers.store, peers.run_key)
-    return run_sim(plan, sinks, local=hosting.nodes, exchange=exchange)
+    exchange = Exchange(hosting.owner, hosting.process, peers.store, peers.run_key, peer_timeout=plan.node_timeout)
+    try:
+        return run_sim(plan, sinks, local=hosting.nodes, exchange=exchange)
+    finally:
+        exchange.close()
 
 
 def _group_backend(devices: Sequence[torch.device]) -> str:
@@ -153,5 +156,5 @@ def _group_timeout(plan: "RunPlan") -> Any:
 
 
 SIM = ProcessBackend("sim", run_hosted, one_node_per_process=False, group_backend=_group_backend,
-                     group_timeout=_group_timeout, passthrough=(CollectiveError, NodeTimeoutError),
+                     group_timeout=_group_timeout, passthrough=(CollectiveError, NodeTimeoutError, PeerLostError),
                      processes_take_gpus=True)
