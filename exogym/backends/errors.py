@@ -53,9 +53,9 @@ class PeerLostError(NodeProcessError):
     `nodes` name it; `rank` is its first node.
 
     Args:
-        message: what happened, naming the process and its nodes.
-        process: the lost process's index (its torchrun rank).
-        nodes: the nodes it hosts.
+        message: What happened, naming the process and its nodes.
+        process: The lost process's index (its torchrun rank).
+        nodes: The nodes it hosts.
     """
 
     def __init__(self, message: str, process: int, nodes: tuple[int, ...]):

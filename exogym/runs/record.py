@@ -128,7 +128,11 @@ class LiveLog:
     def fill_resumed(self, loggers: Sequence["Logger"]) -> None:
         """A resumed run whose loggers hold fewer rows than its checkpoint (its process stopped between the
         checkpoint and the rows' flush): each logger gets the rows it misses up to the checkpoint's step, from the
-        rows the checkpoint carries (Logger.written_through says where it stands)."""
+        rows the checkpoint carries.
+
+        Args:
+            loggers: The run's loggers; each one's `written_through` says where it stands (None: left alone).
+        """
         logs = self.partial_logs()
         train = [merge_step_rows(rows, global_batch=self.global_batch) for rows in zip(*(l.rows for l in logs))]
         for logger in loggers:
