@@ -12,7 +12,7 @@ from exogym._validation import check_int, check_number
 from exogym.comm import messages as msg
 from exogym.strategy.base import Strategy
 from exogym.strategy.optim import OptimSpec
-from exogym.strategy.server_rounds import JOIN, FlatServer, ServerRoundsStrategy, flat_parameters
+from exogym.strategy.server_rounds import JOIN, FlatServer, ServerRoundsStrategy, flat_parameters, load_flat
 
 __all__ = ["DecoupledDiLoCoStrategy", "Syncer"]
 
@@ -208,7 +208,7 @@ class DecoupledDiLoCoStrategy(ServerRoundsStrategy):
         reply = msg.recv(src=msg.SERVER)
         self._start[sl] = reply.tensor
         flat[sl] = reply.tensor
-        self._load(flat)
+        load_flat(self._params, flat)
         self._versions[p], self._since[p] = int(reply.meta["version"]), 0
 
     @torch.no_grad()
@@ -216,7 +216,7 @@ class DecoupledDiLoCoStrategy(ServerRoundsStrategy):
         msg.send(torch.zeros(0, dtype=self._start.dtype), msg.SERVER, tag=JOIN)
         reply = msg.recv(src=msg.SERVER)
         self._start = reply.tensor
-        self._load(reply.tensor)
+        load_flat(self._params, reply.tensor)
         self._versions = [int(reply.meta[f"v{p}"]) for p in range(self.fragments)]
         self._since, self._steps = [0] * self.fragments, 0
 

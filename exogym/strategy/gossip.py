@@ -12,7 +12,7 @@ from exogym._validation import check_int, check_number
 from exogym.comm import messages as msg
 from exogym.strategy.base import Strategy, trainable_parameters
 from exogym.strategy.optim import OptimSpec, ensure_optim_spec
-from exogym.strategy.server_rounds import flat_parameters
+from exogym.strategy.server_rounds import TimeBudget, flat_parameters, load_flat
 
 __all__ = ["GossipStrategy", "TOPOLOGIES", "neighbours"]
 
@@ -51,7 +51,7 @@ def neighbours(topology: str, rank: int, k: int, round_: int, seed: int) -> tupl
     return ([partner], [partner]) if partner is not None else ([], [])
 
 
-class GossipStrategy(Strategy):
+class GossipStrategy(TimeBudget, Strategy):
     """Gossip (decentralized) SGD: local steps, and every H steps a mix with the neighbours on a topology.
 
     Each node takes a local optimizer step, and every H steps mixes its parameters with its neighbours' on a
@@ -120,16 +120,6 @@ class GossipStrategy(Strategy):
         self._taken = torch.zeros(num_nodes, dtype=torch.int64)  # async: messages taken from each node
         self._stopped = False
 
-    def skip_compute(self) -> bool:
-        if not self._stopped and self.time_budget_s is not None and msg.now() >= self.time_budget_s:
-            self._stopped = True
-        return self._stopped
-
-    @torch.no_grad()
-    def _load(self, theta: torch.Tensor) -> None:
-        for p, chunk in zip(self._params, theta.split([p.numel() for p in self._params])):
-            p.copy_(chunk.view_as(p))
-
     def step(self) -> None:
         if self._stopped:
             super().step()
@@ -151,7 +141,7 @@ class GossipStrategy(Strategy):
             total += msg.recv(src=j, tag=self._round).tensor
         for w in works:
             w.wait()
-        self._load(total / (1 + len(into)))
+        load_flat(self._params, total / (1 + len(into)))
 
     @torch.no_grad()
     def _fold(self, messages: list[msg.Message]) -> None:
@@ -163,7 +153,7 @@ class GossipStrategy(Strategy):
             x += m.tensor * m.meta["w"]
             self._weight += m.meta["w"]
             self._taken[m.src] += 1
-        self._load(x / self._weight)
+        load_flat(self._params, x / self._weight)
 
     @torch.no_grad()
     def _push(self) -> None:

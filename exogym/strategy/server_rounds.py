@@ -22,7 +22,7 @@ from exogym.comm import messages as msg
 from exogym.strategy.base import Strategy, frozen_state, trainable_parameters
 from exogym.strategy.optim import OptimSpec, ensure_optim_spec
 
-__all__ = ["FlatServer", "ServerRoundsStrategy", "flat_parameters", "JOIN"]
+__all__ = ["FlatServer", "ServerRoundsStrategy", "TimeBudget", "flat_parameters", "load_flat", "JOIN"]
 
 JOIN = 1  # the tag of a node's request for the global model when it comes back after being down
 
@@ -80,7 +80,29 @@ class FlatServer(msg.Server):
         self.version, self.speed = state["version"], dict(state["speed"])
 
 
-class ServerRoundsStrategy(Strategy):
+@torch.no_grad()
+def load_flat(params: list[torch.nn.Parameter], theta: torch.Tensor) -> None:
+    """Copy one flat tensor (as flat_parameters makes it) into the parameters, in place."""
+    for p, chunk in zip(params, theta.split([p.numel() for p in params])):
+        p.copy_(chunk.view_as(p))
+
+
+class TimeBudget:
+    """A node that sits out its remaining steps once its simulated clock reaches `time_budget_s` (None: never),
+    so fast nodes train more steps than slow ones in the same simulated time. Its strategy sets `time_budget_s`
+    and `_stopped`."""
+
+    time_budget_s: float | None
+    _stopped: bool
+
+    def skip_compute(self) -> bool:
+        """Whether this node sits out the step: once its clock has reached time_budget_s, and from then on."""
+        if not self._stopped and self.time_budget_s is not None and msg.now() >= self.time_budget_s:
+            self._stopped = True
+        return self._stopped
+
+
+class ServerRoundsStrategy(TimeBudget, Strategy):
     """Base of AsyncDiLoCoStrategy and FedBuffStrategy: the node's inner loop and its exchange with the server
     (module docstring). Subclasses give `make_server(theta, num_nodes)`."""
 
@@ -123,19 +145,6 @@ class ServerRoundsStrategy(Strategy):
         self._round_began = msg.now()
         self._stopped = False
 
-    def skip_compute(self) -> bool:
-        """With time_budget_s: once the node's clock has reached it, the node sits out its remaining steps (its
-        unsent steps go to the server at the end), so fast nodes train more steps than slow ones in the same
-        simulated time."""
-        if not self._stopped and self.time_budget_s is not None and msg.now() >= self.time_budget_s:
-            self._stopped = True
-        return self._stopped
-
-    @torch.no_grad()
-    def _load(self, theta: torch.Tensor) -> None:
-        for p, chunk in zip(self._params, theta.split([p.numel() for p in self._params])):
-            p.copy_(chunk.view_as(p))
-
     def step(self) -> None:
         if self._stopped:
             Strategy.step(self)
@@ -155,7 +164,7 @@ class ServerRoundsStrategy(Strategy):
                                           "seconds": msg.now() - self._round_began})
         reply = msg.recv(src=msg.SERVER)
         self._start = reply.tensor
-        self._load(reply.tensor)
+        load_flat(self._params, reply.tensor)
         self._version, self._H = int(reply.meta["version"]), int(reply.meta["H"])
         self._steps, self._round_began = 0, msg.now()
 
@@ -166,7 +175,7 @@ class ServerRoundsStrategy(Strategy):
         msg.send(torch.zeros(0, dtype=self._start.dtype), msg.SERVER, tag=JOIN)
         reply = msg.recv(src=msg.SERVER)
         self._start = reply.tensor
-        self._load(reply.tensor)
+        load_flat(self._params, reply.tensor)
         self._version, self._H = int(reply.meta["version"]), int(reply.meta["H"])
         self._steps, self._round_began = 0, msg.now()
 
