@@ -69,3 +69,25 @@ def test_debug_after_the_subcommand_shows_the_traceback(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match="fewer than one step needs"):
         main([*SYNTHETIC, "--nodes", "100000", "--out", "t", "--debug"])
+
+
+def test_a_trial_taken_just_as_the_storage_went_away_is_queued_again_not_lost(tmp_path, monkeypatch):
+    # The storage fails right after a worker took a queued configuration and before it could mark it: that trial
+    # stays RUNNING with no heartbeat, so Optuna never fails it as stale. Before, the sweep then waited forever
+    # (on a database) or ended without that configuration; now the configuration is queued again and runs once.
+    import optuna
+
+    import exogym.sweep.study as study_module
+    monkeypatch.setattr(study_module, "ORPHAN_AFTER_S", 0.0, raising=False)
+    real_optimize, failed = optuna.study.Study.optimize, []
+
+    def optimize_once_orphaning(self, *args, **kwargs):
+        if not failed:
+            failed.append(self.ask())  # takes the first queued configuration, unmarked by any worker
+            raise ConnectionError("the storage went away")  # what patient() waits out and retries
+        return real_optimize(self, *args, **kwargs)
+
+    monkeypatch.setattr(optuna.study.Study, "optimize", optimize_once_orphaning)
+    rows = sweep(tiny, grid(H=[2, 3]), out=tmp_path / "s", progress=False, storage_patience=30).table()
+    assert failed and sorted(r["H"] for r in rows) == [2, 3]
+    assert all(r["status"] == "completed" and r["attempts"] == 1 for r in rows)

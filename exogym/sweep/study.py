@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import time
 import warnings
@@ -28,6 +29,10 @@ from typing import Any, Callable
 from exogym.sweep.runs import RunOutcome, config_status, read_outcome
 from exogym.sweep.space import Choice, Float, Int, Value, config_key, run_name
 from exogym.sweep.storage import import_optuna, open_storage, patient
+
+# A worker marks a trial it took (its "worker" attribute) within milliseconds; a RUNNING trial unmarked for this
+# long was taken just as the storage went away, and will never run (see SweepStudy._requeue_orphans).
+ORPHAN_AFTER_S = 5.0
 
 __all__ = ["SweepStudy", "Entry", "REASONS", "GRID_BATCH"]
 
@@ -145,6 +150,7 @@ class SweepStudy:
         state = self.optuna.trial.TrialState
         while True:
             self.fail_stale()
+            self._patient(self._requeue_orphans, "the study's orphaned trials")
             trials = self._trials()
             if any(t.state == state.WAITING for t in trials):
                 return True
@@ -156,8 +162,10 @@ class SweepStudy:
 
     def _fresh(self, trials: list[Any], before: int | None = None) -> int:
         """Trials a search asked its sampler for (not retries, not those pruned as over budget)."""
+        fail = self.optuna.trial.TrialState.FAIL
         return sum(1 for t in trials if "cell" not in t.user_attrs and "retry_history" not in t.system_attrs
-                   and t.user_attrs.get("reason") != "over budget" and (before is None or t.number < before))
+                   and t.user_attrs.get("reason") != "over budget" and (before is None or t.number < before)
+                   and not (t.state == fail and "worker" not in t.user_attrs))  # an orphan proposed nothing
 
     def run_trial(self, execute: Callable[[dict[str, Value], dict[int, RunOutcome], Callable[[RunOutcome], None]],
                                           list[RunOutcome]]) -> list[RunOutcome] | None:
@@ -180,8 +188,14 @@ class SweepStudy:
             result["outcomes"] = outcomes
             return self._finish(trial, outcomes)
 
+        tries = 0
+
         def attempt() -> None:
+            nonlocal tries
+            tries += 1
             if self._told is None:
+                if tries > 1:  # the storage failed during the last try: a trial it took may be orphaned
+                    self._requeue_orphans()
                 self.study.optimize(objective, n_trials=1, catch=(_NotCompleted,))
                 return
             number, value = self._told  # the trial ran and its outcomes are stored; only Optuna's tell is left
@@ -195,6 +209,25 @@ class SweepStudy:
 
         self._patient(attempt, "a trial")
         return result.get("outcomes")
+
+    def _requeue_orphans(self) -> None:
+        """Trials taken from the queue just as the storage went away, before their worker could mark them: RUNNING,
+        with no worker, for longer than a worker takes to mark one (ORPHAN_AFTER_S). They never ran, and having no
+        heartbeat they are never failed as stale: each is failed here and its configuration queued again, so an
+        outage loses no configuration. Whichever worker fails one first queues it again (tell refuses the
+        others)."""
+        state = self.optuna.trial.TrialState
+        older = datetime.datetime.now() - datetime.timedelta(seconds=ORPHAN_AFTER_S)
+        for t in self.study.get_trials(deepcopy=False, states=(state.RUNNING,)):
+            if "worker" in t.user_attrs or t.datetime_start is None or t.datetime_start > older:
+                continue
+            t_attrs = dict(t.user_attrs)  # a grid's or a retry's queued configuration, if any
+            try:
+                self.study.tell(t.number, state=state.FAIL)
+            except self.optuna.exceptions.UpdateFinishedTrialError:
+                continue  # another worker took it first
+            if "config" in t_attrs:
+                self.study.enqueue_trial(t_attrs["config"], user_attrs=t_attrs)
 
     def _set(self, trial: Any, name: str, value: Any) -> None:
         self._patient(lambda: trial.set_user_attr(name, value), "a run's outcome")
@@ -320,7 +353,7 @@ class SweepStudy:
             if entry is None:
                 entry = by_key[key] = Entry(dict(t.user_attrs.get("config") or json.loads(key)), status,
                                             number=t.number, attempts=0)
-            entry.attempts += t.state != state.WAITING
+            entry.attempts += t.state != state.WAITING and "worker" in t.user_attrs  # an orphan never ran
             if not (entry.status == "completed" and status != "completed"):
                 entry.status, entry.number = status, t.number
             for name, data in t.user_attrs.items():
