@@ -59,8 +59,11 @@ class PeerWatch:
         self.store.set(f"{self.key}/beat/{self.me}", _FINISHED.decode())
 
     def close(self) -> None:
-        """Stop beating (the run stopped here)."""
+        """Stop beating (the run stopped here), and wait for the beat in flight: a thread still inside a store call
+        when the store is destroyed at exit can abort the process."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
 
     def nodes_of(self, process: int) -> tuple[int, ...]:
         return tuple(r for r, p in enumerate(self.owner) if p == process)
