@@ -167,6 +167,26 @@ class Server:
         """
 
 
+def attach_server(make: Callable[[], Server], post: Any) -> Server:
+    """The server `make()` builds, checked and tied to the backend's post that delivers its messages (for backends).
+
+    Args:
+        make: The strategy's factory, as given to `serve`.
+        post: The backend's message service, which the server's `send` and timers go through.
+
+    Returns:
+        The server.
+
+    Raises:
+        TypeError: make() returned something that is not a Server.
+    """
+    server = make()
+    if not isinstance(server, Server):
+        raise TypeError(f"serve(make) needs make() to return an exogym.comm.Server, got {type(server).__name__}")
+    server._post = post
+    return server
+
+
 def _check_dst(dst: object, num_nodes: int, src: int) -> int:
     if isinstance(dst, bool) or not isinstance(dst, int) or not (dst == SERVER or 0 <= dst < num_nodes):
         raise ValueError(f"dst must be a node rank in 0..{num_nodes - 1} or SERVER ({SERVER}), got {dst!r}")

@@ -184,6 +184,20 @@ class ModularStrategy(Strategy):
     documents spell it), with lr and weight_decay. The global model is the first module's that keeps
     one (DiLoCo's outer model), else the nodes' average. A node that a module sits out of a step
     (FedAvg's client sampling) takes no inner step but still runs the modules.
+
+    Args:
+        optim_spec: The inner optimizer: an OptimSpec, a name such as `"adamw"`, or an optimizer class
+            (default: the class's, AdamW at lr 1e-3 here).
+        max_norm: Clip each step's gradient norm to this (None: no clipping).
+        inner_optim: The same as `optim_spec`, as the original documents spell it (pass one of them).
+        lr: The inner optimizer's learning rate.
+        weight_decay: The inner optimizer's weight decay.
+        **kwargs: The name form's optimizer options (`momentum=0.9` with `"sgd"`) and the Strategy base's
+            settings (LR schedule, `lr_callbacks`, ...).
+
+    Raises:
+        TypeError: An optimizer given twice, or an option neither the optimizer nor the base takes.
+        ValueError: A setting out of range (a learning rate that is not finite and positive, ...).
     """
 
     _default_inner = OptimSpec(torch.optim.AdamW, lr=1e-3)  # subclasses name the paper's

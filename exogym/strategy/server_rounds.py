@@ -104,7 +104,24 @@ class TimeBudget:
 
 class ServerRoundsStrategy(TimeBudget, Strategy):
     """Base of AsyncDiLoCoStrategy and FedBuffStrategy: the node's inner loop and its exchange with the server
-    (module docstring). Subclasses give `make_server(theta, num_nodes)`."""
+    (module docstring). Subclasses give `make_server(theta, num_nodes)`.
+
+    Args:
+        optim_spec: The inner optimizer: an OptimSpec, a name such as `"adamw"`, or an optimizer class
+            (default: the class's, AdamW at lr 1e-3 here).
+        H: Inner steps per round (a node's first round; with dynamic local updates the server sets the next).
+        lr: The inner optimizer's learning rate.
+        dynamic_local_updates: Scale each node's inner steps by its measured speed, so that nodes finish their
+            rounds together.
+        time_budget_s: A node sits out its remaining steps once its simulated clock reaches this (None: never).
+        max_norm: Clip each inner step's gradient norm to this (None: no clipping).
+        **kwargs: The Strategy base's settings (LR schedule, `lr_callbacks`, ...).
+
+    Raises:
+        TypeError: dynamic_local_updates that is not a bool.
+        ValueError: H below 1, or a time budget that is not positive.
+    """
+
 
     _default_inner = OptimSpec(torch.optim.AdamW, lr=1e-3)
     collectives_match_steps = True

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from exogym.cluster.network import SERVER
-from exogym.comm.messages import Message, Server
+from exogym.comm.messages import Message, Server, attach_server
 from exogym.comm.transport import MessageError
 
 if TYPE_CHECKING:
@@ -137,12 +137,7 @@ class PostOffice:
     def serve(self, make: Callable[[], Server]) -> Server:
         self._check()
         if self.server is None:
-            server = make()
-            if not isinstance(server, Server):
-                raise TypeError(f"serve(make) needs make() to return an exogym.comm.Server, got "
-                                f"{type(server).__name__}")
-            server._post = self
-            self.server = server
+            self.server = attach_server(make, self)
             self.active = True
         return self.server
 

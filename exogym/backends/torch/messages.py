@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from exogym.cluster.network import SERVER
-from exogym.comm.messages import Message, Server
+from exogym.comm.messages import Message, Server, attach_server
 from exogym.comm.transport import MessageError
 
 __all__ = ["TorchPostOffice"]
@@ -174,12 +174,7 @@ class TorchPostOffice:
         if self.rank != 0:
             return None
         if self.server is None:
-            server = make()
-            if not isinstance(server, Server):
-                raise TypeError(f"serve(make) needs make() to return an exogym.comm.Server, got "
-                                f"{type(server).__name__}")
-            server._post = self
-            self.server = server
+            self.server = attach_server(make, self)
             self._start()
             self._server_thread = threading.Thread(target=self._serve_loop, name="exogym-server", daemon=True)
             self._server_thread.start()
