@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from exogym._validation import MAX_SEED, check_int, check_number
+from exogym.backends.peer_watch import BEAT_S, MIN_PEER_TIMEOUT
 from exogym.backends.sim.fused.choose import EXECUTIONS
 from exogym.cluster.membership import RandomFailures
 from exogym.cluster.network import Network
@@ -96,6 +97,7 @@ class LaunchConfig:
     device: DeviceLike | None = None
     devices: Sequence[DeviceLike] | None = None
     node_timeout: float | None = None
+    peer_timeout: float | None = None
     max_memory_usage: float | None = None
 
 
@@ -195,6 +197,11 @@ def _check(c: FitConfig) -> None:
     check_number("node_timeout", ln.node_timeout, positive=True, allow_none=True)
     if ln.node_timeout is not None and not math.isfinite(ln.node_timeout):
         raise ValueError(f"node_timeout must be a finite number of seconds or None (no limit), got {ln.node_timeout}")
+    check_number("peer_timeout", ln.peer_timeout, allow_none=True, finite=True)
+    if ln.peer_timeout is not None and ln.peer_timeout < MIN_PEER_TIMEOUT:
+        raise ValueError(f"peer_timeout must be at least {MIN_PEER_TIMEOUT:g} s (five heartbeats of {BEAT_S:g} s: "
+                         f"a beat delayed by a loaded machine is no lost process) or None (never), got "
+                         f"{ln.peer_timeout!r}")
     if lg.overwrite and k.resume_from is not None:
         raise ValueError("overwrite=True would delete the run that resume_from continues; drop one of them")
     if s.execution not in EXECUTIONS:

@@ -175,7 +175,7 @@ def build_plan(c: FitConfig, *, model: torch.nn.Module, train_dataset: DatasetOr
                                      k.checkpoint_interval or data.total_steps, k.keep_checkpoints)
     run = RunPlan(model=model, strategy=c.strategy, node_batches=data.node_batches, val_batches=data.val_batches,
                   devices=node_devices, cfg=cfg, seed=s.seed, resume=resumed.states, node_timeout=ln.node_timeout,
-                  execution=execution)
+                  peer_timeout=ln.peer_timeout, execution=execution)
     return FitPlan(run=run, launcher=launcher, config=config, logger=logger, run_name=run_name, resumed=resumed,
                    fingerprint=fingerprint, checkpoints=checkpoints, checkpoint_dir=k.checkpoint_dir,
                    default_checkpoints=k.checkpoint_dir is None and k.checkpoint_interval is not None,

@@ -11,6 +11,7 @@ import torch
 from exogym._validation import check_int
 from exogym.adapters import adaptable
 from exogym.backends.errors import DEFAULT_NODE_TIMEOUT
+from exogym.backends.peer_watch import DEFAULT_PEER_TIMEOUT
 from exogym.cluster.membership import RandomFailures
 from exogym.cluster.network import Network
 from exogym.data.sharding import DatasetOrFactory, is_factory
@@ -84,7 +85,8 @@ class Trainer:
             partition: str = "iid", dirichlet_alpha: float | None = None, shards_per_node: int | None = None,
             failures: Sequence[tuple[int, int, int | None]] | RandomFailures | None = None,
             active_nodes: str | Sequence[tuple[int, int]] | Callable[[int], int] | None = None,
-            node_timeout: float | None = DEFAULT_NODE_TIMEOUT, dataloader_kwargs: dict[str, Any] | None = None,
+            node_timeout: float | None = DEFAULT_NODE_TIMEOUT, peer_timeout: float | None = DEFAULT_PEER_TIMEOUT,
+            dataloader_kwargs: dict[str, Any] | None = None,
             max_memory_usage: float | None = None, port: int | None = None,
             extra_config: dict[str, Any] | None = None, execution: str = "sequential",
             processes: int = 1, ignored_settings: dict[str, tuple[Any, str]] | None = None) -> torch.nn.Module:
@@ -163,6 +165,11 @@ class Trainer:
                 NodeTimeoutError naming the node, its step and its Python stack; the torch backend uses it as
                 the process group's timeout and names the node(s) that never reached the collective the
                 others wait in.
+            peer_timeout: Seconds (default 30, at least 5; None: never) a process of a run over several
+                processes (`processes=P`, torchrun) may go without a heartbeat (one a second) before the others
+                count it as lost: stopped, hung, or cut off by a network partition. A process waiting for it then
+                raises a `PeerLostError` naming its rank and nodes, and the run ends as failed with every
+                completed row kept. Apart from `node_timeout`, which bounds a node's own step.
             dataloader_kwargs: DataLoader options for how each node's batches are loaded (`num_workers`,
                 `pin_memory`, `prefetch_factor`, `persistent_workers`, `timeout`, `worker_init_fn`,
                 `multiprocessing_context`, `collate_fn`); the examples and their order stay exogym's
@@ -198,6 +205,7 @@ class Trainer:
             CheckpointError: `resume_from` describes a different run (every difference listed).
             DiskFullError: The checkpoint folder cannot hold one checkpoint, or a disk fills up during the run.
             NodeTimeoutError: A node is stuck longer than `node_timeout`.
+            PeerLostError: Another process of the run went away, or stopped responding for `peer_timeout`.
             CollectiveError: Nodes misuse a collective (different ops, shapes or groups).
             NonFiniteLoss: A training or validation loss is nan or inf (naming where it first appeared).
             RunInterrupted: SIGTERM stopped the run (a KeyboardInterrupt; Ctrl-C raises KeyboardInterrupt).

@@ -1,6 +1,7 @@
 """A small checkpointed run that a fault-injection test stops at a chosen step (python fault_run.py KIND STEP
 [LAUNCH]): node 1 reads its step-STEP batch and then raises, or sends its process SIGINT, SIGTERM, SIGKILL or
-SIGSTOP; "caller-SIGKILL" (with LAUNCH "processes"): it SIGKILLs the calling process. KIND "none" runs it whole, "resume" resumes logs/r whole. LAUNCH: "one" (one process, the default), "processes" (fit(processes=2): node 1
+SIGSTOP; "node0-SIGSTOP": node 0 stops its own process instead (torchrun's rank 0); "caller-SIGKILL" (with LAUNCH
+"processes"): it SIGKILLs the calling process. KIND "none" runs it whole, "resume" resumes logs/r whole. LAUNCH: "one" (one process, the default), "processes" (fit(processes=2): node 1
 in a process of its own) "torchrun" (the script run by `python -m torch.distributed.run --standalone
 --nproc-per-node 2`: node 1 in rank 1), or "torchrun-torch" (the same with backend="torch"). The run writes logs/r/ in the working folder."""
 
@@ -20,12 +21,15 @@ from faulty import FailOnNode  # noqa: E402
 from toy import TinyMLP  # noqa: E402
 
 MAX_STEPS, CHECKPOINT_INTERVAL, BATCH = 30, 4, 16
-PEER_TIMEOUT = 10.0  # node_timeout of the runs over several processes: a stopped process is named this soon
+PEER_TIMEOUT = 10.0  # peer_timeout of the runs over several processes: a stopped process is named this soon
+NODE_TIMEOUT = 120.0  # their node_timeout: far longer, so that a stopped process is named by the peer timeout
 
 
 def fit(kind: str = "none", step: int = 0, **kwargs):
     if kind == "caller-SIGKILL":  # node 1 kills the calling process (its own waits to be ended with it)
         data = FailOnNode(1, BATCH * (step - 1), "SIGKILL", pid=os.getpid())
+    elif kind.startswith("node0-"):  # node 0's process (torchrun's rank 0, which holds the run folder) is hit
+        data = FailOnNode(0, BATCH * (step - 1), kind.removeprefix("node0-"))
     else:
         data = FailOnNode(1, BATCH * (step - 1), kind) if kind != "none" else FailOnNode(1, -1)
     trainer = Trainer(TinyMLP(dropout=0.1), data)
@@ -48,7 +52,7 @@ if __name__ == "__main__":
     launch = sys.argv[3] if len(sys.argv) > 3 else "one"
     options = {"processes": 2} if launch == "processes" else {}
     if launch != "one":
-        options["node_timeout"] = PEER_TIMEOUT
+        options.update(peer_timeout=PEER_TIMEOUT, node_timeout=NODE_TIMEOUT)
     if launch == "torchrun-torch":  # the torch backend: one node per torchrun process
         options["backend"] = "torch"
     if sys.argv[1] == "resume":  # from the run's newest checkpoint, with no fault

@@ -116,7 +116,7 @@ def test_a_run_whose_disk_fills_up_at_a_random_point_loses_nothing_it_completed(
 
 # ---- across processes: fit(processes=2), and torchrun with two processes ----------------------------------------
 # Node 1, in a process of its own (process 1, torchrun's rank 1), raises at a drawn step, or its process is SIGKILLed
-# (a process or machine dies) or SIGSTOPped (hung, or cut off by a partition: named within node_timeout). The main
+# (a process or machine dies) or SIGSTOPped (hung, or cut off by a partition: named within peer_timeout). The main
 # process holds the run folder: its rows must be whole and consecutive, equal to the uninterrupted run's (over the
 # same launcher), the run must end as failed, and resuming must give the uninterrupted run's rows.
 # Each run of the suite tries SUITE_CASES; EXOGYM_FAULT_LOOP=1 tries every case (the 10-loop check in
@@ -173,8 +173,9 @@ def test_a_process_lost_at_a_random_step_loses_nothing_the_run_completed(launch,
         assert [r[k] for k in COMPARED] == [expected[k] for k in COMPARED]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["steps"] == len(steps), summary
-    if kind == "SIGSTOP":  # named by its rank and nodes, within node_timeout
+    if kind == "SIGSTOP":  # named by its rank and nodes, within peer_timeout (node_timeout is far longer)
         assert "PeerLostError: process 1 (node 1) stopped responding" in summary["error"], summary["error"]
+        assert f"(fit's peer_timeout={fault_run.PEER_TIMEOUT:g})" in summary["error"], summary["error"]
     elif kind == "raise":
         assert "RuntimeError: example" in summary["error"], summary["error"]
     if step - 1 < fault_run.CHECKPOINT_INTERVAL:

@@ -31,6 +31,10 @@ def trainer(n=64, model=None):
     (dict(devices=[]), TypeError, "non-empty list"),
     (dict(bach_size=4), TypeError, "'bach_size' (did you mean 'batch_size'?)"),
     (dict(num_nodes=5), ValueError, "64 examples, fewer than one step needs (num_nodes=5 x batch_size=16 = 80)"),
+    (dict(peer_timeout=4.5), ValueError, "peer_timeout must be at least 5 s (five heartbeats of 1 s"),
+    (dict(peer_timeout=0), ValueError, "peer_timeout must be at least 5 s"),
+    (dict(peer_timeout=math.inf), ValueError, "peer_timeout must be a finite number"),
+    (dict(peer_timeout="30"), TypeError, "peer_timeout must be a number"),
 ])
 def test_fit_rejects_bad_arguments(kwargs, error, message):
     if kwargs.get("device") == "cuda:0" and torch.cuda.is_available():
@@ -53,6 +57,8 @@ def test_boundary_values_are_accepted():
     t.fit(SimpleReduceStrategy(), 4, batch_size=16, minibatch_size=16, val_size=1000, **FIT)
     assert t.record.config["max_steps"] == 1 and t.record.config["val_size"] == 16  # clipped to the val set
     t.fit(SimpleReduceStrategy(), 1, batch_size=1, max_steps=1, minibatch_size=1, val_interval=1, **FIT)
+    t.fit(SimpleReduceStrategy(), 1, batch_size=1, max_steps=1, peer_timeout=5, **FIT)
+    t.fit(SimpleReduceStrategy(), 1, batch_size=1, max_steps=1, peer_timeout=None, **FIT)
 
 
 def test_strategy_and_optimizer_keywords_are_strict():

@@ -1,8 +1,11 @@
 """Whether the run's other processes still respond: each process beats in the run's store once a second (a thread of
 its own, so a long step does not stop it), and a process waiting on another reads the beats. A process whose beat has
-not changed for `timeout` seconds (fit's node_timeout) is stopped, hung, or cut off from the store by a partition:
-the waiting process raises a PeerLostError naming it, instead of waiting for ever. A process that finished says so
-and is not watched any more."""
+not changed for `timeout` seconds (fit's peer_timeout, DEFAULT_PEER_TIMEOUT by default) is stopped, hung, or cut off
+from the store by a partition: the waiting process raises a PeerLostError naming it, instead of waiting for ever. A
+process that finished says so and is not watched any more.
+
+The beat is BEAT_S; a peer timeout is at least MIN_PEER_TIMEOUT (five beats), so that a beat or two delayed by a
+loaded machine never counts as a lost process."""
 
 from __future__ import annotations
 
@@ -12,9 +15,11 @@ from typing import Any, Sequence
 
 from exogym.backends.errors import PeerLostError, describe_process
 
-__all__ = ["PeerWatch", "BEAT_S", "STARTUP_S"]
+__all__ = ["PeerWatch", "BEAT_S", "STARTUP_S", "DEFAULT_PEER_TIMEOUT", "MIN_PEER_TIMEOUT"]
 
 BEAT_S = 1.0  # how often a process beats
+DEFAULT_PEER_TIMEOUT = 30.0  # fit's peer_timeout: seconds without a beat before a process counts as lost
+MIN_PEER_TIMEOUT = 5 * BEAT_S  # the shortest peer_timeout fit takes: five beats
 STARTUP_S = 60.0  # the least a process that never beat is given before it counts as lost
 _FINISHED = b"finished"
 
@@ -27,7 +32,7 @@ class PeerWatch:
         key: the run's prefix in it.
         me: this process.
         owner: the process of each node, by rank.
-        timeout: seconds without a beat before a process counts as lost (None: never).
+        timeout: seconds without a beat before a process counts as lost (fit's peer_timeout; None: never).
     """
 
     def __init__(self, store: Any, key: str, me: int, owner: Sequence[int], timeout: float | None):
@@ -113,6 +118,7 @@ class PeerWatch:
             elif now - since >= limit:
                 what = describe_process(p, self.nodes_of(p))
                 raise PeerLostError(f"{what} stopped responding: no heartbeat for {now - since:.0f} s (fit's "
-                                    f"node_timeout={self.timeout:g}); it is stopped, hung, or cut off by a network "
+                                    f"peer_timeout={self.timeout:g}); it is stopped, hung, or cut off by a network "
                                     f"partition. Noticed by {describe_process(self.me, self.nodes_of(self.me))}, "
                                     "which waited for it", p, self.nodes_of(p))
+

@@ -63,6 +63,7 @@ class RunPlan:
     checkpoints: CheckpointPlan | None = None
     resume: list[NodeState] | None = None  # per node, from load_checkpoint
     node_timeout: float | None = None  # seconds a node may run without progress (fit's node_timeout); None: no limit
+    peer_timeout: float | None = None  # seconds a process may go without a heartbeat (fit's peer_timeout); None: never
     execution: str = "sequential"  # or "fused" (sim backend: one batched forward/backward, exogym.backends.sim.fused)
 
     @property

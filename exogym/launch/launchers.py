@@ -18,6 +18,7 @@ as the run runs.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import pickle
 import threading
@@ -189,6 +190,32 @@ def _connection_lost(error: BaseException) -> bool:
                                            "connection refused"))
 
 
+def _import_before_the_group() -> None:
+    """Import torch.distributed.nn.functional before the process group exists (torch.optim's first step imports it
+    through torch._dynamo otherwise). Its functions take `group=group.WORLD` as a default, evaluated at import: imported
+    after init_process_group, they hold the default group for good, so destroy_process_group no longer destroys it and
+    it is destroyed at interpreter exit instead. A gloo thread may then still be releasing its last collective's
+    tensors, which needs the GIL of an interpreter being torn down: the process aborts ("terminate called without an
+    active exception", SIGABRT), now and then, after a run that completed."""
+    import torch.distributed.nn.functional  # noqa: F401
+
+
+def _end_group(peer_lost: bool) -> None:
+    """Destroy this process's process group; after a peer stopped responding, leave it to the process's exit instead.
+
+    A collective may then still wait on the stopped peer in a gloo thread, and destroying the group joins that
+    thread: this process would wait for the peer for the process group's timeout (node_timeout), and torchrun ends
+    the stopped peer only once this process has exited. So the default group is kept alive for good (one reference
+    that is never released: its threads end with the process, and its destructor, which would join them, never
+    runs)."""
+    if not peer_lost:
+        dist.destroy_process_group()
+        return
+    group = dist.group.WORLD
+    if group is not None:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+
+
 _torchrun_runs = 0  # per process: the n-th run of a torchrun job is the n-th in each of its processes
 
 
@@ -231,6 +258,7 @@ class Torchrun(Launcher):
         timeout = self.backend.group_timeout(plan)
         owns_group = not dist.is_initialized()  # a script may have set up torch.distributed itself; then it keeps it
         if owns_group:
+            _import_before_the_group()
             # Each process has a GPU of its own (LOCAL_RANK): its own nodes' devices choose the group's backend.
             dist.init_process_group(self.backend.group_backend([plan.devices[r] for r in hosting.nodes]),
                                     init_method="env://", rank=env.rank, world_size=env.world_size, timeout=timeout)
@@ -269,9 +297,14 @@ class Torchrun(Launcher):
                 box = [state]
                 dist.broadcast_object_list(box, src=hosting.owner[0])
                 state = box[0]
+        except BaseException as e:
+            lost = isinstance(e, PeerLostError) or isinstance(e.__cause__, PeerLostError)
+            raise
+        else:
+            lost = False
         finally:
             if owns_group:
-                dist.destroy_process_group()
+                _end_group(lost)
         logs = [log for block in gathered for log in block]
         if reader is None:  # one node per process: each process's loggers follow its own node
             for log in logs:

@@ -202,7 +202,7 @@ class Baton:
             self._exchange.wait(timeout=0.25)  # completed crossings make their waiting members ready
             if self._ready:
                 break
-            self._exchange.check_peers()  # a process that stopped responding is named within node_timeout
+            self._exchange.check_peers()  # a process that stopped responding is named within peer_timeout
             waited += 0.25
             if waited >= _STALL_S:
                 stalled = True

@@ -138,7 +138,7 @@ def run_hosted(plan: "RunPlan", sinks: "RunSinks", hosting: Hosting, peers: Peer
     """
     if peers is None:
         return run_sim(plan, sinks)
-    exchange = Exchange(hosting.owner, hosting.process, peers.store, peers.run_key, peer_timeout=plan.node_timeout)
+    exchange = Exchange(hosting.owner, hosting.process, peers.store, peers.run_key, peer_timeout=plan.peer_timeout)
     try:
         return run_sim(plan, sinks, local=hosting.nodes, exchange=exchange)
     finally:

@@ -10,8 +10,10 @@ import torch
 import torch.distributed as dist
 
 from exogym.backends.hosting import Hosting, Peers, ProcessBackend, process_group_timeout
+from exogym.backends.peer_watch import PeerWatch
 from exogym.backends.torch.heartbeat import Heartbeat
 from exogym.backends.torch.transport import TorchTransport
+from exogym.backends.errors import PeerLostError
 from exogym.comm.transport import CollectiveError
 from exogym.engine.global_model import global_state_dict
 from exogym.engine.node import keep_completed_rows
@@ -33,10 +35,10 @@ _runs_started = 0  # per process: keys in a store shared by several runs (torchr
 
 
 def run_node(plan: "RunPlan", live: Any, rank: int, backend: str, start_time: float, timeout: timedelta,
-             store: Any = None) -> tuple[Any, TorchTransport, Any, Any]:
+             store: Any = None, peers: PeerWatch | None = None) -> tuple[Any, TorchTransport, Any, Any]:
     """The body of one node's process, once its process group is up: returns (node, comm, log, state or None).
     `live`: where the node's rows go. `store`: a client of the run's key-value store, where this node's heartbeat
-    goes (None: none)."""
+    goes (None: none). `peers`: the other processes' beats, which a waiting collective watches (None: none)."""
     global _runs_started
     _runs_started += 1
     device = plan.devices[rank]
@@ -44,6 +46,8 @@ def run_node(plan: "RunPlan", live: Any, rank: int, backend: str, start_time: fl
         torch.cuda.set_device(device)
     comm = TorchTransport(rank, plan.num_nodes, device=device, backend=backend, timeout=timeout,
                           time_model=plan.cfg.time_model)
+    if peers is not None:
+        comm.check_peers = peers.check
     if store is not None:
         comm.heartbeat = Heartbeat(store, rank, comm.ledger, lambda: comm.step, timeout.total_seconds(),
                                    prefix=f"exogym/heartbeat/{_runs_started}").start()
@@ -87,11 +91,21 @@ def run_hosted(plan: "RunPlan", sinks: "RunSinks", hosting: Hosting, peers: Peer
     device = plan.devices[rank]
     # The process group decides where collectives run (the launcher's choice, or a script's own group under torchrun).
     backend = "nccl" if device.type == "cuda" and "nccl" in str(dist.get_backend()) else "gloo"
-    node, comm, log, state = run_node(plan, sinks.live, rank, backend, peers.start, peers.timeout,
-                                      _heartbeat_store(peers))
-    if hosting.returns_model:
-        everyone = global_state_dict(node.model, node.strategy, comm)
-        state = everyone if state is None else state
+    store = _heartbeat_store(peers)
+    # Every node's process beats; a collective waiting on a process whose beat stopped for fit's peer_timeout names
+    # it (PeerLostError) instead of waiting out the process group's timeout (gloo: nccl's waits are not cut short).
+    watch = (PeerWatch(store, f"{peers.run_key}/peers", hosting.process, hosting.owner, plan.peer_timeout)
+             if store is not None and hosting.processes > 1 and backend == "gloo" else None)
+    try:
+        node, comm, log, state = run_node(plan, sinks.live, rank, backend, peers.start, peers.timeout, store, watch)
+        if hosting.returns_model:
+            everyone = global_state_dict(node.model, node.strategy, comm)
+            state = everyone if state is None else state
+        if watch is not None:
+            watch.finished()
+    finally:
+        if watch is not None:
+            watch.close()
     return [(log, state)]
 
 
@@ -104,4 +118,4 @@ def _group_timeout(plan: "RunPlan") -> timedelta:
 
 
 TORCH = ProcessBackend("torch", run_hosted, one_node_per_process=True, group_backend=pick_backend,
-                       group_timeout=_group_timeout, passthrough=(CollectiveError,))
+                       group_timeout=_group_timeout, passthrough=(CollectiveError, PeerLostError))

@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from exogym.backends.torch.heartbeat import (CollectiveLedger, Heartbeat, is_timeout, mismatch_report,
                                              missing_members_report)
-from exogym.backends.errors import NodeTimeoutError
+from exogym.backends.errors import NodeTimeoutError, PeerLostError
+from exogym.backends.peer_watch import BEAT_S
 from exogym.backends.torch.messages import TorchPostOffice, _RecvWork
 from exogym.cluster.network import SERVER
 from exogym.comm.transport import CollectiveError, TransportBase, Group, ReduceOp, make_group, payload_nbytes, tensor_nbytes
@@ -38,18 +39,28 @@ from exogym.cluster.simtime import NodeClock, TimeModel
 __all__ = ["TorchTransport", "TorchWork"]
 
 
+_PEER_POLL = timedelta(seconds=BEAT_S)  # how often a waiting collective looks at the members' heartbeats
+
+
 def _torch_op(op: ReduceOp) -> Any:
     """torch.distributed's op for ours; AVG is a SUM here, divided afterwards."""
     return getattr(dist.ReduceOp, "SUM" if op is ReduceOp.AVG else op.name)
 
 
 class TorchWork:
-    """The handle of a collective (torch.distributed's Work): results are in the caller's tensors after wait()."""
+    """The handle of a collective (torch.distributed's Work): results are in the caller's tensors after wait().
+
+    `check_peers` (gloo only): called every PeerWatch beat while the collective waits; it raises PeerLostError when
+    a member's process stopped responding (exogym.backends.peer_watch), so that a stopped process is named within
+    fit's peer_timeout rather than when the process group times out (node_timeout).
+    """
 
     def __init__(self, works: list[Any], finish: Callable[[], None], what: str,
-                 explain: Callable[[BaseException], BaseException | None] = lambda e: None):
+                 explain: Callable[[BaseException], BaseException | None] = lambda e: None,
+                 check_peers: Callable[[], None] | None = None):
         self._works, self._finish, self._done, self._what = works, finish, False, what
         self._explain = explain  # a better error for a failed wait (a timeout: who never came), or None
+        self._check_peers = check_peers
 
     def is_completed(self) -> bool:
         return self._done or all(w.is_completed() for w in self._works)
@@ -58,7 +69,9 @@ class TorchWork:
         if not self._done:
             try:
                 for w in self._works:
-                    w.wait()
+                    self._wait_one(w)
+            except PeerLostError:
+                raise
             except Exception as e:  # a timeout or a peer gone: say which collective was waiting
                 better = self._explain(e)
                 if better is not None:
@@ -69,6 +82,19 @@ class TorchWork:
             with torch.no_grad():
                 self._finish()  # post-processing: AVG's division, copies out of staging, the clock
         return True
+
+    def _wait_one(self, work: Any) -> None:
+        if self._check_peers is None:
+            work.wait()
+            return
+        while True:  # a wait with a timeout leaves the collective running; only the wait gives up
+            try:
+                work.wait(timeout=_PEER_POLL)
+                return
+            except RuntimeError as e:
+                if not str(e).startswith("Operation timed out!"):
+                    raise
+            self._check_peers()
 
 
 class TorchTransport(TransportBase):
@@ -84,6 +110,7 @@ class TorchTransport(TransportBase):
         self._process_groups: dict[tuple[int, ...], Any] = {}  # ranks -> torch ProcessGroup (or NON_GROUP_MEMBER)
         self.ledger = CollectiveLedger()  # the collectives entered, for naming who never came when one times out
         self.heartbeat: Heartbeat | None = None  # publishes the ledger (set by the backend when it has a store)
+        self.check_peers: Callable[[], None] | None = None  # raises PeerLostError for a stopped member (gloo)
         self.post = TorchPostOffice(rank, num_nodes, timeout.total_seconds())  # messages and the server
 
     # ---- point-to-point messages and the server (exogym.backends.torch.messages) -------------------
@@ -249,7 +276,8 @@ class TorchTransport(TransportBase):
             if timed:
                 self._settle(op, group, payload, [float(a) for a in arrivals], blocking=not async_op)
         work = TorchWork(works, done, f"{op} on group {list(group.ranks)}, called at step {self.step}",
-                         lambda e: self._explain(e, op, group, number, step))
+                         lambda e: self._explain(e, op, group, number, step),
+                         self.check_peers if self.backend == "gloo" else None)
         if async_op:
             return work
         work.wait()
