@@ -2,7 +2,7 @@
 [LAUNCH]): node 1 reads its step-STEP batch and then raises, or sends its process SIGINT, SIGTERM, SIGKILL or
 SIGSTOP; "node0-SIGSTOP": node 0 stops its own process instead (torchrun's rank 0); "caller-SIGKILL" (with LAUNCH
 "processes"): it SIGKILLs the calling process. KIND "none" runs it whole, "resume" resumes logs/r whole. LAUNCH: "one" (one process, the default), "processes" (fit(processes=2): node 1
-in a process of its own) "torchrun" (the script run by `python -m torch.distributed.run --standalone
+in a process of its own), "torch" (fit(backend="torch"): one process per node), "torchrun" (the script run by `python -m torch.distributed.run --standalone
 --nproc-per-node 2`: node 1 in rank 1), or "torchrun-torch" (the same with backend="torch"). The run writes logs/r/ in the working folder."""
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ NODE_TIMEOUT = 120.0  # their node_timeout: far longer, so that a stopped proces
 def fit(kind: str = "none", step: int = 0, **kwargs):
     if kind == "caller-SIGKILL":  # node 1 kills the calling process (its own waits to be ended with it)
         data = FailOnNode(1, BATCH * (step - 1), "SIGKILL", pid=os.getpid())
-    elif kind.startswith("node0-"):  # node 0's process (torchrun's rank 0, which holds the run folder) is hit
-        data = FailOnNode(0, BATCH * (step - 1), kind.removeprefix("node0-"))
+    elif kind.startswith("node0-"):  # node 0's process (torchrun's rank 0, which holds the run folder) is hit; both
+        # nodes read what they read in the uninterrupted run (FailOnNode(1, -1): FailAt's examples on node 1, seed 0)
+        data = FailOnNode(0, BATCH * (step - 1), kind.removeprefix("node0-"), others_seed=0)
     else:
         data = FailOnNode(1, BATCH * (step - 1), kind) if kind != "none" else FailOnNode(1, -1)
     trainer = Trainer(TinyMLP(dropout=0.1), data)
@@ -53,7 +54,7 @@ if __name__ == "__main__":
     options = {"processes": 2} if launch == "processes" else {}
     if launch != "one":
         options.update(peer_timeout=PEER_TIMEOUT, node_timeout=NODE_TIMEOUT)
-    if launch == "torchrun-torch":  # the torch backend: one node per torchrun process
+    if launch in ("torch", "torchrun-torch"):  # the torch backend: one node per process (fit's, or torchrun's)
         options["backend"] = "torch"
     if sys.argv[1] == "resume":  # from the run's newest checkpoint, with no fault
         fit(resume_from="logs/r", **options)

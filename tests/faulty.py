@@ -94,15 +94,17 @@ class NanWhenEvaluatedLater(torch.nn.Module):
 
 
 class FailOnNode:
-    """A dataset factory: node `rank` gets FailAt(index, fail, pid), the others 256 plain examples of their own."""
+    """A dataset factory: node `rank` gets FailAt(index, fail, pid), the others 256 plain examples of their own (with
+    `others_seed`, those of that seed, which FailAt's are with 0)."""
 
-    def __init__(self, rank: int, index: int, fail: str = "raise", pid: int | None = None):
-        self.rank, self.index, self.fail, self.pid = rank, index, fail, pid
+    def __init__(self, rank: int, index: int, fail: str = "raise", pid: int | None = None,
+                 others_seed: int | None = None):
+        self.rank, self.index, self.fail, self.pid, self.others_seed = rank, index, fail, pid, others_seed
 
     def __call__(self, rank: int, num_nodes: int, is_val: bool) -> Dataset:
         if rank == self.rank and not is_val:
             return FailAt(self.index, self.fail, self.pid)
-        return make_classification(256, seed=rank)
+        return make_classification(256, seed=rank if self.others_seed is None else self.others_seed)
 
 
 class StuckInNativeCode:
