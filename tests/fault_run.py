@@ -35,8 +35,9 @@ def fit(kind: str = "none", step: int = 0, **kwargs):
         data = FailOnNode(1, BATCH * (step - 1), kind) if kind != "none" else FailOnNode(1, -1)
     trainer = Trainer(TinyMLP(dropout=0.1), data)
     strategy = DiLoCoStrategy(OptimSpec(torch.optim.AdamW, lr=0.01), H=3)
+    kwargs.setdefault("checkpoint_interval", CHECKPOINT_INTERVAL)
     trainer.fit(strategy, 2, max_steps=MAX_STEPS, batch_size=BATCH, shuffle=False, progress=False, run_name="r",
-                checkpoint_interval=CHECKPOINT_INTERVAL, **kwargs)
+                **kwargs)
     return trainer
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -68,6 +69,61 @@ def test_under_torchrun_a_checkpoint_folder_not_every_rank_sees_is_refused_befor
     assert "checkpoints need one folder every rank sees, and rank(s) [1] do not see" in out.stderr, out.stderr[-3000:]
     assert not (tmp_path / "machine0" / "logs" / "r" / "train.csv").exists()  # no node started
     assert not list((tmp_path / "machine1").rglob("node_*"))
+
+
+_MACHINE = """
+import sys
+sys.path.insert(0, {tests!r})
+import fault_run, torch
+torch.set_num_threads(1)
+fault_run.fit(checkpoint_interval=None if sys.argv[1] == "rows" else fault_run.CHECKPOINT_INTERVAL,
+              peer_timeout=fault_run.PEER_TIMEOUT)
+"""
+
+
+def _two_machines(tmp_path: Path, what: str) -> tuple[list[subprocess.CompletedProcess], list[Path]]:
+    """Two torchrun invocations, as two machines would run them (`--nnodes 2 --node-rank 0/1`, one process each, a
+    c10d rendezvous on this host), each in a working folder of its own (its own disk)."""
+    script = tmp_path / "machine.py"
+    script.write_text(_MACHINE.format(tests=str(TESTS)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    folders = [tmp_path / what / f"machine{n}" for n in (0, 1)]
+    runs = []
+    for n, folder in enumerate(folders):
+        folder.mkdir(parents=True)
+        runs.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
+             "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+             "--rdzv-id", what, str(script), what], cwd=folder, env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True))
+    done = []
+    for run in runs:
+        out, err = run.communicate(timeout=150)
+        done.append(subprocess.CompletedProcess(run.args, run.returncode, out, err))
+    return done, folders
+
+
+@pytest.mark.skipif(not os.environ.get("EXOGYM_FAULT_LOOP"), reason="two torchrun jobs (about 40 s): in the "
+                    "EXOGYM_FAULT_LOOP=1 loop of docs/guarantees.md")
+def test_two_machines_under_torchrun_keep_every_row_and_refuse_a_checkpoint_folder_they_do_not_share(tmp_path):
+    # Rows: every step's row reaches rank 0's run folder, on whichever machine rank 0 is, equal to one machine's run.
+    done, folders = _two_machines(tmp_path, "rows")
+    assert [d.returncode for d in done] == [0, 0], done[0].stderr[-2000:] + done[1].stderr[-2000:]
+    main = [f for f in folders if (f / "logs" / "r" / "train.csv").exists()]
+    assert len(main) == 1, "exactly one machine (rank 0's) holds the run folder"
+    assert steps_in(main[0] / "logs" / "r") == list(range(1, fault_run.MAX_STEPS + 1))
+    assert json.loads((main[0] / "logs" / "r" / "summary.json").read_text())["status"] == "completed"
+    # Checkpoints: each machine would write its own nodes' files on its own disk; refused in one line, before training.
+    done, folders = _two_machines(tmp_path, "ckpt")
+    assert all(d.returncode != 0 for d in done)
+    said = [line for d in done for line in d.stderr.splitlines()
+            if "checkpoints need one folder every rank sees, and rank(s) [1] do not see" in line]
+    assert said, done[0].stderr[-3000:] + done[1].stderr[-3000:]
+    assert not any((f / "logs" / "r" / "train.csv").exists() for f in folders)  # no node started
+    assert not [p for f in folders for p in f.rglob("node_*")]
 
 
 def test_under_torchrun_the_torch_backend_names_the_rank_that_went_away_not_its_own_node(tmp_path):
