@@ -164,9 +164,11 @@ class RunLifecycle:
         if self.sinks is not None:
             with contextlib.suppress(Exception):  # e.g. a full disk under the logger: the record keeps the row
                 self.sinks.live.log_newest_row()
-            record = RunRecord.from_nodes(self.sinks.live.partial_logs(), config=self.plan.config,
+            logs = self.sinks.live.partial_logs()
+            record = RunRecord.from_nodes(logs, config=self.plan.config,
                                           global_batch=self.plan.config["global_batch"],
-                                          wall_time_s=time.perf_counter() - self.started)
+                                          wall_time_s=time.perf_counter() - self.started,
+                                          peak_memory_mb=self._peak_memory(logs))
         checkpoints = self.plan.run.checkpoints
         self.record = record
         self._end(Ending.of(error, checkpoints.root if checkpoints is not None else None), record)

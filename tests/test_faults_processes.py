@@ -46,6 +46,14 @@ def test_peak_memory_covers_every_process_and_each_one():
     peak = trainer.record.peak_memory_mb
     assert len(peak["per_process_rss"]) == 2 and all(p > 10 for p in peak["per_process_rss"])
     assert peak["run_rss"] == pytest.approx(sum(peak["per_process_rss"]) + peak["process_rss"])
+    # A failed run's record too: the failing process reports its peak with its error, the other as it is ended.
+    trainer = Trainer(TinyMLP(), FailOnNode(rank=1, index=16 * 4))
+    with pytest.raises(RuntimeError, match="example 64 cannot be read") as info:
+        trainer.fit(DiLoCoStrategy(OptimSpec(torch.optim.SGD, lr=0.1), H=3), 2, max_steps=10, batch_size=16,
+                    shuffle=False, progress=False, logger=False, processes=2)
+    peak = info.value.record.peak_memory_mb
+    assert len(peak["per_process_rss"]) == 2 and all(p > 10 for p in peak["per_process_rss"]), peak
+    assert peak["run_rss"] == pytest.approx(sum(peak["per_process_rss"]) + peak["process_rss"])
 
 
 _TWO_DISKS = """

@@ -89,10 +89,8 @@ def supervise(live: Any, procs: list[Any], conns: list[Connection], labels: Sequ
                 if rank not in results and not any(f.rank == rank for f in failures):
                     failures.append(_died(first_nodes[rank], labels[rank], procs[rank]))
                 continue
-            if kind == "rows":
-                live.add_rows(*payload)
-            elif kind == "row":
-                live.add_row(*payload)
+            if kind in _FED:
+                _feed(live, kind, payload)
             elif kind == "done":
                 results[rank] = tuple(payload)
             else:
@@ -112,6 +110,19 @@ def supervise(live: Any, procs: list[Any], conns: list[Connection], labels: Sequ
             "finished nodes never called (every node must call the same collectives in the same order). The run "
             "was stopped", first_nodes[missing[0]])
     return [results[r] for r in range(k)]
+
+
+_FED = ("rows", "row", "peak")  # what a process sends for the run's live log
+
+
+def _feed(live: Any, kind: str, payload: list[Any]) -> None:
+    """A process's rows (as its nodes flush them), or its peak memory (as it fails), into the caller's live log."""
+    if kind == "rows":
+        live.add_rows(*payload)
+    elif kind == "row":
+        live.add_row(*payload)
+    elif payload[1] is not None:
+        live.note_peak_rss(*payload)
 
 
 def _died(rank: int, label: str, proc: Any) -> Failure:
@@ -194,10 +205,8 @@ def collect_last_rows(live: Any, procs: list[Any], conns: list[Connection], time
             except (EOFError, OSError):
                 open_.remove(conn)
                 continue
-            if kind == "rows":
-                live.add_rows(*payload)
-            elif kind == "row":
-                live.add_row(*payload)
+            if kind in _FED:
+                _feed(live, kind, payload)
     for p in procs:
         if p.is_alive():
             p.kill()

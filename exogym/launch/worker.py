@@ -8,6 +8,7 @@ nodes completed before it exits, as on Ctrl-C.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pickle
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from exogym.engine.plan import RunPlan
 
 __all__ = ["Outbox", "ForwardingLive", "process_main", "without_rows", "with_rows", "own_gpu", "stamp_peak_rss",
-           "on_cpu"]
+           "peak_rss_mb", "on_cpu"]
 
 
 class Outbox:
@@ -99,14 +100,21 @@ def on_cpu(state: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | N
     return None if state is None else {k: v.detach().cpu() for k, v in state.items()}
 
 
-def stamp_peak_rss(results: list[Any]) -> None:
-    """Each node's log records its process's peak resident memory, which the caller cannot see."""
+def peak_rss_mb() -> float | None:
+    """This process's peak resident memory in MB (None where the platform does not say: Windows)."""
     try:
         import resource
     except ImportError:  # Windows
-        return
+        return None
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    rss_mb = rss / (2**20 if sys.platform == "darwin" else 2**10)  # bytes on macOS, KiB on Linux
+    return rss / (2**20 if sys.platform == "darwin" else 2**10)  # bytes on macOS, KiB on Linux
+
+
+def stamp_peak_rss(results: list[Any]) -> None:
+    """Each node's log records its process's peak resident memory, which the caller cannot see."""
+    rss_mb = peak_rss_mb()
+    if rss_mb is None:
+        return
     for log, _ in results:
         log.comm["process_peak_rss_mb"] = rss_mb
 
@@ -158,6 +166,8 @@ def process_main(backend: ProcessBackend, hosting: Hosting, plan: "RunPlan", por
         outbox.send("done", [(without_rows(log), on_cpu(state)) for log, state in results])
     except BaseException as e:  # noqa: BLE001 - everything goes back to the caller, even KeyboardInterrupt
         try:
+            with contextlib.suppress(Exception):  # the failed run's record holds this process's memory too
+                outbox.send("peak", hosting.nodes.start, peak_rss_mb())
             outbox.send_error(getattr(e, "exogym_node", hosting.nodes.start), e)
         finally:
             sys.stdout.flush()

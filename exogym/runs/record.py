@@ -183,6 +183,17 @@ class LiveLog:
         if self.progress is not None and table == "val":
             self.progress.val_row(row)
 
+    def note_peak_rss(self, rank: int, mb: float) -> None:
+        """The peak resident memory of node `rank`'s process, which it reported as it failed (the record of a run
+        that stopped part-way covers every process that could say).
+
+        Args:
+            rank: The first node of the process.
+            mb: Its peak, in MB.
+        """
+        if rank in self._kept:
+            self._kept[rank].comm["process_peak_rss_mb"] = mb
+
     def log_newest_row(self) -> None:
         """The run stopped part-way: the newest step's row goes to the logger too, when log_interval skipped it (a
         completed run's last row always goes)."""
