@@ -201,19 +201,16 @@ def _import_before_the_group() -> None:
 
 
 def _end_group(peer_lost: bool) -> None:
-    """Destroy this process's process group; after a peer stopped responding, leave it to the process's exit instead.
+    """Destroy this process's process group; after a peer stopped responding, without running its destructor.
 
-    A collective may then still wait on the stopped peer in a gloo thread, and destroying the group joins that
+    A collective may then still wait on the stopped peer in a gloo thread, and the group's destructor joins that
     thread: this process would wait for the peer for the process group's timeout (node_timeout), and torchrun ends
     the stopped peer only once this process has exited. So the default group is kept alive for good (one reference
-    that is never released: its threads end with the process, and its destructor, which would join them, never
-    runs)."""
-    if not peer_lost:
-        dist.destroy_process_group()
-        return
+    that is never released: its threads end with the process) before torch.distributed lets go of it."""
     group = dist.group.WORLD
-    if group is not None:
+    if peer_lost and group is not None:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+    dist.destroy_process_group()
 
 
 _torchrun_runs = 0  # per process: the n-th run of a torchrun job is the n-th in each of its processes
