@@ -1,9 +1,11 @@
 """A small checkpointed run that a fault-injection test stops at a chosen step (python fault_run.py KIND STEP
 [LAUNCH]): node 1 reads its step-STEP batch and then raises, or sends its process SIGINT, SIGTERM, SIGKILL or
 SIGSTOP; "node0-SIGSTOP": node 0 stops its own process instead (torchrun's rank 0); "caller-SIGKILL" (with LAUNCH
-"processes"): it SIGKILLs the calling process. KIND "none" runs it whole, "resume" resumes logs/r whole. LAUNCH: "one" (one process, the default), "processes" (fit(processes=2): node 1
-in a process of its own), "torch" (fit(backend="torch"): one process per node), "torchrun" (the script run by `python -m torch.distributed.run --standalone
---nproc-per-node 2`: node 1 in rank 1), or "torchrun-torch" (the same with backend="torch"). The run writes logs/r/ in the working folder."""
+"processes"): it SIGKILLs the calling process. KIND "none" runs it whole, "resume" resumes logs/r whole. LAUNCH:
+"one" (one process, the default), "processes" (fit(processes=2): node 1 in a process of its own), "torch"
+(fit(backend="torch"): one process per node), "torchrun" (the script run by `python -m torch.distributed.run
+--standalone --nproc-per-node 2`: node 1 in rank 1), or "torchrun-torch" (the same with backend="torch"). The run
+writes logs/r/ in the working folder."""
 
 from __future__ import annotations
 

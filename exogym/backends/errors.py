@@ -49,7 +49,7 @@ class NodeProcessError(RuntimeError):
 
 class PeerLostError(NodeProcessError):
     """Another process of the run went away (its connection closed: it died, or its machine did) or stopped
-    responding (no heartbeat for node_timeout: stopped, hung, or cut off by a network partition). `process` and
+    responding (no heartbeat for fit's peer_timeout: stopped, hung, or cut off by a network partition). `process` and
     `nodes` name it; `rank` is its first node.
 
     Args:
