@@ -49,17 +49,19 @@ class TaskRun:
     builders: dict[str, Callable[[argparse.Namespace], Any]] = field(repr=False)
 
     def __call__(self, config: dict[str, Any], run: Any) -> Any:
-        from exogym import RandomFailures, Trainer
+        from exogym import RandomFailures, RandomSlowdowns, Trainer
 
         args = argparse.Namespace(**{**self.fixed, **config})
         strategy = self.builders[args.strategy](args)
         model, train, val = _task_data(self.task)
         failures = RandomFailures(args.failure_rate, args.downtime, args.seed) if args.failure_rate else None
+        slowdowns = (RandomSlowdowns(args.slowdown_rate, args.slowdown_factor, args.slowdown_duration, args.seed)
+                     if args.slowdown_rate else None)
         trainer = Trainer(model, train, val)
         trainer.fit(strategy, args.nodes, max_steps=args.steps, batch_size=args.batch_size,
                     val_interval=args.val_interval or max(1, args.steps // 20), val_size=args.val_size, seed=args.seed,
                     device=args.device, active_nodes=args.active_nodes, failures=failures, network=args.network,
-                    **run.fit_kwargs)
+                    slowdowns=slowdowns, **run.fit_kwargs)
         return trainer.record
 
 
