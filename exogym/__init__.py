@@ -7,7 +7,7 @@ Words used throughout:
 - round: one outer synchronisation of a strategy that communicates every H steps.
 """
 
-from exogym.backends.errors import NodeProcessError, NodeTimeoutError, PeerLostError
+from exogym.backends.errors import NodeProcessError, NodeTimeoutError, PeerLostError, ServerTimeoutError
 from exogym.cluster.membership import RandomFailures
 from exogym.cluster.slowdowns import RandomSlowdowns
 from exogym.comm.transport import CollectiveError
@@ -23,6 +23,6 @@ from exogym import compat  # noqa: E402 - on top of everything above, and instal
 compat.install()
 
 __all__ = ["Trainer", "LocalTrainer", "RunRecord", "CollectiveError", "NodeProcessError", "NodeTimeoutError",
-           "RunFolderError", "DiskFullError", "RandomFailures", "RandomSlowdowns", "NonFiniteLoss", "RunInterrupted",
+           "ServerTimeoutError", "RunFolderError", "DiskFullError", "RandomFailures", "RandomSlowdowns", "NonFiniteLoss", "RunInterrupted",
            "PeerLostError"]
 __version__ = "0.1.0"

@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import greenlet
 
 from exogym.backends.sim.watchdog import Watchdog, WatchdogInterrupt
+from exogym.cluster.network import SERVER
 from exogym.comm.transport import CollectiveError, MessageError
 
 __all__ = ["Baton", "CollectiveCall", "Pending"]
@@ -138,8 +139,12 @@ class Baton:
         return note + ")"
 
     def _progress(self) -> tuple:
-        """What the watchdog samples (from its thread): who runs, how many collectives so far, its step."""
+        """What the watchdog samples (from its thread): who runs, how many collectives so far, its step; while the
+        hub runs the server's handler, SERVER and (the server's class, the message it handles)."""
         rank = self.running
+        handling = getattr(self.post, "handling", None) if rank is None else None
+        if handling is not None:
+            return SERVER, self.arrivals, handling
         return rank, self.arrivals, None if rank is None else self._step_of(rank)
 
     def _run(self, node_fns: list[Callable[[], Any]]) -> list[Any]:
