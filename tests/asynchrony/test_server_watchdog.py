@@ -66,3 +66,19 @@ def test_a_server_stuck_in_its_handler_ends_the_sim_run_as_stuck_naming_it(tmp_p
     summary = json.loads((tmp_path / "logs" / "stuck" / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["stuck"] is True
     assert summary["steps"] >= 1  # what the nodes completed is kept
+
+
+def test_a_server_stuck_in_its_handler_ends_the_torch_run_as_stuck_naming_it():
+    start = time.monotonic()
+    with pytest.raises(ServerTimeoutError) as info:
+        t = Trainer(toy.TinyMLP(), toy.make_classification(64))
+        t.fit(AsksTheServer(), 2, batch_size=4, max_steps=14, progress=False, device="cpu", node_timeout=3.0,
+              logger=False, backend="torch")
+    took = time.monotonic() - start
+    e = info.value
+    assert e.server == "StuckOnce" and "to the server (tag 3" in e.handling
+    assert "the server (StuckOnce) ran for" in str(e) and "node_timeout=3 s" in str(e)
+    assert "time.sleep(0.01)" in str(e)  # the server thread's stack
+    # the nodes waiting for its answer give up only after node_timeout and a grace (5 s), so the server is named
+    # first; processes start in a few seconds
+    assert took < 60, took
