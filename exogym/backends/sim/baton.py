@@ -118,8 +118,10 @@ class Baton:
             try:
                 dog.raise_deferred()  # a Ctrl-C that came while the nodes unwound: the user still wants out
             except BaseException as interrupt:
-                interrupt.add_note(f"(interrupted while the watchdog stopped node {error.rank} at step {error.step}: "
-                                   "it had run past node_timeout; see the error above)")
+                who = ("the server" if error.rank == SERVER else
+                       f"node {error.rank} at step {error.step}")
+                interrupt.add_note(f"(interrupted while the watchdog stopped {who}: it had run past node_timeout; "
+                                   "see the error above)")
                 raise interrupt from error
             raise error from None
         dog.raise_deferred()  # a Ctrl-C held back while a node caught the watchdog's interrupt and carried on
