@@ -233,13 +233,13 @@ class TorchPostOffice:
             for process in range(self.num_nodes):
                 if process != self.rank:
                     dist.send(stop, process, tag=_HEADER)
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.timeout_s + wait_grace(self.timeout_s)  # a stuck server is named first
         with self._cv:
             while self._stops < self.num_nodes - 1:
                 self._raise_if_failed("the end of the run's messages")
                 if time.monotonic() > deadline:
-                    raise MessageError(f"node {self.rank} waited {self.timeout_s:g} s for the other nodes to finish "
-                                       "their messages")
+                    raise MessageError(f"node {self.rank} waited {self.timeout_s + wait_grace(self.timeout_s):g} s "
+                                       "(fit's node_timeout and a grace) for the other nodes to finish their messages")
                 self._cv.wait(timeout=1.0)
         self._receiver.join()
         if self._server_thread is not None:
