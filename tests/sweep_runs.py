@@ -42,3 +42,8 @@ def kill_sweep(out: str, resume: str = "") -> None:
     from exogym.sweep import grid, sweep
     sweep(slow, grid(H=[2, 4, 5], seed=[0]), out=out, workers=None if resume else 2, checkpoint_interval=5,
           resume=bool(resume), progress=False)
+
+
+def tradeoff(config: dict, run) -> object:
+    """tiny, with a metric that falls as H falls (and the bytes grow): a loss-vs-bytes front of several points."""
+    return tiny(config, run), {"held_out": config["H"] / 10 + abs(config["outer_lr"] - 0.5)}
