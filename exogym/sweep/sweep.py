@@ -262,6 +262,8 @@ def _set_up(definition: Definition, given: Definition, *, resume: bool, retry_fa
     """Open (or create) the study, check a study made elsewhere is this sweep, queue the grid, requeue what a
     resume runs again."""
     study = definition.open_study(create=True)
+    if study.created:  # before the definition: a machine joining the study finds the queue once it finds that
+        study.queue_grid()
     stored = None if study.created else study.stored_definition(wait=30.0)
     if stored is None:
         study.describe_as({k: v for k, v in definition.to_json().items() if k != "folder"})
@@ -278,7 +280,7 @@ def _set_up(definition: Definition, given: Definition, *, resume: bool, retry_fa
         queued = study.requeue(retry_failed)
         if progress and (dead or queued):
             print(f"exogym sweep: {dead + queued} interrupted configuration(s) queued to run again", flush=True)
-    if study.created or resume:  # the study's maker queues the grid's start (a resume continues a queue that stopped)
+    if resume:  # a resume continues a queue that stopped (or a setup killed before it queued)
         study.queue_grid()
     return study
 
