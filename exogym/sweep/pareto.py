@@ -76,6 +76,10 @@ class ParetoView:
         return self._study
 
     def _open(self, source: Any) -> Any:
+        try:  # loaded first: a journal records every try to create a study, even one refused
+            return self.optuna.load_study(storage=self.storage, study_name=self.name)
+        except KeyError:
+            pass
         try:
             study = self.optuna.create_study(storage=self.storage, study_name=self.name, directions=self.directions)
         except self.optuna.exceptions.DuplicatedStudyError:
