@@ -55,6 +55,9 @@ def test_settings_every_run_would_fail_with_are_refused_before_any_trial(tmp_pat
     monkeypatch.chdir(tmp_path)
     for bad, match in [
         (["--nodes", "100000", "--out", "t"], r"--nodes 100000 --batch-size 32: .* fewer than one step needs"),
+        (["--nodes", "2", "100000", "--H", *map(str, range(1, 101)), "--outer-lr",  # 20,000 configurations:
+          *(f"{i / 100:.2f}" for i in range(1, 101)), "--out", "t"],  # each value checked, not each combination
+         r"--nodes 100000 --batch-size 32: .* fewer than one step needs"),
         (["--storage", "bogus://x", "--out", "t"], "not a database URL SQLAlchemy knows"),
     ]:
         assert main([*SYNTHETIC, *bad]) == 2
