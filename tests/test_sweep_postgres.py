@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -82,10 +83,20 @@ def test_the_database_stopped_mid_sweep_and_started_again_loses_nothing_and_reru
     while not list(runs.glob("*/summary.json")) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert list(runs.glob("*/summary.json")), "no run finished"
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
     server.stop()
-    time.sleep(4)  # runs finish meanwhile, and their outcomes wait
+    # The database stays down until the sweep has met the outage (whatever the machine's load): a run that finished
+    # meanwhile waits to write its outcome, or the worker waits to take its next configuration.
+    deadline = time.monotonic() + 120
+    while not any("unreachable" in line for line in lines) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1)
     server.start()
-    out, err = proc.communicate(timeout=300)
+    proc.wait(timeout=300)
+    reader.join(30)
+    err = "".join(lines)
     assert proc.returncode == 0, err
     assert "unreachable" in err and "127.0.0.1" in err and "retrying at" in err  # said, in one line each
     assert "internal error" not in err and "Traceback" not in err
