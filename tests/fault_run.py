@@ -55,8 +55,9 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     launch = sys.argv[3] if len(sys.argv) > 3 else "one"
     options = {"processes": 2} if launch == "processes" else {}
-    if launch != "one":
-        options.update(peer_timeout=PEER_TIMEOUT, node_timeout=NODE_TIMEOUT)
+    if launch != "one":  # caller-SIGKILL: the killing node waits in a sleep that node_timeout cuts short
+        options.update(peer_timeout=PEER_TIMEOUT,
+                       node_timeout=PEER_TIMEOUT if sys.argv[1] == "caller-SIGKILL" else NODE_TIMEOUT)
     if launch in ("torch", "torchrun-torch"):  # the torch backend: one node per process (fit's, or torchrun's)
         options["backend"] = "torch"
     if sys.argv[1] == "resume":  # from the run's newest checkpoint, with no fault
