@@ -180,6 +180,7 @@ def test_a_process_lost_at_a_random_step_loses_nothing_the_run_completed(launch,
             out.stderr[-3000:]
         assert json.loads((run / ".exogym-run").read_text())["status"] == "running"  # to resume
     else:
+        assert (run / "summary.json").exists(), out.stderr[-6000:]  # rank 0 recorded how the run ended
         summary = json.loads((run / "summary.json").read_text())
         assert summary["status"] == "failed" and summary["steps"] == len(steps), summary
         if kind == "SIGSTOP":
