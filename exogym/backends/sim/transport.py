@@ -7,6 +7,7 @@ into every member's tensors; nodes on different devices meet on the first member
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 from typing import Any, Callable, Sequence
 
@@ -48,15 +49,19 @@ def _reduce_into(acc: torch.Tensor, others: Sequence[torch.Tensor], op: ReduceOp
         acc.div_(group_size)
 
 
-def _fold_arrivals(pending: Pending) -> None:
+def _fold_arrivals(pending: Pending, ranks: Sequence[int]) -> None:
     """A sum or mean: fold each member's tensor into one accumulator as soon as every lower-ranked member's is in
     (the same rank-order sum as at completion, so the same bits), and give back the memory of a tensor that owns
-    its storage until its node resumes: K nodes waiting in a reduction hold one accumulator, not K buffers."""
-    first = pending.calls.get(pending.group[0])
+    its storage until its node resumes: K nodes waiting in a reduction hold one accumulator, not K buffers.
+
+    `ranks`: the group's members in this process, in rank order (the whole group, or this process's block of it
+    when the group crosses processes: the accumulator is then this process's part, exogym.backends.sim.
+    collective_parts, and every member here waits on the other processes, so the last one gives its memory
+    back too)."""
+    first = pending.calls.get(ranks[0])
     if first is None:
         return
     box = first.args.setdefault("fold", {"acc": None, "next": 0})
-    ranks = pending.group
     while box["next"] < len(ranks) and ranks[box["next"]] in pending.calls:
         call = pending.calls[ranks[box["next"]]]
         t = call.args["tensor"]
@@ -65,7 +70,7 @@ def _fold_arrivals(pending: Pending) -> None:
         else:
             box["acc"].add_(t.to(box["acc"].device))
         box["next"] += 1
-        if len(pending.calls) < len(ranks) and _owns_storage(t):
+        if len(pending.calls) < len(pending.group) and _owns_storage(t):
             t.untyped_storage().resize_(0)  # restored, with the result, when the node resumes (_restore)
             call.args["released"] = True
             if t.numel() * t.element_size() >= _LARGE:
@@ -218,7 +223,8 @@ class SimTransport(TransportBase):
                 for c in calls:
                     c.args["done_at"] = done_at
 
-        fold = (_fold_arrivals if name == "all_reduce" and group.size > 1 and not crossing  # needs every tensor here
+        here = [r for r in group.ranks if not crossing or self.owner[r] == self.owner[self.rank]]
+        fold = (functools.partial(_fold_arrivals, ranks=here) if name == "all_reduce" and group.size > 1
                 and args["op"] in (ReduceOp.SUM, ReduceOp.AVG)
                 else _release_gather_outputs if name == "all_gather" and group.size > 1
                 else None)  # alone in the group there is nothing to fold, and no buffer to give back
