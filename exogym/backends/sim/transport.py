@@ -223,11 +223,13 @@ class SimTransport(TransportBase):
                 for c in calls:
                     c.args["done_at"] = done_at
 
-        here = [r for r in group.ranks if not crossing or self.owner[r] == self.owner[self.rank]]
-        fold = (functools.partial(_fold_arrivals, ranks=here) if name == "all_reduce" and group.size > 1
-                and args["op"] in (ReduceOp.SUM, ReduceOp.AVG)
-                else _release_gather_outputs if name == "all_gather" and group.size > 1
-                else None)  # alone in the group there is nothing to fold, and no buffer to give back
+        fold = None  # alone in the group there is nothing to fold, and no buffer to give back
+        if name == "all_reduce" and group.size > 1 and args["op"] in (ReduceOp.SUM, ReduceOp.AVG):
+            here = (group.ranks if not crossing  # across processes: this process's members fold into its part
+                    else [r for r in group.ranks if self.owner[r] == self.owner[self.rank]])
+            fold = functools.partial(_fold_arrivals, ranks=here)
+        elif name == "all_gather" and group.size > 1:
+            fold = _release_gather_outputs
         pending = self.baton.rendezvous(self.rank, group.ranks, call, complete, fold, settle)
         if async_op:
             return SimWork(self, pending, call, timed)
