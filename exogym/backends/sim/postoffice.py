@@ -53,6 +53,7 @@ class PostOffice:
         self.baton, self.num_nodes = baton, num_nodes
         self.network = time_model.network if time_model is not None else None
         self.hub: "Hub | None" = None  # the other processes' nodes, when the run spans processes (set by the backend)
+        self.undeclared = False  # the run spans processes without a hub: a message is an error (set by the backend)
         self.progress = 0  # events that happened (the deadlock check across processes)
         self._loaded = False  # a checkpoint's state is in (read before any node ran)
         self._saved_server: dict[str, Any] | None = None  # a checkpoint's server state, until the server is made
@@ -101,8 +102,15 @@ class PostOffice:
         if self.hub is not None:
             self.hub.close()
 
+    def _check(self) -> None:
+        if self.undeclared:
+            raise MessageError("this run spans processes and its strategy sends point-to-point messages (or declares a "
+                               "server) without saying so: set the class attribute sends_messages = True on the "
+                               "strategy, so that the process holding node 0 keeps the run's one event heap")
+
     def post(self, message: Message) -> None:
         """Put a message on the wire at message.sent_at; it arrives after the network's transfer time."""
+        self._check()
         message.arrives_at = arrival(self.network, message)
         self.push(message)
 
@@ -157,11 +165,13 @@ class PostOffice:
     def receive(self, rank: int, at: float, src: int | None, tag: int | None, what: Callable[[], str]) -> Message:
         """Node `rank`'s next message from `src` with `tag`, observed at its clock `at`: the first that has arrived,
         or the next to arrive."""
+        self._check()
         self.observe(rank, at)
         return self.take(rank, src, tag, what)
 
     def arrived(self, rank: int, at: float, src: int | None, tag: int | None) -> list[Message]:
         """Every message for `rank` from `src` with `tag` that has arrived by its clock `at`."""
+        self._check()
         self.observe(rank, at)
         return self.take_arrived(rank, src, tag)
 
@@ -225,6 +235,7 @@ class PostOffice:
 
     # ---- the server ----------------------------------------------------------------------------
     def serve(self, make: Callable[[], Server]) -> Server:
+        self._check()
         if self.server is None:
             self.server = attach_server(make, self)
             self.active = True

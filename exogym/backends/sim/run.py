@@ -71,6 +71,7 @@ def _post_office(plan: "RunPlan", baton: Baton, exchange: Exchange | None, hub: 
     post = PostOffice(baton, k, time_model)
     if exchange is not None and hub is not None:
         post.hub = Hub(post, exchange, exchange.owner, exchange.me)
+    post.undeclared = exchange is not None and hub is None
     saved = plan.resume[0] if plan.resume is not None else None
     if saved is not None and "messages" in saved.strategy:  # in before any node runs (or another process posts)
         post.load_state_dict(saved.strategy["messages"])
