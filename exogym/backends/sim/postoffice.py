@@ -20,6 +20,13 @@ arrives first.
 Ties are broken by fixed keys (rank, then the sender's count), so the same seed gives the same bits however
 the host schedules. Collectives and messages in one run: a node blocked in a collective is no event; the
 messages it sends after leaving carry its clock from then on.
+
+A run over several processes (fit(processes=P), torchrun with backend="sim"): the process holding the server role
+(beside node 0) keeps this one heap, every mailbox and the server (it is the hub); the other processes' post offices
+are proxies (exogym.backends.sim.postproxy) that send it their nodes' messages and observations and run a node
+again when it answers. The hub takes the next event only when the whole run is quiescent, which is the rule above
+with "no node ready" read across every process; exogym.backends.sim.postlink says why the exchange between the
+processes cannot deliver a message out of order, so the run gives the bits one process gives.
 """
 
 from __future__ import annotations
