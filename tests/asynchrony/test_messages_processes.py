@@ -56,6 +56,11 @@ def test_one_two_and_three_processes_give_the_same_bits(name):
         _same(one, many)
 
 
+def test_fused_execution_over_two_processes_gives_what_it_gives_in_one():
+    fused = STRATEGIES["async_diloco"]
+    _same(_run(fused, 1, execution="fused"), _run(fused, 2, execution="fused"))
+
+
 @pytest.mark.parametrize("name,every", [("async_diloco", 5), ("decoupled", 6), ("gossip_async", 5)])
 def test_a_checkpoint_with_messages_in_flight_resumes_over_two_processes_bit_identically(name, every, tmp_path):
     make, cut = STRATEGIES[name], f"step_{every:09d}"
