@@ -13,22 +13,13 @@ import torch
 import toy
 from exogym import Trainer
 from exogym.comm import SERVER, MessageError, Server
-from exogym.strategy import (AsyncDiLoCoStrategy, DecoupledDiLoCoStrategy, FedBuffStrategy, GossipStrategy,
-                             Strategy)
+from exogym.strategy import AsyncDiLoCoStrategy, Strategy
 from exogym.strategy import communicate as comm
 
-# Three nodes: blocks of (2, 1) and (1, 1, 1), so the sums of the end's global model (an all-reduce across processes,
-# which adds each process's part) add in rank order as in one process; the messages themselves are exact anyway.
-FIT = dict(progress=False, device="cpu", logger=False, batch_size=8, node_speeds=[1.0, 0.6, 0.3], network="home",
-           val_interval=5)
-STRATEGIES = {
-    "async_diloco": lambda: AsyncDiLoCoStrategy(H=3, lr=1e-2, staleness="polynomial", delayed_nesterov=True,
-                                                dynamic_local_updates=True),
-    "fedbuff": lambda: FedBuffStrategy(H=2, buffer_size=2, lr=0.05),
-    "decoupled": lambda: DecoupledDiLoCoStrategy(H=4, fragments=2, min_quorum=2, lr=1e-2),
-    "gossip_async": lambda: GossipStrategy(topology="ring", mode="async", lr=0.05),
-    "gossip_sync": lambda: GossipStrategy(topology="random_pairs", H=2, lr=0.05),
-}
+# The strategies and settings of the one-process checkpoint tests, on three nodes: blocks of (2, 1) and (1, 1, 1),
+# so the sums of the end's global model (an all-reduce across processes, which adds each process's part) add in rank
+# order as in one process; the messages themselves are exact anyway.
+from test_async_checkpoint import FIT, STRATEGIES  # noqa: E402
 
 
 def _run(make, processes, steps=10, **kw):
