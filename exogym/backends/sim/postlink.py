@@ -29,6 +29,7 @@ process that woke with nothing to wake it, which cannot be.
 from __future__ import annotations
 
 import pickle
+import queue
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -69,21 +70,35 @@ class Status:
 class Link:
     """Packets between this process and the others of the link (the hub talks to every process, a proxy to the hub).
 
-    Each peer's packets are received by a thread of their own, in order, and handed to `on_packet(src, packet)` on
-    the process's own thread at its next wait in the exchange (Exchange.notify). A peer that goes away is a
-    PeerLostError naming it (exogym.backends.peer_watch), raised on the process's thread."""
+    Each peer's packets are sent by a thread of their own, in the order `send` was called (the process's own thread
+    never blocks on a peer that stopped), and received by another, in order, and handed to `on_packet(src, packet)`
+    on the process's own thread at its next wait in the exchange (Exchange.notify). A peer that goes away is a
+    PeerLostError naming it (exogym.backends.peer_watch), raised on the process's thread; one that stops is named by
+    the heartbeats the process checks while it waits."""
 
     def __init__(self, exchange: Any, peers: list[int], on_packet: Callable[[int, tuple], None]):
         self.exchange, self.on_packet = exchange, on_packet
-        self._threads = [threading.Thread(target=self._receive, args=(p,), name=f"exogym-postlink-{p}", daemon=True)
+        self._outbox: dict[int, queue.Queue] = {p: queue.Queue() for p in peers}
+        self._threads = [threading.Thread(target=self._receive, args=(p,), name=f"exogym-postlink-in-{p}", daemon=True)
                          for p in peers]
-        for t in self._threads:
+        self._senders = [threading.Thread(target=self._send, args=(p,), name=f"exogym-postlink-out-{p}", daemon=True)
+                         for p in peers]
+        for t in self._threads + self._senders:
             t.start()
 
     def send(self, dst: int, *packet: Any) -> None:
-        data = pickle.dumps(packet, protocol=pickle.HIGHEST_PROTOCOL)
-        dist.send(torch.tensor([len(data)], dtype=torch.int64), dst, tag=_HEADER_TAG)
-        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, tag=_BODY_TAG)
+        """Queue a packet for `dst` (pickled now: what it holds may change once this returns)."""
+        self._outbox[dst].put(pickle.dumps(packet, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _send(self, dst: int) -> None:
+        try:
+            while (data := self._outbox[dst].get()) is not None:
+                dist.send(torch.tensor([len(data)], dtype=torch.int64), dst, tag=_HEADER_TAG)
+                dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, tag=_BODY_TAG)
+        except BaseException as e:  # noqa: BLE001 - raised on the process's own thread
+            def lost(error: BaseException = e) -> None:
+                raise self.exchange.peers.lost(dst, error) from error
+            self.exchange.notify(lost)
 
     def _receive(self, src: int) -> None:
         try:
@@ -102,7 +117,10 @@ class Link:
             self.exchange.notify(lost)
 
     def join(self, timeout: float = 5.0) -> None:
-        for t in self._threads:
+        """After the last packets: the senders send what is queued, then every thread ends."""
+        for box in self._outbox.values():
+            box.put(None)
+        for t in self._senders + self._threads:
             t.join(timeout)
 
 
