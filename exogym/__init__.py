@@ -7,8 +7,9 @@ Words used throughout:
 - round: one outer synchronisation of a strategy that communicates every H steps.
 """
 
-from exogym.backends.errors import NodeProcessError, NodeTimeoutError, PeerLostError
+from exogym.backends.errors import NodeProcessError, NodeTimeoutError, PeerLostError, ServerTimeoutError
 from exogym.cluster.membership import RandomFailures
+from exogym.cluster.slowdowns import RandomSlowdowns
 from exogym.comm.transport import CollectiveError
 from exogym.engine.node import NonFiniteLoss
 from exogym.launch.signals import RunInterrupted
@@ -22,5 +23,6 @@ from exogym import compat  # noqa: E402 - on top of everything above, and instal
 compat.install()
 
 __all__ = ["Trainer", "LocalTrainer", "RunRecord", "CollectiveError", "NodeProcessError", "NodeTimeoutError",
-           "RunFolderError", "DiskFullError", "RandomFailures", "NonFiniteLoss", "RunInterrupted", "PeerLostError"]
+           "ServerTimeoutError", "RunFolderError", "DiskFullError", "RandomFailures", "RandomSlowdowns", "NonFiniteLoss", "RunInterrupted",
+           "PeerLostError"]
 __version__ = "0.1.0"

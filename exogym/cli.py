@@ -115,6 +115,14 @@ def _failure_rate(text: str) -> float:
     return value
 
 
+def _factor(text: str) -> float:
+    """A slowdown factor: how many times longer compute takes, at least 1 (1: no slowdown)."""
+    value = _number(positive=True)(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (a factor of 2 halves the node's speed), got {text}")
+    return value
+
+
 def _text(text: str) -> str:
     """A name or path that must not be empty ("" would silently mean the current folder or the default device)."""
     if not text.strip():
@@ -146,6 +154,13 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--failure-rate", type=_failure_rate, default=0.0,
                    help="each node fails with this probability per step (seeded by --seed)")
     p.add_argument("--downtime", type=_int_at_least(1), default=20, help="steps a failed node stays down")
+    p.add_argument("--slowdown-rate", type=_number(), default=0.0,
+                   help="transient slowdowns per node per simulated second, drawn from --seed (default 0: none; turns "
+                        "simulated time on, steps costed at 1e12 FLOP/s per node)")
+    p.add_argument("--slowdown-factor", type=_factor, default=2.0,
+                   help="how many times longer a slowed node's compute takes")
+    p.add_argument("--slowdown-duration", type=_number(positive=True), default=10.0,
+                   help="how long a slowdown lasts, in simulated seconds")
     p.add_argument("--val-interval", type=_int_at_least(1), default=None,
                    help="validate every this many steps (default: steps/20, so a curve has 21 points from step 0)")
     p.add_argument("--val-size", type=_int_at_least(1), default=512, help="validation examples")
@@ -158,7 +173,7 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
 
 
 def _fit(args: argparse.Namespace, strategy_name: str, run_name: str | None):
-    from exogym import RandomFailures, Trainer
+    from exogym import RandomFailures, RandomSlowdowns, Trainer
     from exogym.runs.loggers import CSVLogger
 
     strategy = STRATEGY_BUILDERS[strategy_name](args)  # before the data: a bad setting fails at once
@@ -172,13 +187,15 @@ def _fit(args: argparse.Namespace, strategy_name: str, run_name: str | None):
     logger = CSVLogger(args.log_dir, run_name)
     trainer = Trainer(model, train, val)
     failures = RandomFailures(args.failure_rate, args.downtime, args.seed) if args.failure_rate else None
+    slowdowns = (RandomSlowdowns(args.slowdown_rate, args.slowdown_factor, args.slowdown_duration, args.seed)
+                 if args.slowdown_rate else None)
     val_interval = args.val_interval or max(1, args.steps // 20)
     if not args.quiet:
         print(f"exogym {args.command}: {strategy_name}" + (f" -> {Path(args.log_dir) / run_name}" if run_name else ""),
               flush=True)
     trainer.fit(strategy, args.nodes, max_steps=args.steps, batch_size=args.batch_size, val_interval=val_interval,
                 val_size=args.val_size, seed=args.seed, device=args.device, logger=logger, progress=not args.quiet,
-                active_nodes=args.active_nodes, failures=failures, overwrite=args.overwrite)
+                active_nodes=args.active_nodes, failures=failures, slowdowns=slowdowns, overwrite=args.overwrite)
     return trainer.record, logger.run_dir
 
 

@@ -19,13 +19,13 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from exogym._validation import MAX_SEED, check_int
 from exogym.cluster.network import PRESETS
 from exogym.fit_nodes import check_node_memory
 from exogym.sweep.objective import metric_name, parse_bytes
-from exogym.sweep.space import Choice, Float, Int, Space, check_grid_size, space
+from exogym.sweep.space import Choice, Float, Int, Space, space
 from exogym.sweep.storage import StorageUnavailable, SweepStopped
 from exogym.sweep.sweep import SEARCHES, read_definition, sweep
 from exogym.tasks import TASKS, get_task
@@ -49,17 +49,19 @@ class TaskRun:
     builders: dict[str, Callable[[argparse.Namespace], Any]] = field(repr=False)
 
     def __call__(self, config: dict[str, Any], run: Any) -> Any:
-        from exogym import RandomFailures, Trainer
+        from exogym import RandomFailures, RandomSlowdowns, Trainer
 
         args = argparse.Namespace(**{**self.fixed, **config})
         strategy = self.builders[args.strategy](args)
         model, train, val = _task_data(self.task)
         failures = RandomFailures(args.failure_rate, args.downtime, args.seed) if args.failure_rate else None
+        slowdowns = (RandomSlowdowns(args.slowdown_rate, args.slowdown_factor, args.slowdown_duration, args.seed)
+                     if args.slowdown_rate else None)
         trainer = Trainer(model, train, val)
         trainer.fit(strategy, args.nodes, max_steps=args.steps, batch_size=args.batch_size,
                     val_interval=args.val_interval or max(1, args.steps // 20), val_size=args.val_size, seed=args.seed,
                     device=args.device, active_nodes=args.active_nodes, failures=failures, network=args.network,
-                    **run.fit_kwargs)
+                    slowdowns=slowdowns, **run.fit_kwargs)
         return trainer.record
 
 
@@ -313,10 +315,8 @@ def _start(args: argparse.Namespace, training_options: Callable, builders: dict,
         raise ValueError("the objective reads simulated time: give the runs a network (--network low, home, ...)")
     for seed in joined.seeds:
         check_int("--seeds: a seed", seed, minimum=0, maximum=MAX_SEED)
-    if joined.is_grid:
-        check_grid_size(joined)  # a grid too large is refused with its count before anything is listed
     examples = len(_task_data(args.task)[1])  # the data loads (or says why not) before any trial starts
-    for config in (joined.configurations() if joined.is_grid else []):  # every run's settings checked before any trial
+    for config in _settings_to_check(joined):  # the runs' settings checked before any trial
         values = argparse.Namespace(**{**run.fixed, **config})
         builders[config.get("strategy", run.fixed.get("strategy"))](values).check_nodes(values.nodes)
         check_node_memory(values.nodes)
@@ -337,6 +337,28 @@ def _start(args: argparse.Namespace, training_options: Callable, builders: dict,
         print(f"exogym sweep: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+CHECK_EACH = 10_000  # a grid up to this many configurations has each checked before the sweep starts
+
+
+def _settings_to_check(joined: Space) -> Iterator[dict]:
+    """The configurations whose settings are checked before a grid sweep starts: each of them, for a grid of up to
+    CHECK_EACH; for a larger one, every --nodes x --batch-size pair of each part with each value of every other
+    option in turn (the others at their first value), so that the check takes a moment whatever the grid's size."""
+    if not joined.is_grid:
+        return
+    if joined.count() <= CHECK_EACH:
+        yield from joined.configurations()
+        return
+    for part in joined.parts:
+        first = {n: d.values[0] for n, d in part.items()}
+        pairs = [{"nodes": n, "batch_size": b} for n in (part["nodes"].values if "nodes" in part else [None])
+                 for b in (part["batch_size"].values if "batch_size" in part else [None])]
+        for name, dim in part.items():
+            for value in dim.values:
+                for pair in pairs:
+                    yield {**first, **{k: v for k, v in pair.items() if v is not None}, name: value}
 
 
 def _sweep(run: TaskRun, joined: Space, out: str, args: argparse.Namespace, resume: bool, command: tuple) -> None:

@@ -18,6 +18,7 @@ from exogym._validation import MAX_SEED, check_int, check_number
 from exogym.backends.sim.fused.choose import EXECUTIONS
 from exogym.cluster.membership import RandomFailures
 from exogym.cluster.network import Network
+from exogym.cluster.slowdowns import RandomSlowdowns
 from exogym.engine.devices import DeviceLike
 from exogym.runs.loggers import Logger
 from exogym.strategy.base import Strategy
@@ -76,7 +77,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class SimulationConfig:
-    """The simulated cluster: network, node speeds, compute time, failures, an elastic pool."""
+    """The simulated cluster: network, node speeds, compute time, failures, an elastic pool, transient slowdowns."""
 
     network: Network | str | None = None
     node_speeds: Sequence[float] | None = None
@@ -84,6 +85,7 @@ class SimulationConfig:
     compute_time: str = "flops"
     failures: Sequence[tuple[int, int, int | None]] | RandomFailures | None = None
     active_nodes: str | Sequence[tuple[int, int]] | Callable[[int], int] | None = None
+    slowdowns: Sequence[tuple[int, float, float, float]] | RandomSlowdowns | None = None
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from exogym.backends.hosting import SERVER
 from exogym.backends.sim.fused.choose import choose_execution
 from exogym.cluster.network import Network
 from exogym.cluster.simtime import TimeModel
+from exogym.cluster.slowdowns import build_slowdowns
 from exogym.data.loader_options import loader_options
 from exogym.data.sharding import DatasetOrFactory
 from exogym.engine.config import RunConfig
@@ -118,7 +119,8 @@ def build_plan(c: FitConfig, *, model: torch.nn.Module, train_dataset: DatasetOr
     """
     s, sim, ln, k = c.schedule, c.simulation, c.launch, c.checkpoint
     check_node_memory(c.num_nodes, environment=environment)  # the per-node overhead alone: 10**9 nodes, at once
-    time_model = build_time_model(c.num_nodes, sim.network, sim.node_speeds, sim.device_flops, sim.compute_time)
+    time_model = build_time_model(c.num_nodes, sim.network, sim.node_speeds, sim.device_flops, sim.compute_time,
+                                  sim.slowdowns)
     if s.minibatch > s.batch_size or s.batch_size % s.minibatch:
         raise ValueError(f"minibatch_size must divide batch_size={s.batch_size}, got {s.minibatch}")
     logger = resolve_logger(c.logging.logger, c.logging.run_name)
@@ -229,15 +231,20 @@ def run_config(c: FitConfig, *, model: torch.nn.Module, data: RunData, time_mode
     if time_model is not None:
         config["time_model"] = {"network": repr(time_model.network), "node_speeds": list(time_model.node_speeds),
                                 "device_flops": list(time_model.device_flops), "compute_time": sim.compute_time}
+        if time_model.slowdowns is not None:  # only then: the fingerprint of a run without them stays as it was
+            config["time_model"]["slowdowns"] = time_model.slowdowns.describe()
     return config
 
 
 def build_time_model(num_nodes: int, network: Any, node_speeds: Any, device_flops: Any,
-                     compute_time: str) -> TimeModel | None:
-    """The simulated time's model (None: no simulated time): a network, per-node speeds and FLOP rates."""
+                     compute_time: str, slowdowns: Any = None) -> TimeModel | None:
+    """The simulated time's model (None: no simulated time): a network, per-node speeds and FLOP rates, and the
+    transient slowdowns (exogym.cluster.slowdowns)."""
     if compute_time not in ("flops", "measured"):
         raise ValueError(f"compute_time must be 'flops' or 'measured', got {compute_time!r}")
-    if network is None and node_speeds is None and device_flops is None and compute_time == "flops":
+    schedule = build_slowdowns(num_nodes, slowdowns)
+    if network is None and node_speeds is None and device_flops is None and compute_time == "flops" \
+            and schedule is None:
         return None
     if network is None:
         network = Network.preset("ideal")
@@ -248,7 +255,7 @@ def build_time_model(num_nodes: int, network: Any, node_speeds: Any, device_flop
     network.check_nodes(num_nodes)
     speeds = _per_node("node_speeds", node_speeds, 1.0, num_nodes)
     flops = _per_node("device_flops", device_flops, DEFAULT_DEVICE_FLOPS, num_nodes)
-    return TimeModel(network, speeds, flops, measured=compute_time == "measured")
+    return TimeModel(network, speeds, flops, measured=compute_time == "measured", slowdowns=schedule)
 
 
 def _per_node(name: str, value: Any, default: float, num_nodes: int) -> tuple[float, ...]:

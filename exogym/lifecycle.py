@@ -212,5 +212,6 @@ def announce(config: dict[str, Any], time_model: TimeModel | None) -> None:
         compute = ("measured wall time" if time_model.measured else
                    f"counted FLOPs at {', '.join(f'{f:.3g}' for f in sorted(set(time_model.device_flops)))} "
                    "FLOP/s per node")
+        chaos = "" if time_model.slowdowns is None else f"; slowdowns {time_model.slowdowns.describe()}"
         print(f"exogym: simulated time on {time_model.network}; compute from {compute}; node speeds "
-              f"{list(time_model.node_speeds)}", flush=True)
+              f"{list(time_model.node_speeds)}{chaos}", flush=True)

@@ -12,6 +12,7 @@ from exogym._validation import check_int
 from exogym.adapters import adaptable
 from exogym.backends.errors import DEFAULT_NODE_TIMEOUT
 from exogym.cluster.membership import RandomFailures
+from exogym.cluster.slowdowns import RandomSlowdowns
 from exogym.cluster.network import Network
 from exogym.data.sharding import DatasetOrFactory, is_factory
 from exogym.engine.devices import DeviceLike
@@ -84,6 +85,7 @@ class Trainer:
             partition: str = "iid", dirichlet_alpha: float | None = None, shards_per_node: int | None = None,
             failures: Sequence[tuple[int, int, int | None]] | RandomFailures | None = None,
             active_nodes: str | Sequence[tuple[int, int]] | Callable[[int], int] | None = None,
+            slowdowns: Sequence[tuple[int, float, float, float]] | RandomSlowdowns | None = None,
             node_timeout: float | None = DEFAULT_NODE_TIMEOUT, dataloader_kwargs: dict[str, Any] | None = None,
             max_memory_usage: float | None = None, port: int | None = None,
             extra_config: dict[str, Any] | None = None, execution: str = "sequential",
@@ -158,6 +160,11 @@ class Trainer:
             active_nodes: An elastic pool: `"doubling"`, `"halving"`, `"ramp_up"`, `"ramp_down"`,
                 `[(from_step, count), ...]`, or a function `step -> count`; ranks `0..count-1` are in it.
                 Simulated: `backend="sim"` only.
+            slowdowns: Transient slowdowns in simulated time ("chaos"): `[(node, from_s, to_s, factor), ...]`
+                (node computes `factor` times more slowly from simulated second `from_s` to `to_s`) or
+                `RandomSlowdowns(rate, factor, duration, seed)` (drawn from the seed per node; see
+                `exogym.cluster.slowdowns`). Turns simulated time on; the extra seconds are each node's
+                `slowed_s`, and `record.slowdowns` lists the slowdowns that started while the nodes ran.
             node_timeout: Seconds (default 600; None: no limit) a node may run without finishing a step or
                 reaching a collective before it counts as stuck. The sim backend then stops the run with a
                 NodeTimeoutError naming the node, its step and its Python stack; the torch backend uses it as

@@ -42,3 +42,19 @@ def kill_sweep(out: str, resume: str = "") -> None:
     from exogym.sweep import grid, sweep
     sweep(slow, grid(H=[2, 4, 5], seed=[0]), out=out, workers=None if resume else 2, checkpoint_interval=5,
           resume=bool(resume), progress=False)
+
+
+def tradeoff(config: dict, run) -> object:
+    """tiny, with a metric that falls as H falls (and the bytes grow): a loss-vs-bytes front of several points."""
+    return tiny(config, run), {"held_out": config["H"] / 10 + abs(config["outer_lr"] - 0.5)}
+
+
+CALLS: list = []
+
+
+def stops_after_three(config: dict, run) -> object:
+    """tiny for three runs, then Ctrl-C (as a user stopping a sweep that would run for ever)."""
+    CALLS.append(dict(config))
+    if len(CALLS) > 3:
+        raise KeyboardInterrupt
+    return tiny(config, run)

@@ -1,5 +1,6 @@
-"""`exogym sweep dashboard FOLDER`: optuna-dashboard serves the sweep's study; the page and the study's trials are
-fetched over HTTP (and, where Debian's chromium is installed, rendered headless)."""
+"""`exogym sweep dashboard FOLDER`: optuna-dashboard serves the sweep's study and its loss-vs-bytes view; the page,
+the trials and the view's Pareto front (as Optuna computes it, the same as the sweep's frontier) are fetched over
+HTTP, and where Debian's chromium is installed the view's page is rendered headless with its Pareto front plot."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from exogym.sweep import grid, sweep
-from sweep_runs import tiny
+from exogym.sweep.space import config_key
+from sweep_runs import tradeoff
 
 pytest.importorskip("optuna")
 pytest.importorskip("optuna_dashboard", reason="optuna-dashboard is not installed: pip install 'exogym[sweep]'")
@@ -40,8 +42,9 @@ def _get(url: str, deadline: float) -> bytes:
             time.sleep(0.2)
 
 
-def test_the_dashboard_serves_the_sweeps_study(tmp_path):
-    sweep(tiny, grid(H=[2, 5]), out=tmp_path / "s", progress=False)
+def test_the_dashboard_serves_the_sweeps_study_and_its_loss_vs_bytes_front(tmp_path):
+    result = sweep(tradeoff, grid(H=[1, 2, 5], outer_lr=[0.3, 0.5]), out=tmp_path / "s", objective="held_out",
+                   extra_metrics=["held_out"], progress=False)
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "exogym.cli", "sweep", "dashboard", str(tmp_path / "s"),
                              "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -51,20 +54,26 @@ def test_the_dashboard_serves_the_sweeps_study(tmp_path):
         page = _get(f"http://127.0.0.1:{port}/dashboard", deadline).decode()
         assert "<html" in page.lower()
         studies = json.loads(_get(f"http://127.0.0.1:{port}/api/studies", deadline))["study_summaries"]
-        assert [s["study_name"] for s in studies] == ["exogym-sweep"]
-        detail = json.loads(_get(f"http://127.0.0.1:{port}/api/studies/{studies[0]['study_id']}", deadline))
+        ids = {s["study_name"]: s["study_id"] for s in studies}
+        assert sorted(ids) == ["exogym-sweep", "exogym-sweep.pareto"]
+        detail = json.loads(_get(f"http://127.0.0.1:{port}/api/studies/{ids['exogym-sweep']}", deadline))
         trials = detail["trials"]
-        assert sorted(t["params"][0]["param_external_value"] for t in trials) == ["2", "5"]
-        assert all(t["state"] == "Complete" for t in trials)
+        assert detail["directions"] == ["minimize"]  # the sweep's own study: its one objective
+        assert len(trials) == 6 and all(t["state"] == "Complete" for t in trials)
         attrs = {a["key"] for t in trials for a in t["user_attrs"]}
         assert {"payload_bytes_per_node", "run:0"} <= attrs  # bytes and each seed's outcome, beside the loss
+        view = json.loads(_get(f"http://127.0.0.1:{port}/api/studies/{ids['exogym-sweep.pareto']}", deadline))
+        assert view["directions"] == ["minimize", "minimize"] and len(view["trials"]) == 6  # loss, bytes
+        front = {next(a["value"] for a in t["user_attrs"] if a["key"] == "key") for t in view["best_trials"]}
+        assert front == {config_key({p: r[p] for p in result.params}) for r in result.frontier()}  # Optuna's = ours
+        assert len(front) == 3  # H = 1, 2, 5 at outer lr 0.5: each less loss for more bytes
         chromium = shutil.which("chromium")
-        if chromium is not None:  # the page as a browser renders it
+        if chromium is not None:  # the view's page as a browser renders it: its Pareto front plot
             dom = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=8000",
                                   "--dump-dom", f"http://127.0.0.1:{port}/dashboard/studies/"
-                                  f"{studies[0]['study_id']}/trials"],
+                                  f"{ids['exogym-sweep.pareto']}"],
                                  capture_output=True, text=True, timeout=120).stdout
-            assert "exogym-sweep" in dom and "Complete" in dom
+            assert "exogym-sweep.pareto" in dom and "Pareto Front" in dom, dom[-2000:]
     finally:
         proc.terminate()
         proc.wait(30)

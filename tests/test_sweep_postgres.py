@@ -1,6 +1,7 @@
 """Sweeps on a real database: a throwaway PostgreSQL 15 server (tests/pg_server.py), two workers from two working
-directories sharing one study, the server stopped in the middle of a sweep and started again, and a start whose
-storage cannot work leaving nothing behind. Skipped, with the reason, where PostgreSQL 15 or psycopg 3 is absent."""
+directories sharing one study, the server stopped in the middle of a sweep and started again, a start whose
+storage cannot work leaving nothing behind, and a grid's first trial queued twice (a machine resuming while the
+maker sets up) running once. Skipped, with the reason, where PostgreSQL 15 or psycopg 3 is absent."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -81,10 +83,20 @@ def test_the_database_stopped_mid_sweep_and_started_again_loses_nothing_and_reru
     while not list(runs.glob("*/summary.json")) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert list(runs.glob("*/summary.json")), "no run finished"
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
     server.stop()
-    time.sleep(4)  # runs finish meanwhile, and their outcomes wait
+    # The database stays down until the sweep has met the outage (whatever the machine's load): a run that finished
+    # meanwhile waits to write its outcome, or the worker waits to take its next configuration.
+    deadline = time.monotonic() + 120
+    while not any("unreachable" in line for line in lines) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1)
     server.start()
-    out, err = proc.communicate(timeout=300)
+    proc.wait(timeout=300)
+    reader.join(30)
+    err = "".join(lines)
     assert proc.returncode == 0, err
     assert "unreachable" in err and "127.0.0.1" in err and "retrying at" in err  # said, in one line each
     assert "internal error" not in err and "Traceback" not in err
@@ -107,3 +119,24 @@ def test_a_storage_that_cannot_work_is_one_line_and_leaves_no_folder(server, tmp
         assert not out.exists()  # nothing blocks the same command
     rows = sweep(tiny, grid(H=[2]), out=out, storage=server.url, progress=False).table()
     assert rows[0]["status"] == "completed"
+
+
+def test_a_first_trial_queued_twice_on_a_database_runs_once(server, tmp_path, monkeypatch):
+    # As tests/test_sweep_grid.py, on PostgreSQL: the maker and a machine resuming while it sets up each queue the
+    # first trial; the later one is pruned when taken, and each configuration runs once.
+    from exogym.sweep.grid_queue import GridQueue
+
+    refill = GridQueue._refill
+
+    def twice(self, start, end, *, check, first=False):
+        refill(self, start, end, check=check, first=first)
+        if first:
+            refill(self, start, end, check=False, first=True)
+
+    monkeypatch.setattr(GridQueue, "_refill", twice)
+    rows = sweep(tiny, grid(H=[2, 3, 4]), out=tmp_path / "s", storage=server.url, progress=False).table()
+    assert [(r["H"], r["status"], r["attempts"]) for r in rows] == [(2, "completed", 1), (3, "completed", 1),
+                                                                    (4, "completed", 1)]
+    trials = _trials(server.url, "exogym-s")
+    assert sorted(t.params["H"] for t in trials if t.state == optuna.trial.TrialState.COMPLETE) == [2, 3, 4]
+    assert [t.user_attrs["reason"] for t in trials if t.state == optuna.trial.TrialState.PRUNED] == ["queued twice"]

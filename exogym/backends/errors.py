@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_NODE_TIMEOUT", "STUCK_EXIT_CODE", "NodeTimeoutError", "NodeProcessError", "PeerLostError",
-           "with_rank_note"]
+__all__ = ["DEFAULT_NODE_TIMEOUT", "STUCK_EXIT_CODE", "NodeTimeoutError", "ServerTimeoutError", "NodeProcessError",
+           "PeerLostError", "with_rank_note"]
 
 # Ten minutes: far above any single step or validation of the models this library is used with on one machine,
 # and far below "the run hangs overnight". fit(node_timeout=...) changes it; None disables the watchdog.
@@ -29,6 +29,26 @@ class NodeTimeoutError(RuntimeError):
 
     def __reduce__(self) -> tuple:  # crosses from a torch backend node's process to the caller intact
         return type(self), (str(self), self.rank, self.step)
+
+
+class ServerTimeoutError(NodeTimeoutError):
+    """A strategy's server ran one handler (its `receive` of a message, or `wake` on a timer) for longer than fit's
+    `node_timeout` without returning; the run counts as stuck, like a stuck node.
+
+    `rank` is SERVER (-1) and `step` None; `server` names its class and `handling` what it was handling.
+
+    Args:
+        message: What happened (the server, the message and, where it can be read, the handler's Python stack).
+        server: The server's class name.
+        handling: The message (or timer) it was handling.
+    """
+
+    def __init__(self, message: str, server: str, handling: str):
+        super().__init__(message, -1, None)
+        self.server, self.handling = server, handling
+
+    def __reduce__(self) -> tuple:  # crosses from a torch backend node's process to the caller intact
+        return type(self), (str(self), self.server, self.handling)
 
 
 class NodeProcessError(RuntimeError):

@@ -6,7 +6,8 @@ a collective, every member leaves at max(arrival times) + the network's duration
 the time between its own arrival and the last member's is waiting, the duration is
 communication. With async_op=True the node keeps computing while the transfer runs, and only
 the part still left when it calls wait() is added (as waiting). The simulated wall-clock of
-the run is the latest clock.
+the run is the latest clock. A transient slowdown (exogym.cluster.slowdowns) stretches the compute that falls in
+its window: the extra seconds are the node's slowed time, apart from its compute.
 """
 
 from __future__ import annotations
@@ -15,21 +16,27 @@ from dataclasses import asdict, dataclass
 from typing import Sequence
 
 from exogym.cluster.network import Network
+from exogym.cluster.slowdowns import SlowdownSchedule
 
 __all__ = ["NodeClock", "TimeModel"]
 
 
 @dataclass
 class NodeClock:
-    """One node's simulated seconds, and where they went."""
+    """One node's simulated seconds, and where they went (slowed_s: compute stretched by transient slowdowns)."""
 
     now: float = 0.0
     compute_s: float = 0.0
     comm_s: float = 0.0
     wait_s: float = 0.0
+    slowed_s: float = 0.0
 
-    def add_compute(self, seconds: float) -> None:
-        self.now += seconds
+    def add_compute(self, seconds: float, slowed: float = 0.0) -> None:
+        if slowed:
+            self.now += seconds + slowed
+            self.slowed_s += slowed
+        else:
+            self.now += seconds
         self.compute_s += seconds
 
     def catch_up(self, done_at: float) -> None:
@@ -39,22 +46,36 @@ class NodeClock:
             self.now = done_at
 
     def as_dict(self) -> dict[str, float]:
-        return asdict(self)
+        d = asdict(self)
+        if not d["slowed_s"]:  # a run without slowdowns records what it always did
+            del d["slowed_s"]
+        return d
 
 
 @dataclass(frozen=True)
 class TimeModel:
-    """The cluster a run is costed on: the network, each node's speed factor and device throughput."""
+    """The cluster a run is costed on: the network, each node's speed factor and device throughput, and the
+    transient slowdowns (None: none)."""
 
     network: Network
     node_speeds: tuple[float, ...]
     device_flops: tuple[float, ...]
     measured: bool  # compute time from wall-clock measurement instead of FLOPs
+    slowdowns: SlowdownSchedule | None = None
 
     def compute_seconds(self, rank: int, *, flops: float, measured_s: float) -> float:
         if self.measured:
             return measured_s / self.node_speeds[rank]
         return flops / (self.device_flops[rank] * self.node_speeds[rank])
+
+    def add_compute(self, rank: int, clock: NodeClock, *, flops: float, measured_s: float) -> None:
+        """Advance node `rank`'s clock by one step's compute: its seconds at the node's speed, stretched by any
+        slowdown whose window it meets (the stretch is the clock's slowed_s)."""
+        seconds = self.compute_seconds(rank, flops=flops, measured_s=measured_s)
+        if self.slowdowns is None:
+            clock.add_compute(seconds)
+        else:
+            clock.add_compute(seconds, self.slowdowns.stretch(rank, clock.now, seconds) - seconds)
 
     def settle(self, members: Sequence[tuple[NodeClock, float, bool]], op: str, nbytes: int,
                ranks: Sequence[int]) -> float:

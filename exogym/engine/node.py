@@ -138,6 +138,9 @@ class TrainNode:
             self.log.comm["bytes_received"] = comm.stats.bytes_received
         if cfg.time_model is not None:
             self.log.comm["sim_time"] = comm.clock.as_dict()
+            if cfg.time_model.slowdowns is not None:  # the ones drawn while this node ran: the record lists them
+                self.log.comm["slowdowns"] = [w.as_record() for w in
+                                              cfg.time_model.slowdowns.during(self.rank, comm.clock.now)]
         server = comm.served() if self.rank == 0 and hasattr(comm, "served") else None
         if server is not None:  # a strategy's server runs with node 0: its record goes with node 0's log
             self.log.comm["server"] = {"updates": server.updates, "bytes_sent": server.stats.bytes_sent,
@@ -250,8 +253,7 @@ class TrainNode:
             self._step_flops = flops
         self._measured_s = seconds
         if model is not None:
-            comm.clock.add_compute(model.compute_seconds(self.rank, flops=self._step_flops or 0.0,
-                                                         measured_s=seconds))
+            model.add_compute(self.rank, comm.clock, flops=self._step_flops or 0.0, measured_s=seconds)
         return out
 
     def forward_backward(self, batch: Any, model: torch.nn.Module | None = None

@@ -328,20 +328,30 @@ class RunRecord:
         return list(server["updates"]) if server else []
 
     @property
+    def slowdowns(self) -> list[dict[str, float]]:
+        """The transient slowdowns (fit's `slowdowns`) that started while the nodes ran, in time order: node,
+        from_s, to_s (simulated seconds) and factor; [] without slowdowns."""
+        rows = [row for c in self.comm_per_node for row in c.get("slowdowns", ())]
+        return sorted(rows, key=lambda r: (r["from_s"], r["node"]))
+
+    @property
     def time_per_node(self) -> list[dict[str, float]]:
         """Per node, its simulated seconds: compute_s, comm_s (transfers), idle_s (waiting for others or for
-        messages, and after it finished until the run's end) and total_s (the run's simulated wall-clock)."""
+        messages, and after it finished until the run's end), total_s (the run's simulated wall-clock) and, with
+        slowdowns, slowed_s (what they added to its compute)."""
         end = self.sim_time_s
         out = []
         for c in self.sim_time_per_node:
             idle = c["wait_s"] + (end - c["now"])
-            out.append({"compute_s": c["compute_s"], "comm_s": c["comm_s"], "idle_s": idle, "total_s": end})
+            out.append({"compute_s": c["compute_s"], "comm_s": c["comm_s"], "idle_s": idle, "total_s": end,
+                        **({"slowed_s": c["slowed_s"]} if "slowed_s" in c else {})})
         return out
 
     @property
     def goodput(self) -> float | None:
         """Useful compute over the nodes' total simulated time: the sum of the nodes' compute seconds over
-        K x the run's simulated wall-clock (None without a time model)."""
+        K x the run's simulated wall-clock (None without a time model). What slowdowns added (slowed_s) is not
+        useful compute."""
         times = self.time_per_node
         if not times or not times[0]["total_s"]:
             return None
@@ -359,4 +369,5 @@ class RunRecord:
                 "wall_time_s": self.wall_time_s, "sim_time_s": self.sim_time_s,
                 "sim_time_per_node": self.sim_time_per_node, "goodput": self.goodput,
                 "updates_applied": len(self.updates), "peak_memory_mb": self.peak_memory_mb,
+                **({"slowdowns": self.slowdowns} if any("slowdowns" in c for c in self.comm_per_node) else {}),
                 "comm_per_node": self.comm_per_node}

@@ -2,7 +2,9 @@
 
 A sweep folder's study (its journal file, or the database its sweep.json names) or a database URL is served
 as it is: every trial with its configuration, state, reason, objective and each seed's outcome (user attributes
-`run:<seed>`, with the bytes a node sent and the simulated time), refreshed while the sweep runs.
+`run:<seed>`, with the bytes a node sent and the simulated time), refreshed while the sweep runs; beside it its
+loss-vs-bytes view (`<study>.pareto`, two objectives: the dashboard draws its Pareto front). A sweep folder whose
+study was made before the view gets it when its dashboard starts.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ def dashboard_storage(target: str) -> tuple[Any, str]:
     if not Path(target).is_dir():
         raise FileNotFoundError(f"{target!r} is neither a sweep folder nor a database URL (postgresql://...)")
     definition = read_definition(target)
+    definition.open_study().open_pareto()  # a study made before the loss-vs-bytes view gets it here
     storage = open_storage(definition.storage, folder=definition.path, heartbeat=definition.heartbeat,
                            grace=definition.grace, max_retry=definition.max_retry)
     return storage, definition.shown_storage

@@ -11,6 +11,7 @@ when the space is built, before any trial starts.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -19,13 +20,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Union
 
-__all__ = ["Int", "Float", "Choice", "Space", "grid", "space", "config_key", "run_name", "Value", "MAX_GRID",
-           "check_grid_size"]
+__all__ = ["Int", "Float", "Choice", "Space", "grid", "space", "config_key", "run_name", "Value"]
 
 Value = Union[int, float, str, bool, None]  # what a parameter may hold: JSON and Optuna can store it
-# The most configurations a grid sweep takes: each is an Optuna trial queued before the first run starts (about
-# 4 ms each in a journal file, more on a database server). A larger grid is refused with its count.
-MAX_GRID = 10_000
 
 
 def _check_value(name: str, value: Any) -> None:
@@ -172,23 +169,60 @@ class Space:
                              "'tpe' with trials=N, or give lists of values")
 
     def count(self) -> int:
-        """How many configurations the grid has, counted without listing them (a union of large parts counts a
-        configuration two parts share twice; parts of up to MAX_GRID configurations are listed and counted
-        exactly)."""
+        """How many configurations the grid has (a configuration two parts share counted once), without listing
+        them: the parts' products, less what earlier parts hold (inclusion-exclusion over the earlier parts with
+        the same names)."""
         self._check_grid()
-        total = sum(math.prod(len(d.values) for d in part.values()) for part in self.parts)
-        return len(self.configurations()) if len(self.parts) > 1 and total <= MAX_GRID else total
+        total = 0
+        for k, keys in enumerate(self._keys):
+            same = [j for j in range(k) if self._keys[j].keys() == keys.keys()]
+            if len(same) > 10:  # 2**10 intersections: counting the cells one by one is cheaper
+                start = sum(self._sizes[:k])
+                total += sum(self.cell(c) is not None for c in range(start, start + self._sizes[k]))
+                continue
+            for r in range(len(same) + 1):
+                for subset in itertools.combinations(same, r):
+                    total += (-1) ** r * math.prod(len(keys[n].intersection(*(self._keys[j][n] for j in subset)))
+                                                   for n in keys)
+        return total
+
+    def cells(self) -> int:
+        """How many cells the grid's parts hold together (a configuration two parts share is two cells)."""
+        self._check_grid()
+        return sum(self._sizes)
+
+    def cell(self, index: int) -> dict[str, Value] | None:
+        """The configuration in grid cell `index` (the parts in order, each in itertools.product's order: the last
+        parameter varies fastest), computed without listing the others; None when an earlier part holds it (the
+        configuration is that part's)."""
+        if not 0 <= index < self.cells():
+            raise IndexError(f"cell {index} is outside the grid's {self.cells()} cells")
+        k = 0
+        while index >= self._sizes[k]:
+            index -= self._sizes[k]
+            k += 1
+        values: dict[str, Value] = {}
+        for name, dim in reversed(list(self.parts[k].items())):
+            index, i = divmod(index, len(dim.values))
+            values[name] = dim.values[i]
+        config = self.ordered(values)
+        keys = {n: json.dumps(v) for n, v in config.items()}
+        held = any(self._keys[j].keys() == keys.keys() and all(keys[n] in self._keys[j][n] for n in keys)
+                   for j in range(k))
+        return None if held else config
 
     def configurations(self) -> list[dict[str, Value]]:
-        """Every configuration of the grid, in order, each once (a union may list one twice)."""
-        self._check_grid()
-        out: dict[str, dict[str, Value]] = {}
-        for part in self.parts:
-            names = list(part)
-            for values in itertools.product(*(part[n].values for n in names)):
-                config = self.ordered(dict(zip(names, values)))
-                out.setdefault(config_key(config), config)
-        return list(out.values())
+        """Every configuration of the grid, in order, each once (a listing: for a small grid only)."""
+        return [c for c in map(self.cell, range(self.cells())) if c is not None]
+
+    @functools.cached_property
+    def _sizes(self) -> list[int]:
+        return [math.prod(len(d.values) for d in part.values()) for part in self.parts]
+
+    @functools.cached_property
+    def _keys(self) -> list[dict[str, set[str]]]:
+        """Each part's values per name, as JSON (config_key's identity of a value: 1 and 1.0 differ)."""
+        return [{n: {json.dumps(v) for v in d.values} for n, d in part.items()} for part in self.parts]
 
     def ordered(self, config: Mapping[str, Value]) -> dict[str, Value]:
         """`config` in the space's order of names (its run folders' names are made in this order)."""
@@ -235,18 +269,6 @@ class Space:
             return f"{d.low}..{d.high}{' (log)' if d.log else ''}"
         parts = ["; ".join(f"{n}: {one(d)}" for n, d in part.items()) or "(no parameters)" for part in self.parts]
         return " + ".join(f"[{p}]" if len(parts) > 1 else p for p in parts) + f"; seeds {list(self.seeds)}"
-
-
-def check_grid_size(grid_space: Space) -> int:
-    """The grid's number of configurations; ValueError with the count when it is over MAX_GRID."""
-    count = grid_space.count()
-    if count > MAX_GRID:
-        seeds = len(grid_space.seeds)
-        raise ValueError(f"the grid has {count:,} configurations x {seeds} seed(s) = {count * seeds:,} runs; a grid "
-                         f"sweep takes at most {MAX_GRID:,} configurations (each is an Optuna trial, queued before "
-                         "the first run): fix some parameters, split the grid, or search it (search='random' or "
-                         "'tpe' with trials=N; exogym sweep --search random --trials N)")
-    return count
 
 
 def _build(params: Mapping[str, Any]) -> Space:

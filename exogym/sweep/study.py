@@ -5,13 +5,16 @@
   one, fails stale trials first, and tells the result. Each seed's outcome is kept on the trial (user attribute
   `run:<seed>`) as it finishes, and in its run folder (`sweep_run.json`) before that, so a result the
   storage could not take (an outage) reaches the study later and is never run again.
-- A grid is queued up front with `study.enqueue_trial` (each configuration once, its values fixed); a search
-  asks the sampler (random or TPE) for up to `trials` configurations.
+- A grid is queued with `study.enqueue_trial` as workers drain the queue (grid_queue.GridQueue: each configuration
+  once, its values fixed); a search asks the sampler (random or TPE) for up to `trials` configurations.
 - States are Optuna's; the user attribute `reason` says why a trial is not plainly COMPLETE: FAIL with reason
   `failed`, `diverged` or `interrupted`; COMPLETE with reason `infeasible` (over a constraint, which the TPE
   sampler is told through Optuna's constraints); PRUNED with reason `over budget` (a search's trial asked past
-  its budget by a worker racing another) or `no configuration left` (a grid's worker asking as the last one
-  was taken). Any Optuna tool reads the study as it is.
+  its budget by a worker racing another), `no configuration left` (a grid's worker asking as the last one
+  was taken: Optuna's ask makes a new trial when the queue is empty) or `queued twice` (see grid_queue). Any Optuna
+  tool reads the study as it is.
+- Each completed configuration is also added to the loss-vs-bytes view (pareto.ParetoView), before its value is
+  told.
 - Retries are Optuna's `RetryHeartbeatStaleTrialCallback`: a trial failed as stale (its heartbeat stopped), or
   whose worker process died, or (on resume) one interrupted (or failed, with retry_failed) is queued again as a
   new trial with the same values; the new trial carries the seeds already done.
@@ -26,6 +29,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from exogym.sweep.grid_queue import QUEUED_TWICE, GridQueue
+from exogym.sweep.pareto import ParetoView
 from exogym.sweep.runs import RunOutcome, config_status, read_outcome
 from exogym.sweep.space import Choice, Float, Int, Value, config_key, run_name
 from exogym.sweep.storage import import_optuna, open_storage, patient
@@ -34,10 +39,13 @@ from exogym.sweep.storage import import_optuna, open_storage, patient
 # long was taken just as the storage went away, and will never run (see SweepStudy._requeue_orphans).
 ORPHAN_AFTER_S = 5.0
 
-__all__ = ["SweepStudy", "Entry", "REASONS", "GRID_BATCH"]
+# A grid whose queue is empty but not all queued waits for the range being queued; with nothing running or waiting
+# for this long, it ends (a resume continues the grid).
+GRID_IDLE_S = 5.0
 
-REASONS = ("failed", "diverged", "interrupted", "infeasible", "over budget", "no configuration left")
-GRID_BATCH = 500  # grid configurations queued per step; the study notes how many are queued after each
+__all__ = ["SweepStudy", "Entry", "REASONS"]
+
+REASONS = ("failed", "diverged", "interrupted", "infeasible", "over budget", "no configuration left", QUEUED_TWICE)
 
 
 @dataclass
@@ -96,6 +104,10 @@ class SweepStudy:
                                  f"{definition.folder} points at a study that was never created (or was "
                                  "deleted); start the sweep again with another out=") from None
         self._told: tuple[int, float | None] | None = None
+        self.study_id = self._patient(lambda: self.storage.get_study_id_from_name(name))
+        self.grid = GridQueue(self.study, self.space, self._patient) if self.search == "grid" else None
+        self.pareto = ParetoView(optuna, self.storage, name, direction=self.objective.direction,
+                                 metric=self.objective.metric, patient=self._patient, lock_dir=definition.path)
 
     def _patient(self, call: Callable[[], Any], what: str = "the study") -> Any:
         return patient(call, url=self.url, patience=self.patience, what=what)
@@ -114,24 +126,13 @@ class SweepStudy:
         self._patient(lambda: self.study.set_user_attr("exogym_sweep", data))
 
     def queue_grid(self) -> int:
-        """Queue every grid configuration not queued yet (a start interrupted while queueing continues where it
-        stopped); the number queued in all."""
-        if self.search != "grid":
-            return 0
-        configs = self.space.configurations()
-        done = self._patient(lambda: self.study.user_attrs.get("exogym_queued", 0))
-        first = True
-        while done < len(configs):
-            end = min(done + GRID_BATCH, len(configs))
-            for cell in range(done, end):
-                config = configs[cell]
-                self._patient(lambda: self.study.enqueue_trial(
-                    config, user_attrs={"key": config_key(config), "config": config, "cell": cell},
-                    skip_if_exists=first), "the grid")  # after an interrupted start, the last batch may be there
-            first = False
-            done = end
-            self._patient(lambda: self.study.set_user_attr("exogym_queued", end), "the grid")
-        return done
+        """Queue the grid's first configurations (the rest are queued as workers take them: grid_queue), or continue
+        a queue that stopped; the number of grid cells queued so far."""
+        return self.grid.start() if self.grid is not None else 0
+
+    def open_pareto(self) -> Any:
+        """The loss-vs-bytes view of the study (created, and filled with what completed, when it is not there)."""
+        return self.pareto.study(self.study)
 
     # -- running trials --------------------------------------------------------------------------------------
     def _trials(self, states: tuple[Any, ...] | None = None) -> list[Any]:
@@ -145,18 +146,26 @@ class SweepStudy:
                 self._patient(lambda: self.optuna.storages.fail_stale_trials(self.study))
 
     def has_work(self) -> bool:
-        """Whether a trial is waiting or a search has budget left. While other workers' trials run on a storage
-        with a heartbeat, wait: one whose worker died is failed as stale and queued again."""
+        """Whether a trial is waiting or a search has budget left. While a grid's next range is being queued, wait
+        for it; while other workers' trials run on a storage with a heartbeat, wait: one whose worker died is failed
+        as stale and queued again."""
         state = self.optuna.trial.TrialState
+        idle_since = None
         while True:
             self.fail_stale()
             self._patient(self._requeue_orphans, "the study's orphaned trials")
-            trials = self._trials()
-            if any(t.state == state.WAITING for t in trials):
+            if self._trials((state.WAITING,)):
                 return True
-            if self.search != "grid" and self._fresh(trials) < (self.trials or 0):
+            running = bool(self._trials((state.RUNNING,)))
+            if self.grid is not None and self.grid.pending():
+                # The worker holding the trial that carries the next range queues it now (or its retry is on its way).
+                idle_since = None if running else idle_since or time.monotonic()
+                if idle_since is None or time.monotonic() - idle_since < GRID_IDLE_S:
+                    time.sleep(0.1)
+                    continue
+            elif self.grid is None and self._fresh(self._trials()) < (self.trials or 0):
                 return True
-            if not (self.beats and any(t.state == state.RUNNING for t in trials)):
+            if not (self.beats and running):
                 return False
             time.sleep(self.definition.heartbeat)
 
@@ -179,6 +188,10 @@ class SweepStudy:
                 raise self.optuna.TrialPruned()
             self._set(trial, "key", config_key(config))
             self._set(trial, "worker", self.worker_id)
+            carries = "first" in trial.user_attrs or "refill" in trial.user_attrs  # a grid range to queue
+            if carries and not self.grid.take(trial, self._frozen(trial)):
+                self._set(trial, "reason", QUEUED_TWICE)
+                raise self.optuna.TrialPruned()
             done = self.done_runs(trial, config)
             try:
                 outcomes = execute(config, done, lambda o: self._set(trial, f"run:{o.seed}", o.to_json()))
@@ -227,7 +240,12 @@ class SweepStudy:
             except self.optuna.exceptions.UpdateFinishedTrialError:
                 continue  # another worker took it first
             if "config" in t_attrs:
-                self.study.enqueue_trial(t_attrs["config"], user_attrs=t_attrs)
+                self.study.enqueue_trial(t_attrs["config"], user_attrs={**t_attrs, "requeued": True})
+
+    def _frozen(self, trial: Any) -> Any:
+        """The trial as stored (with its system attributes: whether it is a retry)."""
+        return self._patient(lambda: self.storage.get_trial(
+            self.storage.get_trial_id_from_study_id_trial_number(self.study_id, trial.number)))
 
     def _set(self, trial: Any, name: str, value: Any) -> None:
         self._patient(lambda: trial.set_user_attr(name, value), "a run's outcome")
@@ -282,6 +300,8 @@ class SweepStudy:
                 self._set(trial, name, sum(values) / len(values))
         if self.objective.max_bytes is not None or self.objective.max_sim_time is not None:
             self._patient(lambda: trial.set_constraint("violation", violation))  # read by the TPE sampler
+        # Before the value is told: a configuration COMPLETE in the study is in the view (see pareto).
+        self.pareto.add(self.study, trial.number, trial.user_attrs, trial.params, trial.distributions, outcomes)
         self._told = (trial.number, value)
         return value
 
@@ -345,8 +365,8 @@ class SweepStudy:
         by_key: dict[str, Entry] = {}
         for t in sorted(self._trials(), key=lambda t: (t.user_attrs.get("cell", -1), t.number)):
             key = t.user_attrs.get("key")
-            if key is None:
-                continue  # pruned before it was given a configuration
+            if key is None or t.user_attrs.get("reason") == QUEUED_TWICE:
+                continue  # pruned before it was given a configuration, or a grid trial's twin
             status = {state.COMPLETE: "completed", state.RUNNING: "running", state.WAITING: "waiting"}.get(
                 t.state, t.user_attrs.get("reason") or "interrupted")  # infeasible: the table's feasible column
             entry = by_key.get(key)

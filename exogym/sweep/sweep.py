@@ -36,7 +36,7 @@ from exogym.sweep.definition import DEFINITION, Definition, check_same, read_def
 from exogym.sweep.objective import Objective
 from exogym.sweep.progress import SweepProgress
 from exogym.sweep.report import SweepResult
-from exogym.sweep.space import Space, check_grid_size
+from exogym.sweep.space import Space
 from exogym.sweep.storage import JOURNAL, StorageUnavailable, SweepStopped, check_url, disk_error, import_optuna
 from exogym.sweep.study import SweepStudy
 from exogym.sweep.workers import (EXIT_NO_MAIN_GUARD, EXIT_WORKER_ERROR, WorkerPool, check_picklable,
@@ -68,7 +68,7 @@ def _check(run: Callable[..., Any], space: Space, search: str | None, trials: in
         raise ValueError(f"search must be one of {list(SEARCHES)}, got {search!r}")
     import_optuna(f"a sweep (search={search!r})")
     if search == "grid":
-        count = check_grid_size(space)
+        count = space.count()
         if trials is not None:
             raise ValueError(f"a grid runs every configuration ({count}); trials= is for search='random' or 'tpe'")
     else:
@@ -250,7 +250,7 @@ def _say_size(definition: Definition) -> None:
     seeds = len(definition.space.seeds)
     if definition.search == "grid":
         count = definition.space.count()
-        size = f"{count} configurations x {seeds} seed(s) = {count * seeds} runs"
+        size = f"{count:,} configurations x {seeds} seed(s) = {count * seeds:,} runs"
     else:
         size = f"{definition.search} search, {definition.trials} configurations x {seeds} seed(s)"
     print(f"exogym sweep {definition.folder}: {size}; objective {definition.objective.describe()}; study: "
@@ -262,14 +262,15 @@ def _set_up(definition: Definition, given: Definition, *, resume: bool, retry_fa
     """Open (or create) the study, check a study made elsewhere is this sweep, queue the grid, requeue what a
     resume runs again."""
     study = definition.open_study(create=True)
+    if study.created:  # before the definition: a machine joining the study finds the queue once it finds that
+        study.queue_grid()
     stored = None if study.created else study.stored_definition(wait=30.0)
     if stored is None:
         study.describe_as({k: v for k, v in definition.to_json().items() if k != "folder"})
     else:
         check_same(Definition.from_json({**stored, "folder": definition.folder}), given,
                     f"study {definition.study_name!r} of {definition.shown_storage}")
-    if study.created or resume:  # the study's maker queues the grid (a resume finishes an interrupted queueing)
-        study.queue_grid()
+    study.open_pareto()  # the loss-vs-bytes view: made with the study (a study made before it gets it here)
     if resume:
         if definition.storage == "default":
             dead = study.interrupt_running()  # this process holds the folder lock: nobody else runs them
@@ -279,6 +280,8 @@ def _set_up(definition: Definition, given: Definition, *, resume: bool, retry_fa
         queued = study.requeue(retry_failed)
         if progress and (dead or queued):
             print(f"exogym sweep: {dead + queued} interrupted configuration(s) queued to run again", flush=True)
+    if resume:  # a resume continues a queue that stopped (or a setup killed before it queued)
+        study.queue_grid()
     return study
 
 

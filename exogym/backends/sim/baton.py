@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence
 import greenlet
 
 from exogym.backends.sim.watchdog import Watchdog, WatchdogInterrupt
+from exogym.cluster.network import SERVER
 from exogym.comm.transport import CollectiveError, MessageError
 
 __all__ = ["Baton", "CollectiveCall", "Pending"]
@@ -119,8 +120,10 @@ class Baton:
             try:
                 dog.raise_deferred()  # a Ctrl-C that came while the nodes unwound: the user still wants out
             except BaseException as interrupt:
-                interrupt.add_note(f"(interrupted while the watchdog stopped node {error.rank} at step {error.step}: "
-                                   "it had run past node_timeout; see the error above)")
+                who = ("the server" if error.rank == SERVER else
+                       f"node {error.rank} at step {error.step}")
+                interrupt.add_note(f"(interrupted while the watchdog stopped {who}: it had run past node_timeout; "
+                                   "see the error above)")
                 raise interrupt from error
             raise error from None
         dog.raise_deferred()  # a Ctrl-C held back while a node caught the watchdog's interrupt and carried on
@@ -140,8 +143,12 @@ class Baton:
         return note + ")"
 
     def _progress(self) -> tuple:
-        """What the watchdog samples (from its thread): who runs, how many collectives so far, its step."""
+        """What the watchdog samples (from its thread): who runs, how many collectives so far, its step; while the
+        hub runs the server's handler, SERVER and (the server's class, the message it handles)."""
         rank = self.running
+        handling = getattr(self.post, "handling", None) if rank is None else None
+        if handling is not None:
+            return SERVER, self.arrivals, handling
         return rank, self.arrivals, None if rank is None else self._step_of(rank)
 
     def _run(self, node_fns: list[Callable[[], Any]]) -> list[Any]:

@@ -72,6 +72,7 @@ class PostOffice:
         self.server: Server | None = None
         self.handled = 0  # messages the server has handled
         self.active = False  # a message was posted or a server declared: checkpoints pause the clocks
+        self.handling: tuple[str, str] | None = None  # (the server's class, what) while a handler runs: the watchdog's
 
     # ---- the heap ------------------------------------------------------------------------------
     def has_events(self) -> bool:
@@ -266,12 +267,15 @@ class PostOffice:
     def _run_server(self, what: str, at: float, call: Callable[[Server], None]) -> None:
         server = self.server
         server.now = at
+        self.handling = (type(server).__name__, what)  # a handler that never returns is named by the watchdog
         try:
             with torch.no_grad():
                 call(server)
         except Exception as e:
             raise MessageError(f"the server ({type(server).__name__}) raised while handling {what}: "
                                f"{type(e).__name__}: {e}") from e
+        finally:
+            self.handling = None
 
 
     # ---- checkpoints: the state at a pause (every node waits in the checkpoint's collective) -----------

@@ -1,5 +1,7 @@
 """The sim backend's watchdog: a node that keeps the baton past node_timeout is named, with its step and Python
-stack, and stopped; one that cannot be stopped ends the process (when the run asks for it) rather than hang it.
+stack, and stopped; one that cannot be stopped ends the process (when the run asks for it) rather than hang it. The
+same holds for a strategy's server, whose handlers run on the hub between the nodes' turns: one handler (receive,
+wake) running past node_timeout is a ServerTimeoutError naming the server and the message it was handling.
 
 Sim nodes are greenlets of the caller's thread, so a node that loops or waits without reaching a collective would
 hold the baton forever and hang the run silently. A watchdog OS thread samples the scheduler's progress, a tuple
@@ -49,7 +51,8 @@ import time
 import traceback
 from typing import Any, Callable
 
-from exogym.backends.errors import STUCK_EXIT_CODE, NodeTimeoutError
+from exogym.backends.errors import STUCK_EXIT_CODE, NodeTimeoutError, ServerTimeoutError
+from exogym.cluster.network import SERVER
 
 __all__ = ["Watchdog", "WatchdogInterrupt", "KICK_SIGNAL", "STUCK_EXIT_CODE", "stuck_grace"]
 
@@ -180,15 +183,24 @@ class Watchdog:
         rank, step = sample[0], sample[2]
         frame = sys._current_frames().get(self._target)
         stack = "".join(traceback.format_stack(frame)[-25:]) if frame is not None else "  (not available)\n"
-        where = f"in step {step} without finishing it" if step is not None else "before its first step"
-        message = (f"node {rank} ran for {held_s:.1f} s {where} or reaching a collective, longer than "
-                   f"node_timeout={self.timeout:g} s, so the run was stopped; it was here:\n{stack.rstrip()}\n"
-                   "A node that loops or waits without reaching a collective holds the others up forever. If its "
-                   "steps really take this long, pass fit(node_timeout=<seconds>) or node_timeout=None.")
+        if rank == SERVER:  # the hub ran the server's handler: step is (the server's class, what it handles)
+            server, what = step
+            error: NodeTimeoutError = ServerTimeoutError(
+                f"the server ({server}) ran for {held_s:.1f} s handling {what} without returning, longer than "
+                f"node_timeout={self.timeout:g} s, so the run was stopped; it was here:\n{stack.rstrip()}\n"
+                "A server's receive or wake that never returns holds every node up forever. If it really takes "
+                "this long, pass fit(node_timeout=<seconds>) or node_timeout=None.", server, what)
+        else:
+            where = f"in step {step} without finishing it" if step is not None else "before its first step"
+            error = NodeTimeoutError(
+                f"node {rank} ran for {held_s:.1f} s {where} or reaching a collective, longer than "
+                f"node_timeout={self.timeout:g} s, so the run was stopped; it was here:\n{stack.rstrip()}\n"
+                "A node that loops or waits without reaching a collective holds the others up forever. If its "
+                "steps really take this long, pass fit(node_timeout=<seconds>) or node_timeout=None.", rank, step)
         with self._lock:
             if not self._active:
                 return False
-            self.error = NodeTimeoutError(message, rank, step)
+            self.error = error
             if self._handlers:
                 signal.pthread_kill(self._target, KICK_SIGNAL)
             else:
@@ -198,18 +210,20 @@ class Watchdog:
     def _give_up(self, fired_at: tuple) -> None:
         """The node did not stop within the grace period: name it on stderr; with on_stuck, record it and exit."""
         fired = self.error
+        who = "the server" if isinstance(fired, ServerTimeoutError) else f"node {fired.rank}"
         if self._progress() != fired_at:
-            _say(f"exogym watchdog: node {fired.rank} caught the watchdog's interrupt (node_timeout={self.timeout:g} s "
+            _say(f"exogym watchdog: {who} caught the watchdog's interrupt (node_timeout={self.timeout:g} s "
                  "passed in its step) and carried on; nothing stops it again in this run. A node must not catch "
                  "BaseException.\n")
             return
         ends = (f"Its process ({os.getpid()}) exits now with code {STUCK_EXIT_CODE}: the call cannot be unwound."
                 if self._on_stuck else f"Its process is left running (no on_stuck was given): end it with `kill "
                 f"{os.getpid()}`, as Ctrl-C cannot reach native code.")
-        error = NodeTimeoutError(
-            f"{fired}\nNode {fired.rank} was still running {self.grace:g} s after the watchdog tried to stop it: it "
-            "is inside native code that ignores signals (a C or C++ call that waits or loops; the last Python line "
-            "above called it). " + ends, fired.rank, fired.step)
+        text = (f"{fired}\n{who[0].upper()}{who[1:]} was still running {self.grace:g} s after the watchdog tried to "
+                "stop it: it is inside native code that ignores signals (a C or C++ call that waits or loops; the last "
+                "Python line above called it). " + ends)
+        error = (ServerTimeoutError(text, fired.server, fired.handling) if isinstance(fired, ServerTimeoutError)
+                 else NodeTimeoutError(text, fired.rank, fired.step))
         with self._lock:
             if not self._active:  # the run stopped after all
                 return

@@ -27,6 +27,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from exogym.backends.errors import NodeTimeoutError
+from exogym.backends.torch.server_watch import wait_grace
 from exogym.cluster.network import SERVER
 from exogym.comm.messages import Message, Server, attach_server
 from exogym.comm.transport import MessageError
@@ -77,6 +79,8 @@ class TorchPostOffice:
         self.server_lock = threading.Lock()
         self._error: BaseException | None = None
         self._sent = 0
+        # ---- the server watch's hook (exogym.backends.torch.server_watch) ----
+        self.handling: tuple[Any, float] | None = None  # (the item the server handles, time.monotonic() it began)
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -147,7 +151,7 @@ class TorchPostOffice:
     def take(self, src: int | None, tag: int | None, what: str, *, wait: bool = True) -> list[Message]:
         """The first matching message (waiting up to the run's timeout), or with wait=False every matching one."""
         self._start()
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.timeout_s + wait_grace(self.timeout_s)  # a stuck server is named first
         with self._cv:
             while True:
                 self._raise_if_failed(what)
@@ -160,14 +164,23 @@ class TorchPostOffice:
                     return found
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise MessageError(f"node {self.rank} waited {self.timeout_s:g} s (fit's node_timeout) in {what} "
-                                       "and nothing came")
+                    raise MessageError(f"node {self.rank} waited {self.timeout_s + wait_grace(self.timeout_s):g} s "
+                                       f"(fit's node_timeout and a grace) in {what} and nothing came")
                 self._cv.wait(timeout=min(left, 1.0))
 
     def _raise_if_failed(self, what: str) -> None:
         if self._error is not None:
             error, self._error = self._error, None
+            if isinstance(error, NodeTimeoutError):  # the server watch's: raised as itself (the run ends stuck)
+                raise error
             raise MessageError(f"node {self.rank} in {what}: {error}") from error
+
+    def fail(self, error: BaseException) -> None:
+        """The server watch found the server stuck: this process's next message call, or its wait in one, raises
+        `error`."""
+        with self._cv:
+            self._error = error
+            self._cv.notify_all()
 
     # ---- the server ------------------------------------------------------------------------------
     def serve(self, make: Callable[[], Server]) -> Server | None:
@@ -193,6 +206,7 @@ class TorchPostOffice:
             item = self._server_queue.get()
             if item is None:
                 return
+            self.handling = (item, time.monotonic())
             try:
                 with self.server_lock, torch.no_grad():
                     server.now = self.now()
@@ -209,6 +223,8 @@ class TorchPostOffice:
                     self._error.__cause__ = e
                     self._cv.notify_all()
                 return
+            finally:
+                self.handling = None
 
     # ---- the end ----------------------------------------------------------------------------------
     def close(self) -> None:
@@ -220,17 +236,20 @@ class TorchPostOffice:
             for process in range(self.num_nodes):
                 if process != self.rank:
                     dist.send(stop, process, tag=_HEADER)
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.timeout_s + wait_grace(self.timeout_s)  # a stuck server is named first
         with self._cv:
             while self._stops < self.num_nodes - 1:
                 self._raise_if_failed("the end of the run's messages")
                 if time.monotonic() > deadline:
-                    raise MessageError(f"node {self.rank} waited {self.timeout_s:g} s for the other nodes to finish "
-                                       "their messages")
+                    raise MessageError(f"node {self.rank} waited {self.timeout_s + wait_grace(self.timeout_s):g} s "
+                                       "(fit's node_timeout and a grace) for the other nodes to finish their messages")
                 self._cv.wait(timeout=1.0)
         self._receiver.join()
         if self._server_thread is not None:
             self._server_queue.put(None)
-            self._server_thread.join()
+            while self._server_thread.is_alive():  # a stuck server: the watch fails the post office, raised here
+                self._server_thread.join(timeout=1.0)
+                with self._cv:
+                    self._raise_if_failed("the end of the run")
             with self._cv:
                 self._raise_if_failed("the end of the run")

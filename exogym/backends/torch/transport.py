@@ -31,6 +31,7 @@ from exogym.backends.torch.heartbeat import (CollectiveLedger, Heartbeat, is_tim
                                              missing_members_report)
 from exogym.backends.errors import NodeTimeoutError
 from exogym.backends.torch.messages import TorchPostOffice, _RecvWork
+from exogym.backends.torch.server_watch import ServerWatch
 from exogym.cluster.network import SERVER
 from exogym.comm.transport import CollectiveError, TransportBase, Group, ReduceOp, make_group, payload_nbytes, tensor_nbytes
 from exogym.cluster.simtime import NodeClock, TimeModel
@@ -85,6 +86,7 @@ class TorchTransport(TransportBase):
         self.ledger = CollectiveLedger()  # the collectives entered, for naming who never came when one times out
         self.heartbeat: Heartbeat | None = None  # publishes the ledger (set by the backend when it has a store)
         self.post = TorchPostOffice(rank, num_nodes, timeout.total_seconds())  # messages and the server
+        self._server_watch: ServerWatch | None = None  # rank 0, once a server runs: names a stuck handler
 
     # ---- point-to-point messages and the server (exogym.backends.torch.messages) -------------------
     def send_message(self, message: Any, *, blocking: bool) -> Any:
@@ -111,13 +113,21 @@ class TorchTransport(TransportBase):
         return taken
 
     def serve(self, make: Any) -> Any:
-        return self.post.serve(make)
+        server = self.post.serve(make)
+        if server is not None and self._server_watch is None:
+            self._server_watch = ServerWatch(self.post, self.post.timeout_s).start()
+        return server
 
     def read_server(self, read: Any) -> Any:
         if self.post.server is None:
             raise RuntimeError(f"read_server: the server runs in rank 0's process, not on node {self.rank}")
-        with self.post.server_lock:
+        while not self.post.server_lock.acquire(timeout=1.0):  # held by a handler: a stuck one is named by the watch
+            if self._server_watch is not None and self._server_watch.error is not None:
+                raise self._server_watch.error
+        try:
             return read(self.post.server)
+        finally:
+            self.post.server_lock.release()
 
     def served(self) -> Any:
         return self.post.server
@@ -127,7 +137,11 @@ class TorchTransport(TransportBase):
         return self.post.now()
 
     def close_messages(self) -> None:
-        self.post.close()
+        try:
+            self.post.close()
+        finally:
+            if self._server_watch is not None:
+                self._server_watch.stop()
 
     # ---- groups ------------------------------------------------------------------------------
     def new_group(self, ranks: Sequence[int]) -> Group:
@@ -257,7 +271,11 @@ class TorchTransport(TransportBase):
 
     def _explain(self, e: BaseException, op: str, group: Group, number: int, step: int | None) -> Exception | None:
         """A failed collective, from the members' ledgers: a CollectiveError naming each node's call when they
-        differ; else, on a timeout, a NodeTimeoutError naming the members that never entered it; else None."""
+        differ; else, on a timeout, a NodeTimeoutError naming the members that never entered it; else None. On rank
+        0 with a stuck server, the server watch's ServerTimeoutError: the members that never came wait for it."""
+        stuck = self._server_watch.verdict(self.post) if self._server_watch is not None else None
+        if stuck is not None:
+            return stuck
         if self.heartbeat is None:
             return None
         ledgers = self.heartbeat.read(group.ranks)
