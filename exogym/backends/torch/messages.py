@@ -191,7 +191,6 @@ class TorchPostOffice:
             return None
         if self.server is None:
             self.server = attach_server(make, self)
-            self._start()
             self._server_thread = threading.Thread(target=self._serve_loop, name="exogym-server", daemon=True)
             self._server_thread.start()
         return self.server
