@@ -282,21 +282,15 @@ class SimTransport(TransportBase):
         return work.wait() if blocking else work
 
     def poll_messages(self, src: int | None, tag: int | None) -> list[Message]:
-        post = self.baton.post
-        post.observe(self.rank, self.clock.now)
-        taken = post.take_arrived(self.rank, src, tag)
+        taken = self.baton.post.arrived(self.rank, self.clock.now, src, tag)
         self.stats.bytes_received += sum(m.nbytes for m in taken)
         return taken
 
-    def serve(self, make: Callable[[], Server]) -> Server:
+    def serve(self, make: Callable[[], Server]) -> Server | None:
         return self.baton.post.serve(make)
 
     def read_server(self, read: Callable[[Server], Any]) -> Any:
-        post = self.baton.post
-        if post.server is None:
-            raise RuntimeError("read_server: the run has no server (declare one with exogym.comm.serve)")
-        post.observe(self.rank, self.clock.now)
-        return read(post.server)
+        return self.baton.post.read(self.rank, self.clock.now, read)
 
     def pause_for_checkpoint(self) -> None:
         """A run with messages pauses at a checkpoint: every node waits until the last one gets there (their clocks
@@ -311,10 +305,16 @@ class SimTransport(TransportBase):
     def messages_state(self) -> dict[str, Any] | None:
         """The post office's state at the pause (node 0 keeps it in its checkpoint file), or None."""
         post = self.baton.post
-        return post.state_dict() if post.active and self.rank == 0 else None
+        if not post.active or self.rank != 0:
+            return None
+        world = self.world.ranks
+        post.cut(world, self.baton.collectives_made(self.rank, world))  # the pause's messages from other processes
+        return post.state_dict()
 
     def load_messages_state(self, state: dict[str, Any]) -> None:
-        self.baton.post.load_state_dict(state)
+        post = self.baton.post
+        post.load_state_dict(state)  # nothing, when the backend read it before any node ran
+        post.check_loaded()
 
     def served(self) -> Server | None:
         """The run's server, if a strategy declared one (its record goes with node 0's log)."""
