@@ -6,12 +6,18 @@ run's event order is not trivial). Synchronous DiLoCo meets in one all-reduce pe
 each node's pseudo-gradient to the server (a message each way per round, every arrival and observation
 through the post office's event queue). Printed: wall seconds per node-step of each, and their ratio, the
 runs interleaved in one process (the fastest of --repeat counts).
-Usage: python benchmarks/bench_async.py [--nodes 16] [--steps 100] [--repeat 3]
+
+With --processes P: asynchronous DiLoCo on one process against the same run over P processes (fit(processes=P): the
+process holding node 0 keeps the event heap, the others forward to it; exogym.backends.sim.postlink), its wall
+seconds per node-step and the ratio, with the machine's load average (the runs give the same bits; compute between
+observations runs in parallel, every event waits for the whole run to be quiescent).
+Usage: python benchmarks/bench_async.py [--nodes 16] [--steps 100] [--repeat 3] [--processes P]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -21,13 +27,13 @@ from exogym.strategy import AsyncDiLoCoStrategy, DiLoCoStrategy, OptimSpec
 from workload import MLP, make_data
 
 
-def run(make, k: int, steps: int) -> float:
+def run(make, k: int, steps: int, processes: int = 1) -> float:
     torch.manual_seed(0)
     trainer = Trainer(MLP(), make_data(k * 32 * 4))
     speeds = [1.0 - 0.75 * i / max(1, k - 1) for i in range(k)]
     start = time.perf_counter()
     trainer.fit(make(), k, max_steps=steps, batch_size=32, network="home", node_speeds=speeds, device="cpu",
-                logger=False, progress=False)
+                logger=False, progress=False, processes=processes)
     return (time.perf_counter() - start) / (k * steps)
 
 
@@ -37,9 +43,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--H", type=int, default=10)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--processes", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(1)
     adamw = OptimSpec(torch.optim.AdamW, lr=1e-3)
+    if args.processes > 1:
+        compare_processes(lambda: AsyncDiLoCoStrategy(adamw, H=args.H), args)
+        return
     makes = {"sync DiLoCo": lambda: DiLoCoStrategy(adamw, H=args.H),
              "async DiLoCo": lambda: AsyncDiLoCoStrategy(adamw, H=args.H)}
     best = {name: float("inf") for name in makes}
@@ -51,6 +61,22 @@ def main() -> None:
     print("| run | ms per node-step | vs sync DiLoCo |\n|---|---|---|")
     for name in makes:
         print(f"| {name} | {best[name] * 1e3:.3f} | {best[name] / best['sync DiLoCo']:.3f}x |")
+
+
+def compare_processes(make, args: argparse.Namespace) -> None:
+    counts = (1, args.processes)
+    best = {p: float("inf") for p in counts}
+    run(make, args.nodes, args.H, args.processes)  # warm-up (the processes' imports)
+    load = os.getloadavg()[0]
+    for _ in range(args.repeat):
+        for p in counts:
+            best[p] = min(best[p], run(make, args.nodes, args.steps, p))
+    load = max(load, os.getloadavg()[0])
+    print(f"async DiLoCo, K={args.nodes}, {args.steps} steps, H={args.H}, MLP 784-256-256-10, batch 32, "
+          f"{os.cpu_count()} cores, load average (1 min, highest seen) {load:.1f}\n")
+    print("| processes | ms per node-step | vs processes=1 |\n|---|---|---|")
+    for p in counts:
+        print(f"| {p} | {best[p] * 1e3:.3f} | {best[p] / best[1]:.3f}x |")
 
 
 if __name__ == "__main__":

@@ -12,8 +12,14 @@ inside the run (so start-up, forking and the process group's rendezvous are repo
 Workloads: the 784-256-256-10 MLP and the small CNN of benchmarks/workload.py, batch 32 per node, and exogym's
 small GPT (4 layers, width 128, 8 sequences x 64 tokens per node; --memory only), AdamW; DDP, and DiLoCo with H=10.
 Ratios are to "1 proc, 1 thr" and, for "2 procs", to the plain loop.
---memory: the peak resident memory of each simulating process above that of an idle process which imported torch
-and exogym (measured the same way, in a fresh process), 1 process against each of 2.
+--memory: per simulating process, 1 process against each of 2, two measures side by side (Linux):
+- resident: its peak resident memory above that of an idle process which imported torch and exogym (measured the
+  same way, in a fresh process);
+- private: its peak private memory (USS: pages no other process maps, read from /proc/<pid>/smaps_rollup every
+  20 ms), what the machine would get back if it exited. One process: above the private memory of an idle
+  process which imported torch, torch._dynamo (which torch.optim imports on first use) and exogym. A process of
+  2 was forked from a forkserver that imported those modules and shares them with it, so all its private memory
+  counts (pages it inherited and wrote to included).
 Usage: python benchmarks/bench_processes.py [--models mlp cnn] [--nodes 8 16 64] [--strategies ddp diloco]
        [--seconds 10]
        python benchmarks/bench_processes.py --memory [--models mlp cnn gpt] [--nodes 16 64]
@@ -22,10 +28,12 @@ Usage: python benchmarks/bench_processes.py [--models mlp cnn] [--nodes 8 16 64]
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -54,11 +62,56 @@ def workload(model: str, k: int, steps: int):
     return (MLP if model == "mlp" else SmallCNN)(), make_data(k * BATCH * (steps + 1)), BATCH
 
 
+def private_mb(pid: int | str = "self") -> float | None:
+    """A process's private memory (Private_Clean + Private_Dirty of /proc/<pid>/smaps_rollup) in MB; None when
+    it is gone."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            return sum(int(line.split()[1]) for line in f if line.startswith("Private_")) / 2**10
+    except OSError:
+        return None
+
+
+class PrivatePeak(threading.Thread):
+    """Every 20 ms, the private memory of this process (`own`) or of its grandchildren (the processes a
+    forkserver child of this one forked: the simulating processes); keeps each one's peak."""
+
+    def __init__(self, own: bool):
+        super().__init__(daemon=True)
+        self.own, self.peaks, self.stopped = own, {}, threading.Event()
+
+    def _grandchildren(self) -> list[int]:
+        parent = {}
+        for d in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError):
+                continue
+        children = {p for p, pp in parent.items() if pp == os.getpid()}
+        return [p for p, pp in parent.items() if pp in children]
+
+    def run(self) -> None:
+        while not self.stopped.wait(0.02):
+            for pid in ["self"] if self.own else self._grandchildren():
+                mb = private_mb(pid)
+                if mb is not None:
+                    self.peaks[pid] = max(mb, self.peaks.get(pid, 0.0))
+
+    def stop(self) -> float:
+        self.stopped.set()
+        self.join()
+        return max(self.peaks.values(), default=float("nan"))
+
+
 def run_exogym(model: str, k: int, name: str, steps: int, warmup: int, processes: int) -> dict:
     from exogym import Trainer
 
     net, data, batch = workload(model, k, steps)
     trainer = Trainer(net, data)
+    sampler = PrivatePeak(own=processes == 1) if os.environ.get("BENCH_PRIVATE") else None
+    if sampler is not None:
+        sampler.start()
     started = time.perf_counter()
     trainer.fit(strategy(name), k, batch_size=batch, max_steps=steps, device="cpu", progress=False, logger=False,
                 val_size=1, val_interval=10**6, processes=processes)
@@ -67,7 +120,8 @@ def run_exogym(model: str, k: int, name: str, steps: int, warmup: int, processes
     per_step = (walls[-1] - walls[warmup - 1]) / (steps - warmup)
     own = [c["process_peak_rss_mb"] for c in trainer.record.comm_per_node if "process_peak_rss_mb" in c]
     peak = max(own) if own else trainer.record.peak_memory_mb["process_rss"]  # per simulating process
-    return {"step_s": per_step, "startup_s": total - per_step * steps, "peak_mb": peak}
+    private = sampler.stop() if sampler is not None else None
+    return {"step_s": per_step, "startup_s": total - per_step * steps, "peak_mb": peak, "private_mb": private}
 
 
 def _plain_process(rank: int, model: str, k: int, name: str, steps: int, warmup: int, port: int, out) -> None:
@@ -143,6 +197,8 @@ def child(mode: str, model: str, k: int, name: str, steps: int, warmup: int) -> 
     if mode == "idle":  # the base every process pays: the interpreter, torch and exogym imported
         import exogym  # noqa: F401
         result = {"peak_mb": peak_rss_mb()}
+        importlib.import_module("torch._dynamo")  # what torch.optim imports on first use; the forkserver preloads it
+        result["private_mb"] = private_mb()
     elif mode == "plain 2 procs":
         result = run_plain(model, k, name, steps, warmup)
     else:
@@ -150,9 +206,9 @@ def child(mode: str, model: str, k: int, name: str, steps: int, warmup: int) -> 
     print(json.dumps(result))
 
 
-def measure(mode: str, model: str, k: int, name: str, steps: int, warmup: int) -> dict:
+def measure(mode: str, model: str, k: int, name: str, steps: int, warmup: int, private: bool = False) -> dict:
     out = subprocess.run([sys.executable, __file__, "--child", mode, model, str(k), name, str(steps), str(warmup)],
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, env={**os.environ, **({"BENCH_PRIVATE": "1"} if private else {})})
     if out.returncode:
         raise RuntimeError(f"{mode} {model} K={k} {name} failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -173,16 +229,23 @@ def main() -> None:
         mode, model, k, name, steps, warmup = args.child
         return child(mode, model, int(k), name, int(steps), int(warmup))
     if args.memory:
-        idle = measure("idle", "mlp", 1, "ddp", 1, 1)["peak_mb"]
-        print(f"peak resident MB per simulating process (the caller apart) above an idle process that imported torch "
-              f"and exogym ({idle:.0f} MB), 20 steps, one thread each")
-        print(f"{'model':>5} {'K':>3} {'strategy':>8} {'1 process':>10} {'2 processes':>12} {'ratio':>6}")
+        idle = measure("idle", "mlp", 1, "ddp", 1, 1)
+        print(f"per simulating process (the caller apart), 20 steps, one thread each: peak resident MB above an idle "
+              f"process that imported torch and exogym ({idle['peak_mb']:.0f} MB); peak private MB (USS) above that of an "
+              f"idle process that imported torch, torch._dynamo and exogym ({idle['private_mb']:.0f} MB), which a "
+              "process of 2 shares with the forkserver it was forked from (so: its whole private memory)")
+        print(f"{'':>18} {'resident':>30}   {'private':>30}")
+        print(f"{'model':>5} {'K':>3} {'strategy':>8} " + f"{'1 process':>10} {'2 processes':>12} {'ratio':>6}   " * 2)
         for model in args.models or ["mlp", "cnn", "gpt"]:
             for k in args.nodes:
                 for name in args.strategies:
-                    one, two = (measure(m, model, k, name, 20, H)["peak_mb"] - idle
-                                for m in ("1 proc, 1 thr", "2 procs"))
-                    print(f"{model:>5} {k:>3} {name:>8} {one:>10.0f} {two:>12.0f} {two / one:>6.2f}", flush=True)
+                    one, two = (measure(m, model, k, name, 20, H, private=True) for m in ("1 proc, 1 thr", "2 procs"))
+                    # A forkserver's child shares the idle modules with the forkserver: its own private memory is
+                    # what it adds to them (nothing at the fork).
+                    cells = [(one["peak_mb"] - idle["peak_mb"], two["peak_mb"] - idle["peak_mb"]),
+                             (one["private_mb"] - idle["private_mb"], two["private_mb"])]
+                    print(f"{model:>5} {k:>3} {name:>8} "
+                          + "   ".join(f"{a:>10.0f} {b:>12.0f} {b / a:>6.2f}" for a, b in cells), flush=True)
         return
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, batch {BATCH}/node, AdamW, DiLoCo H={H}; "
           "wall seconds per step after the warm-up (start-up apart); each cell its own process")

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import torch
 
 from exogym._validation import check_number
+from exogym.backends.hosting import SERVER
 from exogym.backends.sim.fused.choose import choose_execution
 from exogym.cluster.network import Network
 from exogym.cluster.simtime import TimeModel
@@ -128,13 +129,11 @@ def build_plan(c: FitConfig, *, model: torch.nn.Module, train_dataset: DatasetOr
         raise ValueError(f"unknown backend {ln.backend!r}; use one of {list(BACKENDS)}")
     # Under torchrun backend="torch" runs only this process's node, backend="sim" this process's block of nodes;
     # rank 0 logs.
+    # A strategy that sends messages has the server role (with the sim's one event heap), beside node 0.
     launcher = choose_launcher(environment, ln.backend, c.num_nodes, processes=ln.processes, port=ln.port,
                                checkpoint_dir_shared=k.checkpoint_interval is None or k.checkpoint_dir is not None
-                               or run_name is not None)
-    if c.strategy.sends_messages and launcher.processes > 1 and ln.backend == "sim":
-        raise ValueError(f"{type(c.strategy).__name__} sends point-to-point messages on the simulated clock, which "
-                         "the sim backend runs in one process for now; use processes=1 (the default), and under "
-                         "torchrun one process or backend='torch'")
+                               or run_name is not None,
+                               roles=frozenset({SERVER}) if c.strategy.sends_messages else frozenset())
     is_main = launcher.is_main
     logger = logger if is_main else None
     node_devices = launcher.node_devices(resolve_node_devices(

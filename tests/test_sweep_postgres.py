@@ -68,9 +68,10 @@ def test_two_workers_from_two_folders_share_one_study_each_trial_once(server, tm
     for t in trials:  # the others: a worker that asked as the other took the last configuration, pruned at once
         assert t in done or (t.state == optuna.trial.TrialState.PRUNED and not t.params
                              and t.user_attrs["reason"] == "no configuration left")
-    runs = {p.name for side in "ab" for p in (tmp_path / side / "s" / "runs").iterdir()}
-    assert len(runs) == 6  # each run in one folder only
-    assert all((tmp_path / side / "s" / "runs").iterdir() for side in "ab")  # both machines took trials
+    # Each run in one folder only. Which machine took how many depends on the host's scheduling (under load one
+    # may take all six before the other starts), so it is not asserted; what each shows is.
+    folders = [p.name for side in "ab" for p in (tmp_path / side / "s" / "runs").glob("*") if p.is_dir()]
+    assert len(folders) == len(set(folders)) == 6
     for side in "ab":  # the table is complete from either folder
         rows = load(tmp_path / side / "s").table()
         assert sorted(r["H"] for r in rows) == [2, 3, 4, 5, 6, 7] and all(r["status"] == "completed" for r in rows)

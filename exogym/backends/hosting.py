@@ -78,12 +78,25 @@ class Hosting:
         roles: the participants other than nodes this process holds (e.g. `SERVER`); empty for most runs.
         returns_model: whether this process computes the global model itself at the end (rather than receiving
             it from the process that holds node 0).
+        run_roles: the roles the run has, in whichever process (each is held beside node 0).
     """
 
     process: int
     owner: tuple[int, ...]
     roles: frozenset[str] = frozenset()
     returns_model: bool = False
+    run_roles: frozenset[str] = frozenset()
+
+    def role_process(self, role: str) -> int | None:
+        """The process holding `role` (the one holding node 0), or None when the run has no such role.
+
+        Args:
+            role: e.g. `SERVER`.
+
+        Returns:
+            The process's index, or None.
+        """
+        return self.owner[0] if role in self.run_roles else None
 
     @property
     def processes(self) -> int:

@@ -88,8 +88,9 @@ class Server:
     """A strategy's server: the run's global state and the code reacting to each message it receives.
 
     Subclass it and implement `receive(message)`; reply with `self.send(dst, tensor, tag=..., meta=...)`. A run
-    has at most one server; on the sim backend it runs in the process of node 0, between the nodes' turns, at
-    each message's arrival time (`self.now`); on the torch backend, on a thread of rank 0's process. Record each
+    has at most one server; on the sim backend it runs in the process of node 0 (over several processes, that
+    process keeps the run's event heap), between the nodes' turns, at each message's arrival time (`self.now`); on
+    the torch backend, on a thread of rank 0's process. Record each
     update it applies with `self.record_update(node=..., staleness=..., weight=...)` (a row of
     `trainer.record.updates`, with the simulated time added).
     """
@@ -309,8 +310,9 @@ def poll(src: int | None = None, *, tag: int | None = None) -> list[Message]:
 def serve(make: Callable[[], Server]) -> Server | None:
     """Declare the run's server: every node calls it (in setup) with the same factory.
 
-    The server is made once, where it runs, and returned there (the sim backend: to every node; the torch
-    backend: to rank 0; None elsewhere). Read its state from a node with `read_server`.
+    The server is made once, where it runs, and returned there (the sim backend: to every node of node 0's process,
+    which is every node with processes=1; the torch backend: to rank 0; None elsewhere). Read its state from a node
+    with `read_server`.
 
     Args:
         make: A factory `make() -> Server`.
@@ -325,7 +327,7 @@ def read_server(read: Callable[[Server], Any] | None = None) -> Any:
     """`read(server)` as of this node's clock.
 
     Every message that arrived at the server before that has been handled, none after. Only where the server runs
-    (any node on the sim backend, rank 0 on the torch backend).
+    (the sim backend: any node of node 0's process; the torch backend: rank 0).
 
     Args:
         read: A function of the server (default: `server.snapshot()`).

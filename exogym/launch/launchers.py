@@ -61,7 +61,8 @@ def layout(num_nodes: int, processes: int, *, roles: frozenset[str] = frozenset(
         One Hosting per process, in process order.
     """
     owner = tuple(block_of(num_nodes, processes))
-    return [Hosting(p, owner, roles=roles if p == owner[0] else frozenset(), returns_model=returns_model)
+    return [Hosting(p, owner, roles=roles if p == owner[0] else frozenset(), returns_model=returns_model,
+                    run_roles=roles)
             for p in range(processes)]
 
 

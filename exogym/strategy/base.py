@@ -71,8 +71,9 @@ class Strategy(metaclass=Adaptable):
     # The sim backend checks that the members of a collective issued it at the same step (an async call counts at
     # the step it was issued). False: this strategy's nodes meet at different steps on purpose.
     collectives_match_steps = True
-    # True: the strategy's nodes talk by point-to-point messages (exogym.comm.messages) on the simulated clock,
-    # which run in one process for now: fit refuses processes > 1 (and torchrun's sim) before any node starts.
+    # True: the strategy's nodes talk by point-to-point messages (exogym.comm.messages): the run has the server
+    # role, and a sim run over several processes keeps its one event heap in the process holding node 0
+    # (exogym.backends.sim.postlink); undeclared, such a run stops at its first message, telling you to set it.
     sends_messages = False
 
     def __new__(cls, *args: Any, **kwargs: Any):

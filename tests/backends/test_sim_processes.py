@@ -80,6 +80,63 @@ def test_the_same_processes_and_seed_give_the_same_bits():
     assert torch.equal(_flat(a[0]), _flat(b[0])) and a[1].node_loss == b[1].node_loss
 
 
+_WAITING: dict = {}  # in each simulating process: (step, rank) -> the flat buffer that node all-reduces
+
+
+class FoldsAcrossProcesses(Strategy):
+    """Every node all-reduces a flat buffer of its own (AVG and SUM) over the world, which crosses processes. A
+    node notes, before its own call, how many lower-ranked nodes of its process wait in that all-reduce and how
+    many of those still hold their buffer's memory; what each node noted and received goes to `folder`."""
+
+    def __init__(self, folder: str):
+        super().__init__(optim_spec=OptimSpec(torch.optim.SGD, lr=0.1))
+        self.folder = folder
+
+    def step(self):
+        from exogym.comm import ReduceOp
+
+        r = get_rank()
+        for i, op in enumerate((ReduceOp.AVG, ReduceOp.SUM)):
+            key = (self.local_step, i)
+            waiting = [t for (k, q), t in _WAITING.items() if k == key and q < r]
+            held = sum(t.untyped_storage().nbytes() > 0 for t in waiting)
+            t = torch.arange(1000, dtype=torch.float32) * (r + 1) / 7 + self.local_step
+            _WAITING[key, r] = t
+            all_reduce(t, op=op)
+            torch.save({"waiting": len(waiting), "held": held, "result": t},
+                       os.path.join(self.folder, f"{r}-{self.local_step}-{i}.pt"))
+        self.optim.step()
+        super().step()
+
+
+def test_nodes_waiting_on_another_process_hand_back_their_reduction_buffers(tmp_path):
+    # Within a process the nodes' buffers are folded, in rank order, into one accumulator as they arrive (the
+    # process's part of the sum, sent once the last has come) and give back their memory until the reply comes:
+    # a process waiting on the other holds one accumulator, not one buffer per node. The result is the same
+    # rank-order sum of parts, bit for bit.
+    nodes, processes, steps = 5, 2, 2
+    _fit(lambda: FoldsAcrossProcesses(str(tmp_path)), processes, nodes=nodes, steps=steps, val_interval=10**6)
+    owner = block_of(nodes, processes)
+    for step in range(steps):
+        parts = [torch.arange(1000, dtype=torch.float32) * (q + 1) / 7 + step for q in range(nodes)]
+        blocks_ = [[parts[q] for q in range(nodes) if owner[q] == p] for p in range(processes)]
+        folded = []
+        for block in blocks_:
+            acc = block[0].clone()
+            for t in block[1:]:
+                acc.add_(t)
+            folded.append(acc)
+        total = folded[0].clone()
+        for acc in folded[1:]:
+            total.add_(acc)
+        for i, want in enumerate((total / nodes, total)):
+            for r in range(nodes):
+                seen = torch.load(tmp_path / f"{r}-{step}-{i}.pt")
+                assert seen["waiting"] == r - owner.index(owner[r])  # its process's lower-ranked nodes
+                assert seen["held"] == 0, f"node {r}, step {step}: {seen['held']} waiting node(s) kept their buffer"
+                assert torch.equal(seen["result"], want)
+
+
 class RingPairs(Strategy):
     """Every node averages its gradient with its left and right neighbours' (pairs in a ring), even ranks right
     pair first, odd ranks left first, as a blocking cluster needs; blocks of 2 in 3 processes put every second pair

@@ -19,6 +19,7 @@ asks for it, if the node is stuck in native code that no signal reaches).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -93,6 +94,7 @@ class Baton:
         self._seq: dict[int, dict[tuple[int, ...], int]] = {r: {} for r in self.local}
         self._local_members: dict[tuple[int, ...], int] = {}  # group -> how many of its members run here
         self._across: dict[tuple, Pending] = {}  # collectives gone to other processes, by key
+        self.crossings_started: dict[tuple[int, ...], int] = {}  # group -> collectives on it sent across so far
         self._finished: set[int] = set()
         self._hub: greenlet.greenlet | None = None
         self.post: Any = None  # point-to-point messages on the simulated clock (exogym.backends.sim.postoffice)
@@ -161,14 +163,14 @@ class Baton:
         crossing = self._exchange is not None
         post = self.post
         try:
-            while self._ready or self._parked or post is not None and post.has_events() or crossing and self._exchange.busy:
+            while self._ready or self._parked or post is not None and post.busy() or crossing and self._exchange.busy:
                 if not self._ready and self._parked:  # the parked nodes' batched step, then they run on
                     parked, self._parked = self._parked, []
                     self._turn = f"computing the batched step of nodes {parked}"
                     self._on_compute(parked)
                     self._ready.extend(sorted(parked))
                     continue
-                if not self._ready and post is not None and post.has_events():  # the next event in simulated time
+                if not self._ready and post is not None and post.due():  # the next event in simulated time
                     self._turn = "delivering a message"
                     post.next_event()
                     continue
@@ -192,6 +194,8 @@ class Baton:
                 raise CollectiveError("deadlock: every unfinished node waits in a collective that cannot "
                                       "complete:\n" + self._describe_waiting())
             if crossing:
+                if post is not None:
+                    post.finish()
                 self._exchange.report_finished()
         except BaseException as e:
             if isinstance(e, KeyboardInterrupt):
@@ -204,16 +208,23 @@ class Baton:
 
     def _wait_for_other_processes(self) -> None:
         """Wait for crossings to complete; when nothing moves anywhere, a deadlock across processes is an error."""
-        waited, stalled = 0.0, False
-        while not self._ready:
+        since, stalled = time.monotonic(), False  # real time: a wait may take in many packets before its nodes run
+        post = self.post
+        # (a hub also waits while other processes run: until one of its nodes can run, an event is due, or nothing
+        # is left to wait for)
+        while not self._ready and (self._exchange.busy or post is not None and post.busy()):
+            if post is not None:
+                post.settle()  # a proxy tells the hub it has nothing to run (exogym.backends.sim.postlink)
+                if post.due():  # the hub: the run is quiescent, the next event happens
+                    break
             self._exchange.wait(timeout=0.25)  # completed crossings make their waiting members ready
             if self._ready:
                 break
             self._exchange.check_peers()  # a process that stopped responding is named within peer_timeout
-            waited += 0.25
-            if waited >= _STALL_S:
+            if time.monotonic() - since >= _STALL_S:
                 stalled = True
-                everyone = self._exchange.report_stall(self._describe_waiting(), self.arrivals + self._exchange.completed)
+                progress = self.arrivals + self._exchange.completed + (0 if post is None else post.progress)
+                everyone = self._exchange.report_stall(self._describe_waiting(), progress)
                 if everyone is not None:
                     raise CollectiveError("deadlock across processes: every unfinished node waits in a collective "
                                           "that cannot complete:\n" + everyone)
@@ -281,6 +292,7 @@ class Baton:
         del self._pending[pending.key]
         if len(pending.calls) < len(group):  # members in other processes: across, then they run on
             self._across[pending.key] = pending
+            self.crossings_started[group] = pending.seq + 1  # a group's crossings start in order: its count
             self._exchange.start(pending, [pending.calls[r] for r in sorted(pending.calls)], call.op,
                                  finish=lambda calls, start: self._crossed(pending, calls, start, settle))
             if call.blocking:
@@ -316,6 +328,19 @@ class Baton:
         self._ready.extend(sorted(pending.waiters))
 
     # ---- point-to-point messages (the post office calls these) ------------------------------------
+    @property
+    def open_crossings(self) -> list[tuple]:
+        """The collectives sent across to other processes and not yet completed here, by (group, sequence)."""
+        return list(self._across)
+
+    def collectives_made(self, rank: int, group: tuple[int, ...]) -> int:
+        """How many collectives node `rank` has entered on `group`."""
+        return self._seq[rank].get(group, 0)
+
+    def describe_waiting(self) -> str:
+        """What every node of this process waits for, one line each."""
+        return self._describe_waiting()
+
     def idle_but(self, rank: int) -> bool:
         """No node but `rank` (the one running) is ready to run or parked."""
         return not self._ready and not self._parked

@@ -44,7 +44,15 @@ def _cpu(t: torch.Tensor) -> torch.Tensor:
 
 # ---- all_reduce: a partial reduction per process, reduced again by the leader --------------------------------------
 def _reduce_part(calls: list[CollectiveCall]) -> torch.Tensor:
+    box = calls[0].args.get("fold")
+    if box is not None:  # folded as the members arrived (exogym.backends.sim.transport): the same rank-order sum
+        return _cpu(box["acc"])
     return _cpu(_reduce([c.args["tensor"].to(calls[0].args["tensor"].device) for c in calls], calls[0].args["op"]))
+
+
+def _reduce_part_like(calls: list[CollectiveCall], ranks: Sequence[int]) -> torch.Tensor:
+    # Shaped as the local tensor, on the CPU; its data is never read (it may have been given back meanwhile).
+    return torch.empty_like(calls[0].args["tensor"], device="cpu")
 
 
 def _reduce_combine(calls: list[CollectiveCall], parts: list[torch.Tensor], counts: list[int],
@@ -58,7 +66,11 @@ def _reduce_combine(calls: list[CollectiveCall], parts: list[torch.Tensor], coun
 
 def _copy_into_tensor(calls: list[CollectiveCall], reply: torch.Tensor, first: int) -> None:
     for c in calls:
-        c.args["tensor"].copy_(reply)
+        if c.args.get("released"):  # its memory was given back while it waited: it copies the reply on resuming
+            c.args["result"] = reply
+        else:
+            c.args["tensor"].copy_(reply)
+    calls[0].args.pop("fold", None)  # the accumulator has been sent (or combined): let it go
 
 
 # ---- broadcast: the source's holder sends the source tensor ------------------------------------------------------
@@ -135,8 +147,7 @@ def _scatter_deliver(calls: list[CollectiveCall], reply: torch.Tensor, first: in
 
 
 OPS: dict[str, CollectiveParts] = {
-    "all_reduce": CollectiveParts(_reduce_part, lambda calls, ranks: torch.empty_like(_cpu(calls[0].args["tensor"])),
-                             _reduce_combine, _copy_into_tensor),
+    "all_reduce": CollectiveParts(_reduce_part, _reduce_part_like, _reduce_combine, _copy_into_tensor),
     "broadcast": CollectiveParts(_source, _source_like, _broadcast_combine, _copy_into_tensor),
     "all_gather": CollectiveParts(_gather_part, _gather_like, _gather_combine, _gather_deliver),
     "reduce_scatter": CollectiveParts(_scatter_part, _scatter_like, _scatter_combine, _scatter_deliver),

@@ -159,6 +159,11 @@ class Exchange:
         threading.Thread(target=wait, name="exogym-exchange", daemon=True).start()
 
     # ---- progress ---------------------------------------------------------------------------------------------
+    def notify(self, handle: Callable[[], None]) -> None:
+        """Have `handle()` run on the process's own thread at its next wait (from any thread): how another channel
+        between the processes (exogym.backends.sim.postlink) wakes the process that waits here."""
+        self._events.put(handle)
+
     @property
     def busy(self) -> bool:
         return bool(self._crossings)
@@ -171,6 +176,13 @@ class Exchange:
         except queue.Empty:
             return done
         while True:
+            if callable(event):  # another channel's news (a message link's packet): handled here, on this thread
+                event()
+                try:
+                    event = self._events.get_nowait()
+                except queue.Empty:
+                    return done
+                continue
             key, into, buffer, error = event
             if error is not None:
                 src, cause = error

@@ -8,12 +8,14 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Sequence
 
 import torch
 
-from exogym.backends.hosting import Hosting, Peers, ProcessBackend, process_group_timeout
+from exogym.backends.hosting import SERVER, Hosting, Peers, ProcessBackend, process_group_timeout
 from exogym.backends.sim.baton import Baton
 from exogym.backends.sim.exchange import Exchange
 from exogym.backends.sim.fused.engine import FusedEngine
 from exogym.backends.sim.fused.execution import FusedExecution
+from exogym.backends.sim.postlink import Hub
 from exogym.backends.sim.postoffice import PostOffice
+from exogym.backends.sim.postproxy import PostProxy
 from exogym.backends.sim.transport import SimTransport
 from exogym.backends.errors import NodeTimeoutError, PeerLostError
 from exogym.comm.transport import CollectiveError
@@ -60,8 +62,24 @@ class _NodeModes:
             torch.set_autocast_dtype(d, dtype)
 
 
+def _post_office(plan: "RunPlan", baton: Baton, exchange: Exchange | None, hub: int | None) -> Any:
+    """The nodes' post office: the one event heap and the server (one process, or the hub: the process hosting the
+    server role), or a proxy forwarding to the hub (exogym.backends.sim.postlink)."""
+    k, time_model = plan.num_nodes, plan.cfg.time_model
+    if exchange is not None and hub is not None and hub != exchange.me:
+        return PostProxy(baton, k, time_model, exchange, hub)
+    post = PostOffice(baton, k, time_model)
+    if exchange is not None and hub is not None:
+        post.hub = Hub(post, exchange, exchange.owner, exchange.me)
+    post.undeclared = exchange is not None and hub is None
+    saved = plan.resume[0] if plan.resume is not None else None
+    if saved is not None and "messages" in saved.strategy:  # in before any node runs (or another process posts)
+        post.load_state_dict(saved.strategy["messages"])
+    return post
+
+
 def run_sim(plan: "RunPlan", sinks: "RunSinks", *, local: Sequence[int] | None = None,
-            exchange: Exchange | None = None) -> list[Any]:
+            exchange: Exchange | None = None, hub: int | None = None) -> list[Any]:
     """Run the plan's nodes under one baton on this thread.
 
     Args:
@@ -69,6 +87,8 @@ def run_sim(plan: "RunPlan", sinks: "RunSinks", *, local: Sequence[int] | None =
         sinks: where the nodes report (the run's live log; on_stuck, which lets the watchdog end the process).
         local: the block of nodes this process runs (default: all of them).
         exchange: the crossings to the other processes' nodes, when local is a block.
+        hub: the process hosting the server role, whose post office holds the run's event heap (None: the run has no
+            messages across processes).
 
     Returns:
         The nodes' (log, state) pairs in rank order.
@@ -100,7 +120,7 @@ def run_sim(plan: "RunPlan", sinks: "RunSinks", *, local: Sequence[int] | None =
 
     baton = Baton(k, on_resume=resume, on_pause=pause, node_timeout=plan.node_timeout, step_of=lambda r: comms[r].step,
                   local=local, exchange=exchange, on_stuck=on_stuck if sinks.on_stuck is not None else None)
-    baton.post = PostOffice(baton, k, plan.cfg.time_model, spans_processes=exchange is not None)
+    baton.post = _post_office(plan, baton, exchange, hub)
     owner = exchange.owner if exchange is not None else None
     comms.update((r, SimTransport(baton, r, k, plan.cfg.time_model, plan.cfg.membership, owner)) for r in local)
     execution = SequentialExecution() if plan.execution == "sequential" else FusedExecution(FusedEngine(
@@ -140,7 +160,7 @@ def run_hosted(plan: "RunPlan", sinks: "RunSinks", hosting: Hosting, peers: Peer
         return run_sim(plan, sinks)
     exchange = Exchange(hosting.owner, hosting.process, peers.store, peers.run_key, peer_timeout=plan.peer_timeout)
     try:
-        return run_sim(plan, sinks, local=hosting.nodes, exchange=exchange)
+        return run_sim(plan, sinks, local=hosting.nodes, exchange=exchange, hub=hosting.role_process(SERVER))
     finally:
         exchange.close()
 

@@ -7,6 +7,7 @@ into every member's tensors; nodes on different devices meet on the first member
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 from typing import Any, Callable, Sequence
 
@@ -48,15 +49,19 @@ def _reduce_into(acc: torch.Tensor, others: Sequence[torch.Tensor], op: ReduceOp
         acc.div_(group_size)
 
 
-def _fold_arrivals(pending: Pending) -> None:
+def _fold_arrivals(pending: Pending, ranks: Sequence[int]) -> None:
     """A sum or mean: fold each member's tensor into one accumulator as soon as every lower-ranked member's is in
     (the same rank-order sum as at completion, so the same bits), and give back the memory of a tensor that owns
-    its storage until its node resumes: K nodes waiting in a reduction hold one accumulator, not K buffers."""
-    first = pending.calls.get(pending.group[0])
+    its storage until its node resumes: K nodes waiting in a reduction hold one accumulator, not K buffers.
+
+    `ranks`: the group's members in this process, in rank order (the whole group, or this process's block of it
+    when the group crosses processes: the accumulator is then this process's part, exogym.backends.sim.
+    collective_parts, and every member here waits on the other processes, so the last one gives its memory
+    back too)."""
+    first = pending.calls.get(ranks[0])
     if first is None:
         return
     box = first.args.setdefault("fold", {"acc": None, "next": 0})
-    ranks = pending.group
     while box["next"] < len(ranks) and ranks[box["next"]] in pending.calls:
         call = pending.calls[ranks[box["next"]]]
         t = call.args["tensor"]
@@ -65,7 +70,7 @@ def _fold_arrivals(pending: Pending) -> None:
         else:
             box["acc"].add_(t.to(box["acc"].device))
         box["next"] += 1
-        if len(pending.calls) < len(ranks) and _owns_storage(t):
+        if len(pending.calls) < len(pending.group) and _owns_storage(t):
             t.untyped_storage().resize_(0)  # restored, with the result, when the node resumes (_restore)
             call.args["released"] = True
             if t.numel() * t.element_size() >= _LARGE:
@@ -218,10 +223,13 @@ class SimTransport(TransportBase):
                 for c in calls:
                     c.args["done_at"] = done_at
 
-        fold = (_fold_arrivals if name == "all_reduce" and group.size > 1 and not crossing  # needs every tensor here
-                and args["op"] in (ReduceOp.SUM, ReduceOp.AVG)
-                else _release_gather_outputs if name == "all_gather" and group.size > 1
-                else None)  # alone in the group there is nothing to fold, and no buffer to give back
+        fold = None  # alone in the group there is nothing to fold, and no buffer to give back
+        if name == "all_reduce" and group.size > 1 and args["op"] in (ReduceOp.SUM, ReduceOp.AVG):
+            here = (group.ranks if not crossing  # across processes: this process's members fold into its part
+                    else [r for r in group.ranks if self.owner[r] == self.owner[self.rank]])
+            fold = functools.partial(_fold_arrivals, ranks=here)
+        elif name == "all_gather" and group.size > 1:
+            fold = _release_gather_outputs
         pending = self.baton.rendezvous(self.rank, group.ranks, call, complete, fold, settle)
         if async_op:
             return SimWork(self, pending, call, timed)
@@ -274,21 +282,15 @@ class SimTransport(TransportBase):
         return work.wait() if blocking else work
 
     def poll_messages(self, src: int | None, tag: int | None) -> list[Message]:
-        post = self.baton.post
-        post.observe(self.rank, self.clock.now)
-        taken = post.take_arrived(self.rank, src, tag)
+        taken = self.baton.post.arrived(self.rank, self.clock.now, src, tag)
         self.stats.bytes_received += sum(m.nbytes for m in taken)
         return taken
 
-    def serve(self, make: Callable[[], Server]) -> Server:
+    def serve(self, make: Callable[[], Server]) -> Server | None:
         return self.baton.post.serve(make)
 
     def read_server(self, read: Callable[[Server], Any]) -> Any:
-        post = self.baton.post
-        if post.server is None:
-            raise RuntimeError("read_server: the run has no server (declare one with exogym.comm.serve)")
-        post.observe(self.rank, self.clock.now)
-        return read(post.server)
+        return self.baton.post.read(self.rank, self.clock.now, read)
 
     def pause_for_checkpoint(self) -> None:
         """A run with messages pauses at a checkpoint: every node waits until the last one gets there (their clocks
@@ -303,10 +305,16 @@ class SimTransport(TransportBase):
     def messages_state(self) -> dict[str, Any] | None:
         """The post office's state at the pause (node 0 keeps it in its checkpoint file), or None."""
         post = self.baton.post
-        return post.state_dict() if post.active and self.rank == 0 else None
+        if not post.active or self.rank != 0:
+            return None
+        world = self.world.ranks
+        post.cut(world, self.baton.collectives_made(self.rank, world))  # the pause's messages from other processes
+        return post.state_dict()
 
     def load_messages_state(self, state: dict[str, Any]) -> None:
-        self.baton.post.load_state_dict(state)
+        post = self.baton.post
+        post.load_state_dict(state)  # nothing, when the backend read it before any node ran
+        post.check_loaded()
 
     def served(self) -> Server | None:
         """The run's server, if a strategy declared one (its record goes with node 0's log)."""

@@ -184,11 +184,13 @@ class TorchPostOffice:
 
     # ---- the server ------------------------------------------------------------------------------
     def serve(self, make: Callable[[], Server]) -> Server | None:
+        # Every node of a run with a server receives from the start: a node that never sends (it reached a time
+        # budget before its first round) still takes the others' stop headers at the end (close), so none blocks.
+        self._start()
         if self.rank != 0:
             return None
         if self.server is None:
             self.server = attach_server(make, self)
-            self._start()
             self._server_thread = threading.Thread(target=self._serve_loop, name="exogym-server", daemon=True)
             self._server_thread.start()
         return self.server

@@ -14,7 +14,7 @@ from exogym.backends.peer_watch import PeerWatch
 from exogym.backends.torch.heartbeat import Heartbeat
 from exogym.backends.torch.transport import TorchTransport
 from exogym.backends.errors import PeerLostError
-from exogym.comm.transport import CollectiveError
+from exogym.comm.transport import CollectiveError, bind_transport
 from exogym.engine.global_model import global_state_dict
 from exogym.engine.node import keep_completed_rows
 
@@ -99,7 +99,12 @@ def run_hosted(plan: "RunPlan", sinks: "RunSinks", hosting: Hosting, peers: Peer
     try:
         node, comm, log, state = run_node(plan, sinks.live, rank, backend, peers.start, peers.timeout, store, watch)
         if hosting.returns_model:
-            everyone = global_state_dict(node.model, node.strategy, comm)
+            with bind_transport(comm):  # a strategy's global state may read its server (exogym.comm.read_server)
+                everyone = global_state_dict(node.model, node.strategy, comm)
+            if getattr(node.strategy, "sends_messages", False):  # the server's model is with node 0: every rank takes it
+                box = [everyone]
+                dist.broadcast_object_list(box, src=0)
+                everyone = box[0]
             state = everyone if state is None else state
         if watch is not None:
             watch.finished()

@@ -1,0 +1,196 @@
+"""The message channel of a sim run that spans processes: between the hub (the process holding the server, beside
+node 0: its post office keeps the run's one event heap, every node's mailbox and the server) and the other processes,
+whose post offices are proxies (exogym.backends.sim.postproxy).
+
+What goes over it, as pickled packets on torch.distributed point-to-point messages (gloo, tags of their own beside the
+exchange's):
+- a proxy to the hub: `post` (a message a node sent, with its arrival time worked out where it was sent), `ask` (a
+  node wants to observe at its clock: take a message, or every message that has arrived), `status` (the process has
+  nothing to run: how many answers it has taken in, and which collectives across processes it has started and has
+  open), and at its end a last status marked finished;
+- the hub to a proxy: `answer` (what a node asked for; it runs again) and `bye` (after its last status).
+
+Why nothing arrives out of order: every packet of one process to the hub goes on one (sender, receiver, tag) pair,
+which torch.distributed delivers in the order sent, and the hub handles a process's packets in that order. So when
+the hub holds a process's status, it holds every message that process posted and every question it asked before it
+ran out of work. The hub lets the next event happen only when the whole run is quiescent (`Hub.quiet`): every
+process has run out of work since the last answer it was sent, and no collective across processes has every holder
+started and some holder still open (its members would run again without the hub). Then no node anywhere can post an
+event the hub has not seen, as in one process, where the hub takes the next event only when no node is ready.
+
+Why `quiet` cannot be fooled by a stale status (a process reported, then woke up): a process wakes only on an answer
+(counted: the hub waits for the status taking it in) or on a collective across processes completing, which needs
+every holder to have started it. If a holder's last status shows it open, the rule makes the hub wait unless some
+holder's status shows it not started; that holder then started it after its status, so it ran after its status, so
+it was woken after its status, by an earlier completion or answer: following the causes back in time must end at a
+process that woke with nothing to wake it, which cannot be.
+"""
+
+from __future__ import annotations
+
+import pickle
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Link", "Hub", "Status", "Ask"]
+
+# gloo's tags are 32-bit; the exchange's stay below 2**30 (exogym.backends.sim.exchange._tag)
+_HEADER_TAG, _BODY_TAG = (1 << 30) | 1, (1 << 30) | 2
+
+
+@dataclass(frozen=True)
+class Ask:
+    """A node's observation, asked of the hub: at its clock `at`, `op` "recv" (the first matching message, or wait for
+    one) or "poll" (every matching message that has arrived)."""
+
+    rank: int
+    at: float
+    op: str
+    src: int | None
+    tag: int | None
+    what: str  # for a deadlock's message: what the node waits for
+
+
+@dataclass(frozen=True)
+class Status:
+    """A process with nothing to run: answers taken in, collectives across processes started (per group, how many)
+    and open (started here, not yet completed here), and whether every node of the process has finished."""
+
+    answers: int
+    started: dict[tuple[int, ...], int] = field(default_factory=dict)
+    open: frozenset[tuple] = frozenset()
+    finished: bool = False
+
+
+class Link:
+    """Packets between this process and the others of the link (the hub talks to every process, a proxy to the hub).
+
+    Each peer's packets are sent by a thread of their own, in the order `send` was called (the process's own thread
+    never blocks on a peer that stopped), and received by another, in order, and handed to `on_packet(src, packet)`
+    on the process's own thread at its next wait in the exchange (Exchange.notify). A peer that goes away is a
+    PeerLostError naming it (exogym.backends.peer_watch), raised on the process's thread; one that stops is named by
+    the heartbeats the process checks while it waits."""
+
+    def __init__(self, exchange: Any, peers: list[int], on_packet: Callable[[int, tuple], None]):
+        self.exchange, self.on_packet = exchange, on_packet
+        self._outbox: dict[int, queue.Queue] = {p: queue.Queue() for p in peers}
+        self._threads = [threading.Thread(target=self._receive, args=(p,), name=f"exogym-postlink-in-{p}", daemon=True)
+                         for p in peers]
+        self._senders = [threading.Thread(target=self._send, args=(p,), name=f"exogym-postlink-out-{p}", daemon=True)
+                         for p in peers]
+        for t in self._threads + self._senders:
+            t.start()
+
+    def send(self, dst: int, *packet: Any) -> None:
+        """Queue a packet for `dst` (pickled now: what it holds may change once this returns)."""
+        self._outbox[dst].put(pickle.dumps(packet, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _send(self, dst: int) -> None:
+        try:
+            while (data := self._outbox[dst].get()) is not None:
+                dist.send(torch.tensor([len(data)], dtype=torch.int64), dst, tag=_HEADER_TAG)
+                dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, tag=_BODY_TAG)
+        except BaseException as e:  # noqa: BLE001 - raised on the process's own thread
+            def lost(error: BaseException = e) -> None:
+                raise self.exchange.peers.lost(dst, error) from error
+            self.exchange.notify(lost)
+
+    def _receive(self, src: int) -> None:
+        try:
+            while True:
+                header = torch.empty(1, dtype=torch.int64)
+                dist.recv(header, src, tag=_HEADER_TAG)
+                body = torch.empty(int(header), dtype=torch.uint8)
+                dist.recv(body, src, tag=_BODY_TAG)
+                packet = pickle.loads(body.numpy().tobytes())
+                self.exchange.notify(lambda p=packet: self.on_packet(src, p))
+                if packet[0] in ("bye", "status") and (packet[0] == "bye" or packet[1].finished):
+                    return  # the peer's last packet
+        except BaseException as e:  # noqa: BLE001 - raised on the process's own thread
+            def lost(error: BaseException = e) -> None:
+                raise self.exchange.peers.lost(src, error) from error
+            self.exchange.notify(lost)
+
+    def join(self, timeout: float = 5.0) -> None:
+        """After the last packets: the senders send what is queued, then every thread ends."""
+        for box in self._outbox.values():
+            box.put(None)
+        for t in self._senders + self._threads:
+            t.join(timeout)
+
+
+class Hub:
+    """The hub's side of the link: the other processes' statuses and the answers sent to them, and whether the run
+    is quiescent (module docstring). `post` is the hub's post office (exogym.backends.sim.postoffice.PostOffice)."""
+
+    def __init__(self, post: Any, exchange: Any, owner: list[int], me: int):
+        self.post, self.owner, self.me = post, list(owner), me
+        self.remotes = sorted(set(self.owner) - {me})
+        self.status: dict[int, Status] = {}
+        self.answered = {p: 0 for p in self.remotes}
+        self._holders: dict[tuple[int, ...], set[int]] = {}
+        self.exchange = exchange
+        self.link = Link(exchange, self.remotes, self._on_packet)
+
+    def wait_for(self, ok: Callable[[Status], bool]) -> None:
+        """Take in the other processes' packets until each one's last status satisfies `ok`."""
+        while not all((s := self.status.get(p)) is not None and ok(s) for p in self.remotes):
+            self.exchange.wait(timeout=0.25)
+            self.exchange.check_peers()
+
+    def is_remote(self, rank: int) -> bool:
+        return rank >= 0 and self.owner[rank] != self.me
+
+    def answer(self, rank: int, payload: Any) -> None:
+        """What node `rank` (in another process) asked for: it runs again there."""
+        process = self.owner[rank]
+        self.answered[process] += 1
+        self.link.send(process, "answer", rank, payload)
+
+    def unfinished(self) -> bool:
+        return any(not (s := self.status.get(p)) or not s.finished for p in self.remotes)
+
+    def _on_packet(self, src: int, packet: tuple) -> None:
+        kind = packet[0]
+        if kind == "post":
+            self.post.push(packet[1])
+        elif kind == "ask":
+            self.post.ask(packet[1])
+        elif kind == "status":
+            self.status[src] = packet[1]
+            if packet[1].finished:
+                self.link.send(src, "bye")
+        else:
+            raise RuntimeError(f"unknown packet {kind!r} from process {src}")
+
+    def quiet(self, started: dict, open_here: set) -> bool:
+        """Whether the run is quiescent, this process having nothing to run (`started`, `open_here`: its crossings)."""
+        views = {self.me: (started, open_here)}
+        for p in self.remotes:
+            s = self.status.get(p)
+            if s is None or not s.finished and s.answers != self.answered[p]:
+                return False  # still running, or not yet past an answer
+            views[p] = (s.started, s.open)
+        for _, open_ in views.values():
+            for group, seq in open_:
+                if all(views[h][0].get(group, 0) > seq for h in self._holders_of(group)):
+                    return False  # every holder started it: it completes without the hub, and its members run
+        return True
+
+    def _holders_of(self, group: tuple[int, ...]) -> set[int]:
+        h = self._holders.get(group)
+        if h is None:
+            h = self._holders[group] = {self.owner[r] for r in group}
+        return h
+
+    def describe_waiting(self) -> list[str]:
+        return [f"  node {r}: waits in {what}" for r, (_, _, what) in sorted(self.post.wants().items())
+                if self.is_remote(r)]
+
+    def close(self) -> None:
+        self.link.join()

@@ -1,0 +1,110 @@
+"""The post office of a process of a sim run that does not hold the hub: it forwards its nodes' messages and
+observations to the hub (the process holding the server, beside node 0, exogym.backends.sim.postlink) and runs a node
+again when the hub answers. Nodes compute here in parallel with the other processes; everything they read goes
+through the hub's one event heap, in simulated-time order, as in one process."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from exogym.backends.sim.postlink import Ask, Link, Status
+from exogym.backends.sim.postoffice import arrival
+from exogym.comm.messages import Message, Server
+
+if TYPE_CHECKING:
+    from exogym.backends.sim.baton import Baton
+    from exogym.cluster.simtime import TimeModel
+
+__all__ = ["PostProxy"]
+
+
+class PostProxy:
+    """The messages of this process's nodes, by way of the hub in process `hub` (same calls as PostOffice)."""
+
+    def __init__(self, baton: "Baton", num_nodes: int, time_model: "TimeModel | None", exchange: Any, hub: int):
+        self.baton, self.num_nodes, self.hub_process, self.exchange = baton, num_nodes, hub, exchange
+        self.network = time_model.network if time_model is not None else None
+        self.server: Server | None = None  # the server runs with the hub
+        self.active = False  # a message was posted or a server declared: checkpoints pause the clocks
+        self.progress = 0  # answers taken in (the deadlock check across processes)
+        self._answers: dict[int, Any] = {}  # rank -> what the hub answered it, until it runs
+        self._awaiting: set[int] = set()
+        self._reported: Status | None = None
+        self._bye = False
+        self.link = Link(exchange, [hub], self._on_packet)
+
+    # ---- the baton's questions ------------------------------------------------------------------
+    def has_events(self) -> bool:
+        return False
+
+    def busy(self) -> bool:
+        return bool(self._awaiting)
+
+    def due(self) -> bool:
+        return False  # the hub's heap decides
+
+    def settle(self) -> None:
+        """Nothing to run here: tell the hub, once per change (after every packet sent before, in order)."""
+        status = Status(self.progress, dict(self.baton.crossings_started), frozenset(self.baton.open_crossings))
+        if status != self._reported:
+            self._reported = status
+            self.link.send(self.hub_process, "status", status)
+
+    def finish(self) -> None:
+        """Every node here is done: the last status, then the hub's goodbye (no receive is left posted)."""
+        self.link.send(self.hub_process, "status", Status(self.progress, dict(self.baton.crossings_started),
+                                                          frozenset(), finished=True))
+        while not self._bye:
+            self.exchange.wait(timeout=0.25)
+            self.exchange.check_peers()
+        self.link.join()
+
+    def _on_packet(self, src: int, packet: tuple) -> None:
+        if packet[0] == "bye":
+            self._bye = True
+            return
+        _, rank, payload = packet  # "answer"
+        self.progress += 1
+        self._answers[rank] = payload
+        self._awaiting.discard(rank)
+        self.baton.wake_receiver(rank)
+
+    # ---- what the nodes' transports call ------------------------------------------------------------
+    def post(self, message: Message) -> None:
+        message.arrives_at = arrival(self.network, message)
+        self.active = True
+        self.link.send(self.hub_process, "post", message)
+
+    def _ask(self, rank: int, at: float, op: str, src: int | None, tag: int | None, what: str) -> Any:
+        self.baton.arrivals += 1  # progress, for the watchdog
+        self.link.send(self.hub_process, "ask", Ask(rank, at, op, src, tag, what))
+        self._awaiting.add(rank)
+        self.baton.await_message(rank, what)
+        return self._answers.pop(rank)
+
+    def receive(self, rank: int, at: float, src: int | None, tag: int | None, what: Callable[[], str]) -> Message:
+        return self._ask(rank, at, "recv", src, tag, what())
+
+    def arrived(self, rank: int, at: float, src: int | None, tag: int | None) -> list[Message]:
+        return self._ask(rank, at, "poll", src, tag, f"poll at {at:.6g} s")
+
+    def read(self, rank: int, at: float, read: Callable[[Server], Any]) -> Any:
+        raise RuntimeError(f"read_server: the server runs in the process holding node 0 (process {self.hub_process}), "
+                           f"not with node {rank}; read it from node 0 (serve returns None on the other nodes), or use "
+                           "processes=1")
+
+    def serve(self, make: Callable[[], Server]) -> None:
+        self.active = True
+        return None
+
+    def cut(self, group: tuple[int, ...], count: int) -> None:
+        """A checkpoint's pause: the hub takes in this process's messages (node 0 keeps the state)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        raise RuntimeError("the messages' state is kept by node 0, with the hub")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Nothing: the hub reads the messages' state."""
+
+    def check_loaded(self) -> None:
+        """Nothing: the hub reads the messages' state."""

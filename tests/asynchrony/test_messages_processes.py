@@ -1,0 +1,152 @@
+"""Messages and the server when the sim spans processes (fit(processes=P)): the process holding node 0 keeps the
+run's one event heap (the hub), the others forward to it, and the run gives the same bits as one process:
+parameters, updates, losses, bytes and simulated times; a checkpoint with messages in flight resumes exactly; a
+recv nothing will match, a server that raises and a process that dies are errors naming them."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import toy
+from exogym import Trainer
+from exogym.comm import SERVER, MessageError, Server
+from exogym.strategy import AsyncDiLoCoStrategy, Strategy
+from exogym.strategy import communicate as comm
+
+# The strategies and settings of the one-process checkpoint tests, on three nodes: blocks of (2, 1) and (1, 1, 1),
+# so the sums of the end's global model (an all-reduce across processes, which adds each process's part) add in rank
+# order as in one process; the messages themselves are exact anyway.
+from test_async_checkpoint import FIT, STRATEGIES  # noqa: E402
+
+
+def _run(make, processes, steps=10, **kw):
+    t = Trainer(toy.TinyMLP(), toy.make_classification(256), toy.make_classification(64, seed=1))
+    model = t.fit(make(), 3, max_steps=steps, processes=processes, **{**FIT, **kw})
+    r = t.record
+    return {"params": [p.detach().clone() for p in model.parameters()], "updates": r.updates,
+            "loss": r.node_loss, "bytes": r.bytes_per_node, "received": [c.get("bytes_received") for c in r.comm_per_node],
+            "times": r.sim_time_per_node, "val": r.val, "processes": r.config["processes"]}
+
+
+def _same(a, b):
+    assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+    for key in ("updates", "loss", "bytes", "received", "times", "val"):
+        assert a[key] == b[key], key
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_one_two_and_three_processes_give_the_same_bits(name):
+    one = _run(STRATEGIES[name], 1)
+    assert one["processes"] == 1 and (one["updates"] or name.startswith("gossip"))
+    for processes in (2, 3):
+        many = _run(STRATEGIES[name], processes)
+        assert many["processes"] == processes
+        _same(one, many)
+
+
+def test_fused_execution_over_two_processes_gives_what_it_gives_in_one():
+    fused = STRATEGIES["async_diloco"]
+    _same(_run(fused, 1, execution="fused"), _run(fused, 2, execution="fused"))
+
+
+@pytest.mark.parametrize("name,every", [("async_diloco", 5), ("decoupled", 6), ("gossip_async", 5)])
+def test_a_checkpoint_with_messages_in_flight_resumes_over_two_processes_bit_identically(name, every, tmp_path):
+    make, cut = STRATEGIES[name], f"step_{every:09d}"
+    one = _run(make, 1, checkpoint_interval=every, checkpoint_dir=tmp_path / "one", keep_checkpoints=5)
+    whole = _run(make, 2, checkpoint_interval=every, checkpoint_dir=tmp_path / "whole", keep_checkpoints=5)
+    messages = torch.load(tmp_path / "whole" / cut / "node0.pt", weights_only=True)["strategy"]["messages"]
+    if name == "async_diloco":  # the server's model and version at the cut
+        assert messages["server"]["state"]["version"] > 0
+    else:  # messages in flight at the cut (decoupled: a grace window's timer or a fragment; gossip: pushes)
+        assert messages["events"]
+    resumed = _run(make, 2, checkpoint_interval=every, checkpoint_dir=tmp_path / "resumed", keep_checkpoints=5,
+                   resume_from=tmp_path / "whole" / cut)
+    _same(one, whole)
+    _same(whole, resumed)
+
+
+class Recorder(Server):
+    def receive(self, m):
+        if m.tag == 9:
+            raise ValueError("boom")
+        self.send(m.src, m.tensor * 2)
+
+
+class Talks(Strategy):
+    """Node r sends to the server and waits for its reply; node 1 (in the second process) also waits for a message
+    from node 0 with tag 7 when `wait_for_node_0`, which nobody sends."""
+
+    sends_messages = True
+
+    def __init__(self, tag=0, wait_for_node_0=False):
+        super().__init__()
+        self.tag, self.wait_for_node_0 = tag, wait_for_node_0
+
+    def _init_node(self, model, rank, num_nodes):
+        super()._init_node(model, rank, num_nodes)
+        self.optim = torch.optim.SGD(model.parameters(), lr=0.0)
+        comm.serve(Recorder)
+
+    def step(self):
+        comm.send(torch.tensor([float(self.rank)]), SERVER, tag=self.tag)
+        comm.recv(src=SERVER)
+        if self.wait_for_node_0 and self.rank == 1:
+            comm.recv(src=0, tag=7)
+        super().step()
+
+
+def _talk(strategy, processes=2):
+    Trainer(toy.TinyMLP(), toy.make_classification(64)).fit(strategy, 2, max_steps=2, batch_size=4,
+                                                            processes=processes, progress=False, logger=False)
+
+
+def test_a_recv_no_send_will_match_across_processes_is_an_error_naming_the_node():
+    with pytest.raises(MessageError, match="deadlock") as info:
+        _talk(Talks(wait_for_node_0=True))
+    assert "node 1: waits in recv from node 0 with tag 7 at step 1" in str(info.value)
+
+
+def test_a_server_that_raises_across_processes_is_an_error_naming_the_message():
+    with pytest.raises(MessageError, match=r"raised while handling message #0 from node \d to the server \(tag 9"):
+        _talk(Talks(tag=9))
+
+
+class Undeclared(Talks):
+    sends_messages = False
+
+
+def test_a_strategy_that_sends_without_declaring_it_is_told_to_across_processes():
+    with pytest.raises(MessageError, match="set the class attribute sends_messages = True"):
+        _talk(Undeclared())
+    _talk(Undeclared(), processes=1)  # in one process it needs no declaration
+
+
+class StopsOnNode2(AsyncDiLoCoStrategy):
+    """Node 2's process dies (os._exit) or stops (SIGSTOP: hung, or cut off) at its third step."""
+
+    def __init__(self, how, **kw):
+        super().__init__(**kw)
+        self.how = how
+
+    def step(self):
+        if self.rank == 2 and self.local_step == 3:
+            if self.how == "dies":
+                os._exit(3)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        super().step()
+
+
+@pytest.mark.parametrize("how", ["dies", "stops"])
+def test_a_process_that_dies_or_stops_while_the_hub_waits_is_named(how):
+    started = time.monotonic()
+    with pytest.raises(Exception) as info:
+        _run(lambda: StopsOnNode2(how, H=2, lr=1e-2), 2, steps=8, node_timeout=3)
+    text = str(info.value)
+    assert time.monotonic() - started < 60, text
+    if how == "dies":
+        assert "process 1 (nodes 2-2)'s process exited (code 3)" in text, text
+    else:  # the hub (node 0's process) waited for its status, and named it once its heartbeat stopped
+        assert "process 1 (node 2) stopped responding" in text, text
