@@ -3,8 +3,14 @@
 A process holding some of a collective's members sends its part (from its local members, in rank order) to the
 group's leader process; the leader combines the parts in process order, which is rank order (each process holds a
 contiguous block of nodes), and sends each other holder its reply; every holder writes its reply into its local
-members' tensors. Sums are summed per process, then across processes: only that reassociation differs from one
-process's rank-order sum.
+members' tensors.
+
+Sums come in two kinds. A strategy's (counted) sum is summed per process, then across processes: each process
+holds one accumulator however many of its members wait, and only that reassociation differs from one process's
+rank-order sum. An uncounted sum (a measurement: the global model that validation evaluates and `fit` returns) is
+exact: a holder other than the leader sends its members' tensors one by one (`ordered`), and the leader adds them
+to its own members' sum in rank order, which is one process's sum bit for bit; what is measured then does not
+depend on how the nodes are laid over processes, at the price of a waiting member's buffer in those holders.
 """
 
 from __future__ import annotations
@@ -29,36 +35,51 @@ def _reduce(tensors: Sequence[torch.Tensor], op: ReduceOp) -> torch.Tensor:
 
 class CollectiveParts:
     """One collective kind across processes. `part(calls)`: this process's part (None: it sends nothing);
-    `part_like(calls, n)`: an empty part of a holder with n members, to receive into (None: that holder sends
-    nothing); `combine(calls, parts, counts, group)`: the leader's replies, one per holder in process order;
-    `deliver(calls, reply, first)`: the reply into the local members' tensors (`first`: the index of this process's
-    first member in the group)."""
+    `part_like(calls, ranks)`: an empty part of the holder with members `ranks`, for the leader to receive into
+    (None: that holder sends nothing); `combine(calls, parts, counts, group)`: the leader's replies, one per holder
+    in process order; `reply_like(calls, group)`: an empty reply for this holder to receive into (None: it gets
+    none); `deliver(calls, reply, first)`: the reply into the local members' tensors (`first`: the index of this
+    process's first member in the group)."""
 
-    def __init__(self, part: Callable, part_like: Callable, combine: Callable, deliver: Callable):
-        self.part, self.part_like, self.combine, self.deliver = part, part_like, combine, deliver
+    def __init__(self, part: Callable, part_like: Callable, combine: Callable, reply_like: Callable,
+                 deliver: Callable):
+        self.part, self.part_like, self.combine = part, part_like, combine
+        self.reply_like, self.deliver = reply_like, deliver
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=False)
 
 
-# ---- all_reduce: a partial reduction per process, reduced again by the leader --------------------------------------
+# ---- all_reduce: a partial reduction per process, reduced again by the leader (ordered: the members' tensors) -----
 def _reduce_part(calls: list[CollectiveCall]) -> torch.Tensor:
     box = calls[0].args.get("fold")
-    if box is not None:  # folded as the members arrived (exogym.backends.sim.transport): the same rank-order sum
+    if box is not None:  # folded (or, ordered, stacked) as the members arrived (exogym.backends.sim.transport)
         return _cpu(box["acc"])
     return _cpu(_reduce([c.args["tensor"].to(calls[0].args["tensor"].device) for c in calls], calls[0].args["op"]))
 
 
 def _reduce_part_like(calls: list[CollectiveCall], ranks: Sequence[int]) -> torch.Tensor:
-    # Shaped as the local tensor, on the CPU; its data is never read (it may have been given back meanwhile).
+    # On the CPU; its data is never read (the local tensor may have been given back meanwhile).
+    t = calls[0].args["tensor"]
+    if calls[0].args.get("ordered"):  # that holder's members' tensors, one row each
+        return torch.empty((len(ranks), *t.shape), dtype=t.dtype)
+    return torch.empty_like(t, device="cpu")
+
+
+def _reduce_reply_like(calls: list[CollectiveCall], group: Sequence[int]) -> torch.Tensor:
     return torch.empty_like(calls[0].args["tensor"], device="cpu")
 
 
 def _reduce_combine(calls: list[CollectiveCall], parts: list[torch.Tensor], counts: list[int],
                     group: tuple[int, ...]) -> list[torch.Tensor]:
     op = calls[0].args["op"]
-    total = _reduce(parts, op)
+    if calls[0].args.get("ordered"):  # the leader's own members' sum, then every other member's tensor in rank order
+        total = parts[0].clone()
+        for rows in parts[1:]:
+            reduce_into(total, rows.unbind(0), op)
+    else:
+        total = _reduce(parts, op)
     if op is ReduceOp.AVG:
         total.div_(len(group))
     return [total] * len(parts)
@@ -82,6 +103,11 @@ def _source(calls: list[CollectiveCall]) -> torch.Tensor | None:
 def _source_like(calls: list[CollectiveCall], ranks: Sequence[int]) -> torch.Tensor | None:
     t = calls[0].args["tensor"]
     return torch.empty(t.shape, dtype=t.dtype) if calls[0].args["src"] in ranks else None
+
+
+def _source_reply_like(calls: list[CollectiveCall], group: Sequence[int]) -> torch.Tensor:
+    t = calls[0].args["tensor"]
+    return torch.empty(t.shape, dtype=t.dtype)
 
 
 def _broadcast_combine(calls, parts, counts, group):
@@ -125,6 +151,11 @@ def _scatter_like(calls: list[CollectiveCall], ranks: Sequence[int]) -> torch.Te
     return torch.empty((len(ranks), len(calls[0].args["input_list"]), *t.shape), dtype=t.dtype)
 
 
+def _scatter_reply_like(calls: list[CollectiveCall], group: Sequence[int]) -> torch.Tensor:
+    t = calls[0].args["output"]  # this holder's members' outputs
+    return torch.empty((len(calls), *t.shape), dtype=t.dtype)
+
+
 def _scatter_combine(calls, parts, counts, group):
     op = calls[0].args["op"]
     inputs = torch.cat(parts)  # [member, chunk, ...]
@@ -147,10 +178,13 @@ def _scatter_deliver(calls: list[CollectiveCall], reply: torch.Tensor, first: in
 
 
 OPS: dict[str, CollectiveParts] = {
-    "all_reduce": CollectiveParts(_reduce_part, _reduce_part_like, _reduce_combine, _copy_into_tensor),
-    "broadcast": CollectiveParts(_source, _source_like, _broadcast_combine, _copy_into_tensor),
-    "all_gather": CollectiveParts(_gather_part, _gather_like, _gather_combine, _gather_deliver),
-    "reduce_scatter": CollectiveParts(_scatter_part, _scatter_like, _scatter_combine, _scatter_deliver),
-    "barrier": CollectiveParts(lambda calls: None, lambda calls, ranks: None, lambda calls, parts, counts, group:
-                          [None] * len(parts), lambda calls, reply, first: None),
+    "all_reduce": CollectiveParts(_reduce_part, _reduce_part_like, _reduce_combine, _reduce_reply_like,
+                                  _copy_into_tensor),
+    "broadcast": CollectiveParts(_source, _source_like, _broadcast_combine, _source_reply_like, _copy_into_tensor),
+    "all_gather": CollectiveParts(_gather_part, _gather_like, _gather_combine, _gather_like, _gather_deliver),
+    "reduce_scatter": CollectiveParts(_scatter_part, _scatter_like, _scatter_combine, _scatter_reply_like,
+                                      _scatter_deliver),
+    "barrier": CollectiveParts(lambda calls: None, lambda calls, ranks: None,
+                               lambda calls, parts, counts, group: [None] * len(parts),
+                               lambda calls, group: None, lambda calls, reply, first: None),
 }

@@ -119,15 +119,9 @@ class Exchange:
             x.sends.append(dist.isend(_bytes(part), x.leader, tag=self._tag(key, 1)))
         x.reply = torch.empty(3, dtype=torch.int64)
         self._recv(x, x.reply, x.leader, phase=2, into=("reply", None))
-        like = OPS[op].part_like(calls, pending.group)
-        if like is not None:  # the reply's data: shaped as the op says for this holder
-            x.reply_data = self._reply_like(x, like)
+        x.reply_data = OPS[op].reply_like(calls, pending.group)  # shaped as the op says for this holder
+        if x.reply_data is not None:
             self._recv(x, _bytes(x.reply_data), x.leader, phase=3, into=("reply_data", None))
-
-    def _reply_like(self, x: Crossing, like: torch.Tensor) -> torch.Tensor:
-        if x.op == "reduce_scatter":  # this holder's members' outputs
-            return torch.empty((len(x.calls), *like.shape[2:]), dtype=like.dtype)
-        return like
 
     def _header(self, x: Crossing) -> torch.Tensor:
         """[key, signature, members here, steps must match, then rank, step, arrival, blocking per member]."""
@@ -233,16 +227,11 @@ class Exchange:
         start = max(_bits_float(v) for h in x.holders for v in self._arrivals(x.headers[h]))
         for h, reply in zip(x.holders[1:], replies[1:]):
             x.sends.append(dist.isend(torch.tensor([x.key, 0, _float_bits(start)]), h, tag=self._tag(x.key, 2)))
-            if reply is not None and self._wants_reply(x, h):
+            if reply is not None:  # every holder posted a receive for it (start): all ops but the barrier
                 x.sends.append(dist.isend(_bytes(reply), h, tag=self._tag(x.key, 3)))
         OPS[x.op].deliver(x.calls, replies[0], 0)
         self._complete(x, start)
         return True
-
-    def _wants_reply(self, x: Crossing, holder: int) -> bool:
-        # every holder posted a receive for the reply's data where the op has a part shape for the whole group
-        # (see start): all but the barrier
-        return OPS[x.op].part_like(x.calls, x.group) is not None
 
     def _arrivals(self, header: torch.Tensor) -> list[int]:
         n = int(header[2])

@@ -49,7 +49,7 @@ def _reduce_into(acc: torch.Tensor, others: Sequence[torch.Tensor], op: ReduceOp
         acc.div_(group_size)
 
 
-def _fold_arrivals(pending: Pending, ranks: Sequence[int]) -> None:
+def _fold_arrivals(pending: Pending, ranks: Sequence[int], stack: bool = False) -> None:
     """A sum or mean: fold each member's tensor into one accumulator as soon as every lower-ranked member's is in
     (the same rank-order sum as at completion, so the same bits), and give back the memory of a tensor that owns
     its storage until its node resumes: K nodes waiting in a reduction hold one accumulator, not K buffers.
@@ -57,7 +57,8 @@ def _fold_arrivals(pending: Pending, ranks: Sequence[int]) -> None:
     `ranks`: the group's members in this process, in rank order (the whole group, or this process's block of it
     when the group crosses processes: the accumulator is then this process's part, exogym.backends.sim.
     collective_parts, and every member here waits on the other processes, so the last one gives its memory
-    back too)."""
+    back too). `stack`: copy each tensor into a row of its own instead (an ordered sum's part in a process
+    other than the leader's, which adds the rows after its own members')."""
     first = pending.calls.get(ranks[0])
     if first is None:
         return
@@ -65,7 +66,11 @@ def _fold_arrivals(pending: Pending, ranks: Sequence[int]) -> None:
     while box["next"] < len(ranks) and ranks[box["next"]] in pending.calls:
         call = pending.calls[ranks[box["next"]]]
         t = call.args["tensor"]
-        if box["acc"] is None:
+        if stack:
+            if box["acc"] is None:
+                box["acc"] = torch.empty((len(ranks), *t.shape), dtype=t.dtype, device=t.device)
+            box["acc"][box["next"]].copy_(t)
+        elif box["acc"] is None:
             box["acc"] = t.detach().clone()
         else:
             box["acc"].add_(t.to(box["acc"].device))
@@ -227,7 +232,12 @@ class SimTransport(TransportBase):
         if name == "all_reduce" and group.size > 1 and args["op"] in (ReduceOp.SUM, ReduceOp.AVG):
             here = (group.ranks if not crossing  # across processes: this process's members fold into its part
                     else [r for r in group.ranks if self.owner[r] == self.owner[self.rank]])
-            fold = functools.partial(_fold_arrivals, ranks=here)
+            # An uncounted sum across processes is a measurement (the global model): summed member by member in
+            # rank order, as in one process (exogym.backends.sim.collective_parts); the leader folds its own.
+            ordered = crossing and not account
+            leader = crossing and self.owner[self.rank] == min(self.owner[r] for r in group.ranks)
+            call.args["ordered"] = ordered
+            fold = functools.partial(_fold_arrivals, ranks=here, stack=ordered and not leader)
         elif name == "all_gather" and group.size > 1:
             fold = _release_gather_outputs
         pending = self.baton.rendezvous(self.rank, group.ranks, call, complete, fold, settle)
