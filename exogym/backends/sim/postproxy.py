@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable
 
 from exogym.backends.sim.postlink import Ask, Link, Status
-from exogym.backends.sim.postoffice import arrival
+from exogym.backends.sim.postevents import arrival
 from exogym.comm.messages import Message, Server
 
 if TYPE_CHECKING:
