@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from exogym.backends.sim.mailboxes import Mailboxes
 from exogym.backends.sim.postevents import OBSERVE, EventHeap, Timer, arrival
 from exogym.backends.sim.postlink import Ask
-from exogym.backends.sim.serverhost import ServerHost
+from exogym.backends.sim.serverhost import ServerHost, server_state
 from exogym.cluster.network import SERVER
 from exogym.comm.messages import Message, Server
 from exogym.comm.transport import MessageError
@@ -172,6 +172,9 @@ class PostOffice:
         self._events.observe(ask.at, ask.rank, ask)
 
     def _answer(self, ask: Ask) -> None:
+        if ask.op == "read":  # the server's state now, at the node's turn, as a node here would read it
+            self.hub.answer(ask.rank, None if self.server is None else server_state(self.server, since=ask.known))
+            return
         if ask.op == "poll":
             self.hub.answer(ask.rank, self._boxes.take_arrived(ask.rank, ask.src, ask.tag))
             return

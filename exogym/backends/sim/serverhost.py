@@ -105,16 +105,15 @@ def server_state(server: Server, since: int = 0) -> dict[str, Any]:
                       "payload_bytes": stats.payload_bytes}}
 
 
-def load_server(server: Server, saved: dict[str, Any], since: int = 0) -> None:
-    """Put what server_state returned into `server` (the rows from row `since` on replace its own).
+def load_server(server: Server, saved: dict[str, Any]) -> None:
+    """Put what server_state returned (with every update row) into `server`.
 
     Args:
         server: The server to load into.
         saved: What server_state returned.
-        since: The `since` server_state was given.
     """
     server.load_state_dict(saved["state"])
-    server.now, server.updates[since:] = saved["now"], [dict(u) for u in saved["updates"]]
+    server.now, server.updates[:] = saved["now"], [dict(u) for u in saved["updates"]]
     server.stats.bytes_sent = saved["stats"]["bytes_sent"]
     server.stats.bytes_received = saved["stats"]["bytes_received"]
     server.stats.payload_bytes = saved["stats"]["payload_bytes"]
