@@ -72,10 +72,14 @@ class ReadsTheServer(Strategy):
 
     sends_messages = True
 
+    def __init__(self, server=None):
+        super().__init__()
+        self.make = server or CountingServer
+
     def _init_node(self, model, rank, num_nodes):
         super()._init_node(model, rank, num_nodes)
         self.optim = torch.optim.SGD(model.parameters(), lr=0.0)
-        self.server = serve(CountingServer)
+        self.server = serve(self.make)
 
     def step(self):
         count, total, rows, now = read_server(lambda s: (s.count, float(s.total), len(s.updates), s.now))
@@ -97,3 +101,16 @@ def test_nodes_in_other_processes_read_the_server_as_in_one_process():
         assert _reads(processes) == one, processes
     from_node_3 = [u["seen"] for u in one if u["node"] == 3]
     assert len(from_node_3) == 4 and from_node_3[-1] > from_node_3[0] > 0  # it saw the others' updates come in
+
+
+class Stateless(CountingServer):
+    """A server keeping no state of its own (Server's empty state_dict): another process cannot read it exactly."""
+
+    state_dict, load_state_dict = Server.state_dict, Server.load_state_dict
+
+
+def test_a_server_without_a_state_read_from_another_process_is_an_error_naming_what_to_define():
+    t = Trainer(toy.TinyMLP(), toy.make_classification(64))
+    with pytest.raises(Exception, match=r"read_server on node 2: .*Stateless must define state_dict\(\) and "
+                                        r"load_state_dict\(\)"):
+        t.fit(ReadsTheServer(Stateless), 3, max_steps=2, batch_size=4, processes=2, progress=False, logger=False)

@@ -101,10 +101,17 @@ class PostProxy:
         """`read(server)` as of node `rank`'s clock `at`: the hub's server state at the node's turn, in the shadow.
 
         Raises:
-            RuntimeError: the run has no server.
+            RuntimeError: the run has no server, or its class does not define state_dict and load_state_dict (what a
+                read here loads).
         """
         if self.server is None:
             raise RuntimeError("read_server: the run has no server (declare one with exogym.comm.serve)")
+        kind = type(self.server)
+        if kind.state_dict is Server.state_dict or kind.load_state_dict is Server.load_state_dict:
+            raise RuntimeError(f"read_server on node {rank}: the server runs in the process holding node 0 (process "
+                               f"{self.hub_process}), and a node of another process reads it through its state: "
+                               f"{kind.__name__} must define state_dict() and load_state_dict() holding what is read "
+                               "(checkpoints need them too), or use processes=1")
         known = len(self._rows)
         state = self._ask(rank, at, "read", None, None, f"read_server at {at:.6g} s", known)
         if state is None:
