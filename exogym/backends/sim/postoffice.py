@@ -74,9 +74,6 @@ class PostOffice:
         return self._host.handling
 
     # ---- the baton's questions --------------------------------------------------------------------
-    def has_events(self) -> bool:
-        return bool(self._events)
-
     def busy(self) -> bool:
         """Whether the baton must go on for the messages: events to happen, or (the hub) other processes running."""
         return bool(self._events) or self.hub is not None and self.hub.unfinished()

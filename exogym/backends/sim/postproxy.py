@@ -43,9 +43,6 @@ class PostProxy:
         self.link = Link(exchange, [hub], self._on_packet)
 
     # ---- the baton's questions ------------------------------------------------------------------
-    def has_events(self) -> bool:
-        return False
-
     def busy(self) -> bool:
         return bool(self._awaiting)
 
