@@ -12,12 +12,18 @@ under one lock, in that order, and torch.distributed delivers the messages of on
 the order they were sent; the receiver takes a header from any sender, then that sender's meta and tensor by its
 rank. So a sender's messages arrive in the order it sent them, each whole.
 
+A rank other than 0 reads the server (`read`) with a request of its own kind to rank 0, which the server's thread
+answers between two messages with the server's state (exogym.backends.torch.server_reads); `serve` returns a shadow
+server there, which the answer is loaded into.
+
 The end: every process sends each other a stop header after its last message and waits for everyone's; the
-server's queue is then complete, and no receive is left posted when the process group goes down.
+server's queue is then complete, and no receive is left posted when the process group goes down. Rank 0 sends its
+stops last, once its server has stopped, so that the answer to a read is in before a reader's receiver ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import threading
@@ -28,6 +34,8 @@ import torch
 import torch.distributed as dist
 
 from exogym.backends.errors import NodeTimeoutError
+from exogym.backends.torch.server_reads import (ReadRequest, ShadowPost, check_readable, decode_state, encode_state,
+                                                load_answer)
 from exogym.backends.torch.server_watch import wait_grace
 from exogym.cluster.network import SERVER
 from exogym.comm.messages import Message, Server, attach_server
@@ -36,7 +44,7 @@ from exogym.comm.transport import MessageError
 __all__ = ["TorchPostOffice"]
 
 _HEADER, _BODY = 7001, 7002  # torch.distributed tags of headers and of metas and tensors
-_MESSAGE, _STOP = 0, 1
+_MESSAGE, _STOP, _READ, _STATE = 0, 1, 2, 3  # header kinds: a message, the end, a read_server request, its answer
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8,
            torch.int8, torch.int16, torch.bool]
 
@@ -79,6 +87,9 @@ class TorchPostOffice:
         self.server_lock = threading.Lock()
         self._error: BaseException | None = None
         self._sent = 0
+        self._reads: dict[int, torch.Tensor] = {}  # read_server answers, by request number, until their reader runs
+        self._asked = 0  # read_server requests sent
+        self.closed = False
         # ---- the server watch's hook (exogym.backends.torch.server_watch) ----
         self.handling: tuple[Any, float] | None = None  # (the item the server handles, time.monotonic() it began)
 
@@ -131,6 +142,9 @@ class TorchPostOffice:
                 tensor = torch.empty(numel, dtype=_DTYPES[dtype])
                 if numel:
                     dist.recv(tensor, src_process, tag=_BODY)
+                if kind != _MESSAGE:  # a read_server request (rank 0) or its answer (its reader)
+                    self._read_arrived(kind, src, tag, seq, tensor)
+                    continue
                 message = Message(src, dst, tensor, tag, json.loads(bytes(meta.tolist()).decode()) if meta_len else {},
                                   seq=seq)
                 message.arrives_at = self.now()
@@ -183,12 +197,15 @@ class TorchPostOffice:
             self._cv.notify_all()
 
     # ---- the server ------------------------------------------------------------------------------
-    def serve(self, make: Callable[[], Server]) -> Server | None:
+    def serve(self, make: Callable[[], Server]) -> Server:
+        """The server (rank 0, which runs it on a thread) or its shadow (made by `make()` at the first call)."""
         # Every node of a run with a server receives from the start: a node that never sends (it reached a time
         # budget before its first round) still takes the others' stop headers at the end (close), so none blocks.
         self._start()
         if self.rank != 0:
-            return None
+            if self.server is None:
+                self.server = attach_server(make, ShadowPost(self.num_nodes))
+            return self.server
         if self.server is None:
             self.server = attach_server(make, self)
             self._server_thread = threading.Thread(target=self._serve_loop, name="exogym-server", daemon=True)
@@ -208,6 +225,10 @@ class TorchPostOffice:
             self.handling = (item, time.monotonic())
             try:
                 with self.server_lock, torch.no_grad():
+                    if isinstance(item, ReadRequest):  # between two messages, so the state is whole; not a message
+                        state = encode_state(server, item.known)
+                        self._send(item.rank, [_STATE, SERVER, item.rank, 0, item.number], state)
+                        continue
                     server.now = self.now()
                     if isinstance(item, tuple):
                         server.wake(item[1])
@@ -215,7 +236,7 @@ class TorchPostOffice:
                         server.stats.bytes_received += item.nbytes
                         server.receive(item)
             except BaseException as e:  # noqa: BLE001 - node 0 raises it, naming the message
-                what = item.describe() if isinstance(item, Message) else f"its timer at {item[1]:.6g} s"
+                what = item.describe() if hasattr(item, "describe") else f"its timer at {item[1]:.6g} s"
                 with self._cv:
                     self._error = MessageError(f"the server ({type(server).__name__}) raised while handling {what}: "
                                                f"{type(e).__name__}: {e}")
@@ -225,16 +246,80 @@ class TorchPostOffice:
             finally:
                 self.handling = None
 
+    # ---- read_server from a rank other than 0 (exogym.backends.torch.server_reads) ---------------------
+    def read(self, read: Callable[[Server], Any], what: str) -> Any:
+        """`read(shadow)`, the shadow loaded with the server's state as rank 0's server thread answers this node's
+        request (between two messages it handles); waits as long as a recv (node_timeout and a grace).
+
+        Raises:
+            RuntimeError: the server's class keeps no state_dict, or the run's messages have ended.
+            MessageError: no answer came in that time (a server stuck or gone), or the process group broke.
+        """
+        check_readable(self.server, self.rank)
+        if self.closed:
+            raise RuntimeError(f"read_server on node {self.rank} after the run's messages ended: the server is stopped")
+        number, self._asked = self._asked, self._asked + 1
+        known = len(self.server.updates)
+        self._send(0, [_READ, self.rank, SERVER, known, number], None)
+        wait_s = self.timeout_s + wait_grace(self.timeout_s)  # a stuck server is named first, by rank 0
+        deadline = time.monotonic() + wait_s
+        with self._cv:
+            while number not in self._reads:
+                self._raise_if_failed(what)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise MessageError(f"node {self.rank} waited {wait_s:g} s (fit's node_timeout and a grace) in "
+                                       f"{what} and the server (in rank 0's process) did not answer")
+                self._cv.wait(timeout=min(left, 1.0))
+            payload = self._reads.pop(number)
+        load_answer(self.server, decode_state(payload), known)
+        return read(self.server)
+
+    def _read_arrived(self, kind: int, src: int, known: int, number: int, payload: torch.Tensor) -> None:
+        if kind == _READ:  # rank 0: the server's thread answers it in turn with the messages
+            self._server_queue.put(ReadRequest(src, number, known))
+            return
+        with self._cv:
+            self._reads[number] = payload
+            self._cv.notify_all()
+
+    def _send(self, process: int, head: list[int], payload: torch.Tensor | None) -> None:
+        """A header of `head` (kind, src, dst, tag, seq) and a uint8 payload, in a row, to `process`."""
+        numel = 0 if payload is None else payload.numel()
+        header = torch.tensor([*head, numel, _DTYPES.index(torch.uint8), 0], dtype=torch.int64)
+        with self._send_lock:
+            dist.send(header, process, tag=_HEADER)
+            if numel:
+                dist.send(payload, process, tag=_BODY)
+
     # ---- the end ----------------------------------------------------------------------------------
     def close(self) -> None:
-        """After the node's last message: tell every other process, wait for theirs, stop the server."""
+        """After the node's last message: tell every other process, wait for theirs, stop the server. Rank 0 tells
+        the others last, once its server has answered every read (or the end failed: then at once)."""
+        self.closed = True
         if self._receiver is None:
             return
+        if self.rank != 0:
+            self._send_stops()
+            self._end()
+            return
+        try:
+            self._end()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the others end as before; this error is the run's
+                self._send_stops()
+            raise
+        self._send_stops()
+
+    def _send_stops(self) -> None:
         stop = torch.tensor([_STOP, self.rank, -2, 0, 0, 0, 0, 0], dtype=torch.int64)
         with self._send_lock:
             for process in range(self.num_nodes):
                 if process != self.rank:
                     dist.send(stop, process, tag=_HEADER)
+
+    def _end(self) -> None:
+        """Wait for every other process's stop, then stop the server (rank 0)."""
         deadline = time.monotonic() + self.timeout_s + wait_grace(self.timeout_s)  # a stuck server is named first
         with self._cv:
             while self._stops < self.num_nodes - 1:

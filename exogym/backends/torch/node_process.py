@@ -98,13 +98,15 @@ def run_hosted(plan: "RunPlan", sinks: "RunSinks", hosting: Hosting, peers: Peer
              if store is not None and hosting.processes > 1 and backend == "gloo" else None)
     try:
         node, comm, log, state = run_node(plan, sinks.live, rank, backend, peers.start, peers.timeout, store, watch)
-        if hosting.returns_model:
-            with bind_transport(comm):  # a strategy's global state may read its server (exogym.comm.read_server)
+        if hosting.returns_model and (getattr(node.strategy, "sends_messages", False) or comm.served() is not None):
+            # The global model of a strategy with messages is node 0's, computed before the messages ended (a rank
+            # other than 0 reads the server through them: exogym.backends.torch.server_reads): every rank takes it.
+            box = [state]
+            dist.broadcast_object_list(box, src=0)
+            state = box[0]
+        elif hosting.returns_model:
+            with bind_transport(comm):
                 everyone = global_state_dict(node.model, node.strategy, comm)
-            if getattr(node.strategy, "sends_messages", False):  # the server's model is with node 0: every rank takes it
-                box = [everyone]
-                dist.broadcast_object_list(box, src=0)
-                everyone = box[0]
             state = everyone if state is None else state
         if watch is not None:
             watch.finished()

@@ -140,14 +140,19 @@ class TorchTransport(TransportBase):
         return taken
 
     def serve(self, make: Any) -> Any:
+        """The server (rank 0) or its shadow (the other ranks: read_server loads it)."""
         server = self.post.serve(make)
-        if server is not None and self._server_watch is None:
+        if self.rank == 0 and self._server_watch is None:
             self._server_watch = ServerWatch(self.post, self.post.timeout_s).start()
         return server
 
     def read_server(self, read: Any) -> Any:
+        """`read(server)`: on rank 0 under the lock its handlers hold; elsewhere on the shadow, loaded with the
+        server's state as rank 0's server thread answers (exogym.backends.torch.server_reads)."""
         if self.post.server is None:
-            raise RuntimeError(f"read_server: the server runs in rank 0's process, not on node {self.rank}")
+            raise RuntimeError("read_server: the run has no server (declare one with exogym.comm.serve)")
+        if self.rank != 0:
+            return self.post.read(read, f"read_server at step {self.step}")
         while not self.post.server_lock.acquire(timeout=1.0):  # held by a handler: a stuck one is named by the watch
             if self._server_watch is not None and self._server_watch.error is not None:
                 raise self._server_watch.error
