@@ -92,8 +92,9 @@ class Server:
     process keeps the run's event heap), between the nodes' turns, at each message's arrival time (`self.now`); on
     the torch backend, on a thread of rank 0's process. Record each update it applies with
     `self.record_update(node=..., staleness=..., weight=...)` (a row of `trainer.record.updates`, with the
-    simulated time added). For `read_server` in the sim's other processes, `state_dict()` must hold every attribute
-    a node reads (their copy of the server is loaded from it).
+    simulated time added). For `read_server` away from the server (the sim's other processes, the torch backend's
+    ranks other than 0), `state_dict()` must hold every attribute a node reads (their copy of the server is loaded
+    from it).
     """
 
     rank = SERVER
@@ -314,14 +315,15 @@ def serve(make: Callable[[], Server]) -> Server | None:
     The server is made once, where it runs, and returned there. On the sim backend every node gets a server: in
     node 0's process (every process, with processes=1) the server itself; in the other processes a shadow made by
     the same factory, which never handles a message and whose attributes are only as fresh as the last
-    `read_server` of a node of that process. On the torch backend rank 0 gets the server and the other ranks None.
-    Read the server's state from a node with `read_server`, never through the returned object's attributes.
+    `read_server` of a node of that process. On the torch backend rank 0 gets the server and the other ranks a
+    shadow, alike. Read the server's state from a node with `read_server`, never through the returned object's
+    attributes.
 
     Args:
         make: A factory `make() -> Server`.
 
     Returns:
-        The Server (the sim's other processes: its shadow), or None (the torch backend's ranks other than 0).
+        The Server (the sim's other processes, the torch backend's ranks other than 0: its shadow).
     """
     return _comm.current_transport().serve(make)
 
@@ -334,7 +336,10 @@ def read_server(read: Callable[[Server], Any] | None = None) -> Any:
     depends on simulated time only). On the sim backend, from any node of any process, with the same result as with
     processes=1: in a process other than node 0's, the node asks the process holding the server for its state at
     its turn (its `state_dict()`, clock, update rows and byte counts), loads it into the shadow `serve` returned,
-    and calls `read` on the shadow. On the torch backend, only on rank 0.
+    and calls `read` on the shadow. On the torch backend, from any rank, as of wall-clock order at the server: rank 0
+    reads the server under the lock its handlers hold; another rank asks rank 0's server thread, which answers
+    between two messages it handles (every message it took before the request, including this node's earlier ones,
+    none after), and reads the answer in its shadow the same way. Reads are not counted as bytes.
 
     Args:
         read: A function of the server (default: `server.snapshot()`).
@@ -343,7 +348,9 @@ def read_server(read: Callable[[Server], Any] | None = None) -> Any:
         What `read` returned.
 
     Raises:
-        RuntimeError: the run has no server, or (torch backend) this node is not rank 0.
+        RuntimeError: the run has no server, or, read away from the server, its class does not define
+            `state_dict` and `load_state_dict`.
+        MessageError: (torch backend) rank 0's server did not answer within node_timeout and a grace.
     """
     return _comm.current_transport().read_server(read or (lambda server: server.snapshot()))
 

@@ -22,6 +22,7 @@ import os, sys, time, torch
 sys.path.insert(0, {tests!r})
 import toy
 from exogym import Trainer
+from exogym.comm import read_server
 from exogym.strategy import AsyncDiLoCoStrategy
 
 
@@ -29,6 +30,15 @@ class SlowNodeTwo(AsyncDiLoCoStrategy):
     def step(self):
         if self.rank == 2:
             time.sleep(0.04)  # a real straggler
+        super().step()
+
+
+class NodeOneReads(SlowNodeTwo):
+    reads = []  # rank 1's reads of the server's version, every 5th step it computes
+
+    def step(self):
+        if self.rank == 1 and not self.skip_compute() and self.local_step % 5 == 0:
+            self.reads.append(read_server(lambda s: s.version))  # through its shadow, from rank 0's server thread
         super().step()
 
 
@@ -45,9 +55,10 @@ if __name__ == "__main__":
     else:  # torch.optim imports torch._dynamo on its first step (seconds): before the clock of the budget starts
         torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1).step()
         t = Trainer(toy.TinyMLP(), toy.make_classification(512), toy.make_classification(64, seed=1))
-        t.fit(SlowNodeTwo(torch.optim.SGD, H=2, lr=0.05, time_budget_s=1.0), 3, max_steps=400, batch_size=8,
-              backend="torch", progress=False, logger=False, val_interval=400)
-        out = {{"updates": [u["node"] for u in t.record.updates]}}
+        model = t.fit(NodeOneReads(torch.optim.SGD, H=2, lr=0.05, time_budget_s=1.0), 3, max_steps=400,
+                      batch_size=8, backend="torch", progress=False, logger=False, val_interval=400)
+        out = {{"updates": [u["node"] for u in t.record.updates], "reads": NodeOneReads.reads,
+               "params": [p.detach().clone() for p in model.parameters()]}}
     torch.save(out, {out!r} + "." + sys.argv[1] + "." + os.environ["RANK"])
 """
 
@@ -83,3 +94,8 @@ def test_under_torchrun_the_torch_backend_sends_real_messages_and_the_fast_nodes
     # processes share this machine's cores, so a fast node's count depends on the load: only "more" is asserted)
     assert per_node[2] <= 14 and min(per_node[0], per_node[1]) > per_node[2], per_node
     assert all(r["updates"] == results[0]["updates"] for r in results)  # every rank has the whole record
+    # rank 1 read the server's version from its shadow (rank 0's server thread answering): never back, never past
+    # the final version; and every rank returns node 0's global model
+    reads = results[1]["reads"]
+    assert len(reads) >= 2 and reads == sorted(reads) and reads[-1] <= len(results[0]["updates"]), reads
+    assert all(torch.equal(a, b) for r in results for a, b in zip(r["params"], results[0]["params"]))
