@@ -1,4 +1,5 @@
-"""What a `read_server` costs, in node 0's process and in another (fit(processes=P), backend="sim").
+"""What a `read_server` costs, in node 0's process and in another (fit(processes=P), backend="sim"), or on
+backend="torch" on rank 0 and on the other ranks (--backend torch).
 
 Asynchronous DiLoCo (K nodes of the MLP 784-256-256-10, batch 32, H=10, the speeds 1.0 ... 0.25 of bench_async.py)
 whose nodes also read the server's model (`read_server(lambda s: s.theta.clone())`) every step, against the same run
@@ -7,14 +8,21 @@ round trip to it carrying the server's whole state (the model), pickled, and loa
 server. Printed: the extra wall milliseconds per read (the difference of the two runs over the reads made), the
 fastest of --repeat runs each, with the machine's load average.
 
-Usage: python benchmarks/bench_read_server.py [--nodes 4] [--steps 40] [--repeat 3] [--processes 2]
+With --backend torch (one process per node) each read is timed where it is made: on rank 0 it reads the server under
+its lock; on the other ranks it is a round trip to rank 0's server thread carrying the server's state, loaded into the
+rank's shadow. Printed: the median and mean milliseconds per read on rank 0 and on the others, over --repeat runs.
+
+Usage: python benchmarks/bench_read_server.py [--nodes 4] [--steps 40] [--repeat 3] [--processes 2] [--backend sim]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -30,6 +38,42 @@ class ReadsEveryStep(AsyncDiLoCoStrategy):
     def step(self):
         super().step()
         read_server(lambda s: s.theta.clone())
+
+
+class TimesItsReads(AsyncDiLoCoStrategy):
+    """AsyncDiLoCo whose nodes read the server's model after every step, each read timed; saved to `out`/<rank>."""
+
+    def __init__(self, out: str, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.out, self.took = out, []
+
+    def step(self):
+        super().step()
+        start = time.perf_counter()
+        read_server(lambda s: s.theta.clone())
+        self.took.append(time.perf_counter() - start)
+        if self.local_step == self.max_steps:
+            torch.save(self.took, Path(self.out) / str(self.rank))
+
+
+def torch_reads(k: int, steps: int, repeat: int) -> None:
+    took: dict[bool, list[float]] = {True: [], False: []}  # rank 0 or not -> seconds per read
+    load = os.getloadavg()[0]
+    for _ in range(repeat):
+        with tempfile.TemporaryDirectory() as out:
+            torch.manual_seed(0)
+            strategy = TimesItsReads(out, OptimSpec(torch.optim.AdamW, lr=1e-3), H=10)
+            Trainer(MLP(), make_data(k * 32 * 4)).fit(strategy, k, max_steps=steps, batch_size=32, device="cpu",
+                                                    logger=False, progress=False, backend="torch")
+            for rank in range(k):
+                took[rank == 0] += torch.load(Path(out) / str(rank))
+        load = max(load, os.getloadavg()[0])
+    print(f"backend='torch', async DiLoCo, K={k}, {steps} steps, H=10, MLP 784-256-256-10, batch 32, a read per "
+          f"node-step, {repeat} runs, {os.cpu_count()} cores, load average (1 min, highest seen) {load:.1f}\n")
+    print("| reader | reads | median ms per read | mean ms per read |\n|---|---|---|---|")
+    for zero, name in ((True, "rank 0 (under the server's lock)"), (False, "ranks 1.. (round trip, into the shadow)")):
+        print(f"| {name} | {len(took[zero])} | {statistics.median(took[zero]) * 1e3:.3f} | "
+              f"{statistics.fmean(took[zero]) * 1e3:.3f} |")
 
 
 def run(cls, k: int, steps: int, processes: int) -> float:
@@ -48,8 +92,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--backend", choices=("sim", "torch"), default="sim")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.backend == "torch":
+        torch_reads(args.nodes, args.steps, args.repeat)
+        return
     counts = (1, args.processes)
     run(ReadsEveryStep, args.nodes, 10, args.processes)  # warm-up (the processes' imports)
     load = os.getloadavg()[0]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import toy
-from exogym import Trainer
+from exogym import ServerTimeoutError, Trainer
 from exogym.comm import SERVER, Server, read_server, recv, send, serve
 from exogym.strategy import AsyncDiLoCoStrategy, Strategy
 
@@ -118,3 +118,26 @@ def test_a_server_without_a_state_read_from_another_rank_is_an_error_naming_what
     with pytest.raises(Exception, match=r"read_server on node 2: .*Stateless must define state_dict\(\) and "
                                         r"load_state_dict\(\)"):
         Trainer(toy.TinyMLP(), toy.make_classification(64)).fit(ReadsTheVersion(Stateless), 3, max_steps=2, **FIT)
+
+
+class StuckInItsState(VersionServer):
+    """Loops forever in its third state_dict: a read that rank 0's server thread never finishes answering."""
+
+    calls = 0
+
+    def state_dict(self):
+        StuckInItsState.calls += 1
+        while StuckInItsState.calls == 3:
+            time.sleep(0.01)
+        return super().state_dict()
+
+
+def test_a_read_of_a_stuck_server_ends_the_run_naming_the_server_never_a_hang():
+    start = time.monotonic()
+    with pytest.raises(ServerTimeoutError) as info:
+        Trainer(toy.TinyMLP(), toy.make_classification(64)).fit(ReadsTheVersion(StuckInItsState), 3, max_steps=12,
+                                                                node_timeout=2.0, **FIT)
+    e = info.value  # rank 0's watch names the server and the read it was answering; node 2 waits longer
+    assert e.server == "StuckInItsState" and e.handling == "read_server request #2 from node 2", e.handling
+    assert "time.sleep(0.01)" in str(e)
+    assert time.monotonic() - start < 60
