@@ -174,7 +174,7 @@ class TorchPostOffice:
                     self._mail.remove(found[0])
                     return [found[0]]
                 if not wait:
-                    self._mail = [m for m in self._mail if m not in found]
+                    self._mail = [m for m in self._mail if not any(m is f for f in found)]  # not ==: tensors
                     return found
                 left = deadline - time.monotonic()
                 if left <= 0:
