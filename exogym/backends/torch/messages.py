@@ -171,7 +171,7 @@ class TorchPostOffice:
                 self._raise_if_failed(what)
                 found = [m for m in self._mail if (src is None or m.src == src) and (tag is None or m.tag == tag)]
                 if found and wait:
-                    self._mail.remove(found[0])
+                    self._mail = [m for m in self._mail if m is not found[0]]  # not remove's ==: tensors
                     return [found[0]]
                 if not wait:
                     self._mail = [m for m in self._mail if not any(m is f for f in found)]  # not ==: tensors
