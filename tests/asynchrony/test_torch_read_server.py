@@ -5,7 +5,6 @@ rank other than 0 computes at the end is the server's; a server without a state_
 of a stuck server ends the run naming the server. Also two fixes of the torch mailbox found on the way (poll, recv)."""
 
 import time
-from pathlib import Path
 
 import pytest
 import torch

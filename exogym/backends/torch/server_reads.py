@@ -51,9 +51,9 @@ def check_readable(server: Server, rank: int) -> None:
     """
     kind = type(server)
     if kind.state_dict is Server.state_dict or kind.load_state_dict is Server.load_state_dict:
-        raise RuntimeError(f"read_server on node {rank}: the server runs in rank 0's process, and another rank reads it "
-                           f"through its state: {kind.__name__} must define state_dict() and load_state_dict() holding "
-                           "what is read (checkpoints need them too)")
+        raise RuntimeError(f"read_server on node {rank}: the server runs in rank 0's process, and another rank reads "
+                           f"it through its state: {kind.__name__} must define state_dict() and load_state_dict() "
+                           "holding what is read (checkpoints need them too)")
 
 
 def encode_state(server: Server, since: int) -> torch.Tensor:
