@@ -1,6 +1,7 @@
 """The run's server on the sim, where it runs (one process, or the hub): made once, run between the nodes' turns at
 each message's arrival time and at its timers, named while a handler runs (for the watchdog), and its state as plain
-data (a checkpoint's, and what a node in another process reads into its shadow: `server_state`, `load_server`)."""
+data (a checkpoint's, and what a node in another process reads into its shadow: `server_state`, `load_server`, from
+exogym.backends.server_state, which the torch backend shares)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any, Callable
 
 import torch
 
+from exogym.backends.server_state import load_server, server_state
 from exogym.comm.messages import Message, Server, attach_server
 from exogym.comm.transport import MessageError
 
@@ -86,34 +88,3 @@ class ServerHost:
         """
         if self._saved is not None:
             raise RuntimeError("the checkpoint holds a server's state but this run's strategy declares none")
-
-
-def server_state(server: Server, since: int = 0) -> dict[str, Any]:
-    """The server's state as plain data and tensors: its `state_dict()`, its clock, the update rows from row
-    `since` on, and its byte counts.
-
-    Args:
-        server: The server.
-        since: The update rows the reader already holds (0: all of them).
-
-    Returns:
-        What load_server takes.
-    """
-    stats = server.stats
-    return {"state": server.state_dict(), "now": server.now, "updates": [dict(u) for u in server.updates[since:]],
-            "stats": {"bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received,
-                      "payload_bytes": stats.payload_bytes}}
-
-
-def load_server(server: Server, saved: dict[str, Any]) -> None:
-    """Put what server_state returned (with every update row) into `server`.
-
-    Args:
-        server: The server to load into.
-        saved: What server_state returned.
-    """
-    server.load_state_dict(saved["state"])
-    server.now, server.updates[:] = saved["now"], [dict(u) for u in saved["updates"]]
-    server.stats.bytes_sent = saved["stats"]["bytes_sent"]
-    server.stats.bytes_received = saved["stats"]["bytes_received"]
-    server.stats.payload_bytes = saved["stats"]["payload_bytes"]

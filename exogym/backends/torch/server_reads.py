@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from exogym.backends.sim.serverhost import load_server, server_state
+from exogym.backends.server_state import load_server, server_state
 from exogym.comm.messages import Message, Server
 
 __all__ = ["ReadRequest", "ShadowPost", "check_readable", "encode_state", "decode_state", "load_answer"]
