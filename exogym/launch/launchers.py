@@ -24,6 +24,7 @@ import pickle
 import threading
 import time
 from abc import ABC, abstractmethod
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -201,6 +202,15 @@ def _import_before_the_group() -> None:
     import torch.distributed.nn.functional  # noqa: F401
 
 
+def _group_store(run: int, rank: int, world_size: int, timeout: timedelta) -> Any:
+    """The job's store (torch's env:// rendezvous: torchrun's) under a prefix of the job's `run`-th fit, for its
+    process group's rendezvous. torch.distributed names the default group "0" again once destroy_process_group has
+    run, so without it a second fit in one job would meet the first group's addresses, still in the job's store, and
+    connect to ports closed since: "Connection refused", or a wait that never ends (pytorch/pytorch#55967)."""
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+    return dist.PrefixStore(f"exogym/group/{run}", store)
+
+
 def _end_group(peer_lost: bool) -> None:
     """Destroy this process's process group; after a peer stopped responding, without running its destructor.
 
@@ -259,7 +269,8 @@ class Torchrun(Launcher):
             _import_before_the_group()
             # Each process has a GPU of its own (LOCAL_RANK): its own nodes' devices choose the group's backend.
             dist.init_process_group(self.backend.group_backend([plan.devices[r] for r in hosting.nodes]),
-                                    init_method="env://", rank=env.rank, world_size=env.world_size, timeout=timeout)
+                                    store=_group_store(_torchrun_runs, env.rank, env.world_size, timeout),
+                                    rank=env.rank, world_size=env.world_size, timeout=timeout)
         elif dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
             raise ValueError(f"torch.distributed is already initialised with rank {dist.get_rank()} of "
                              f"{dist.get_world_size()}, but RANK={env.rank}, WORLD_SIZE={env.world_size}; call "
