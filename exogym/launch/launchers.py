@@ -342,6 +342,12 @@ class Torchrun(Launcher):
                 if gone:
                     how = (f"its beat stopped, and then this rank was stopped ({error})" if interrupted else None)
                     error = watch.lost(gone[0], error, how)
+        if interrupted and not isinstance(error, PeerLostError):
+            # torchrun stops every rank once one exited with an error, which it posted first: that error is how the
+            # run ended (a stop noticed before the peer's failure reached this rank would say "interrupted")
+            theirs = self._posted_failure(store, key, error)
+            if theirs is not None:
+                return theirs
         if not isinstance(error, PeerLostError):
             with contextlib.suppress(Exception):
                 store.set(f"{key}/failed/{self.environment.rank}", pickle.dumps(error))
@@ -356,6 +362,20 @@ class Torchrun(Launcher):
                     theirs.__cause__ = error
                     return theirs
         return error
+
+    def _posted_failure(self, store: Any, key: str, error: BaseException) -> BaseException | None:
+        """The error another rank posted before it exited (not an interrupt of its own), with a note that this rank
+        was then stopped by `error`; None when none posted one."""
+        for rank in range(self.environment.world_size):
+            name = f"{key}/failed/{rank}"
+            with contextlib.suppress(Exception):
+                if rank != self.environment.rank and store.check([name]):
+                    theirs = pickle.loads(store.get(name))
+                    if isinstance(theirs, BaseException) and not isinstance(theirs, KeyboardInterrupt):
+                        theirs.add_note(f"(raised by rank {rank}; then torchrun stopped rank "
+                                        f"{self.environment.rank}: {error!r})")
+                        return theirs
+        return None
 
     def _relay(self, sinks: "RunSinks", store: Any, key: str, timeout: Any) -> tuple["RunSinks", RelayReader | None]:
         """Under the sim every process's rows reach the main process's loggers as they are flushed (through the
