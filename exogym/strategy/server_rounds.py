@@ -186,7 +186,7 @@ class ServerRoundsStrategy(TimeBudget, Strategy):
         self._steps, self._round_began = 0, msg.now()
 
     @torch.no_grad()
-    def rejoin_from_server(self) -> None:
+    def rejoin_alone(self) -> None:
         """A node coming back after being down: its unsent round is lost; it asks the server for the global model
         (an empty request, the model back) and starts a round from it. Nobody else waits."""
         msg.send(torch.zeros(0, dtype=self._start.dtype), msg.SERVER, tag=JOIN)
