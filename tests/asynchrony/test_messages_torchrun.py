@@ -30,8 +30,8 @@ from exogym.strategy import AsyncDiLoCoStrategy, DiLoCoStrategy
 
 class SlowNodeTwo(AsyncDiLoCoStrategy):
     def step(self):
-        if self.rank == 2:
-            time.sleep(0.04)  # a real straggler
+        if self.rank == 2 and not self.skip_compute():  # a real straggler (not in the steps past its budget)
+            time.sleep(0.04)
         super().step()
 
 

@@ -11,10 +11,10 @@ from exogym.strategy import AsyncDiLoCoStrategy
 
 
 class SlowNodeTwo(AsyncDiLoCoStrategy):
-    """AsyncDiLoCo whose node 2 sleeps 40 ms every step (a real straggler)."""
+    """AsyncDiLoCo whose node 2 sleeps 40 ms every step it computes (a real straggler)."""
 
     def step(self):
-        if self.rank == 2:
+        if self.rank == 2 and not self.skip_compute():  # not in the steps it sits out past its budget
             time.sleep(0.04)
         super().step()
 
