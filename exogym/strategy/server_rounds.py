@@ -205,7 +205,8 @@ class ServerRoundsStrategy(TimeBudget, Strategy):
         barrier()
 
     def global_state(self) -> Mapping[str, torch.Tensor]:
-        """The server's theta as of this node's clock (on a node away from the server: the last one received)."""
+        """The server's theta as of this node's clock (on the torch backend's ranks other than 0, which have no
+        server: the last theta this node received)."""
         theta = self._start if self.server is None else msg.read_server(lambda s: s.theta.clone())
         state = {name: chunk.view_as(p).to(p.device, p.dtype) for name, p, chunk in
                  zip(self._names, self._params, theta.split([p.numel() for p in self._params]))}
