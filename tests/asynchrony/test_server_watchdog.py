@@ -118,7 +118,8 @@ if __name__ == "__main__":
 def test_a_server_stuck_under_torchrun_is_named_by_its_rank_and_no_rank_hangs(tmp_path):
     # Three processes, the server on a thread of rank 0's: rank 0 names the server and the message once its handler
     # has run node_timeout (2 s); ranks 1 and 2, waiting for its answer, give up node_timeout and a grace (5 s)
-    # later, so rank 0's error is torchrun's first failure. Each rank catches its error and writes it down.
+    # after they began to wait, so rank 0's error is torchrun's first failure (or they raise rank 0's error, posted
+    # in the job's store, if rank 0's exit reaches them first). Each rank catches its error and writes it down.
     here = Path(__file__).resolve().parent
     script = tmp_path / "train.py"
     script.write_text(TORCHRUN_SCRIPT.format(tests=str(here.parent), asynchrony=str(here)))
@@ -126,11 +127,12 @@ def test_a_server_stuck_under_torchrun_is_named_by_its_rank_and_no_rank_hangs(tm
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
                            str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    zero, *others = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
-    assert zero["error"] == "ServerTimeoutError" and zero["server"] == "StuckOnce", zero
-    assert "to the server (tag 3" in zero["handling"] and "node_timeout=2 s" in zero["text"]
-    assert "time.sleep(0.01)" in zero["text"]  # the server thread's stack
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    zero, *others = ranks
+    assert zero["error"] == "ServerTimeoutError" and zero["server"] == "StuckOnce", ranks
+    assert "to the server (tag 3" in zero["handling"] and "node_timeout=2 s" in zero["text"], ranks
+    assert "time.sleep(0.01)" in zero["text"], ranks  # the server thread's stack
     for r, other in enumerate(others, 1):  # not gloo's timeout at node_timeout, racing rank 0's error
-        assert other["error"] == "MessageError", other
-        assert f"node {r} waited 7 s (fit's node_timeout and a grace) in recv from the server" in other["text"]
-        assert other["took"] > zero["took"], (zero["took"], other["took"])
+        waited = f"node {r} waited 7 s (fit's node_timeout and a grace) in recv from the server"
+        assert (other["error"] == "MessageError" and waited in other["text"]) or other["server"] == "StuckOnce", ranks
+    assert all(r["took"] < 60 for r in ranks), ranks
