@@ -202,6 +202,9 @@ def test_on_the_torch_backend_a_strategy_that_sends_messages_refuses_slowdowns_b
               slowdowns=[(0, 0.0, 4.0, 2.0)], logger=True, run_name="refused",
               **{k: v for k, v in FIT.items() if k != "logger"})
     assert not (tmp_path / "logs").exists()
+    with pytest.raises(ValueError, match="node_speeds= cannot slow AsyncDiLoCoStrategy on backend='torch'"):
+        t.fit(AsyncDiLoCoStrategy(OptimSpec(torch.optim.SGD, lr=0.25), H=2), 3, max_steps=4, backend="torch",
+              node_speeds=[1.0, 0.5, 0.25], **FIT)
 
 
 def test_the_command_line_draws_slowdowns_from_its_seed(tmp_path, monkeypatch):
