@@ -19,6 +19,14 @@ server there, which the answer is loaded into.
 The end: every process sends each other a stop header after its last message and waits for everyone's; the
 server's queue is then complete, and no receive is left posted when the process group goes down. Rank 0 sends its
 stops last, once its server has stopped, so that the answer to a read is in before a reader's receiver ends.
+
+How long the receiver waits for the next header: without limit (`_NEVER`), not the process group's timeout
+(node_timeout). Hearing nothing for a while is no fault: a node of an asynchronous strategy hears only the server's
+answer to its last round, and a round of many steps may take longer than node_timeout, which bounds one step. A
+gloo receive that times out also breaks the process's every link ("Application timeout caused pair closure"), so the
+receiver cannot wait in slices either. What a node waits for is bounded where it waits (`take`, `close`:
+node_timeout and a grace), a peer that dies closes the connection, which ends the receiver's wait, and one that
+stops is named by the peer watch.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import json
 import queue
 import threading
 import time
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -45,6 +54,7 @@ __all__ = ["TorchPostOffice"]
 
 _HEADER, _BODY = 7001, 7002  # torch.distributed tags of headers and of metas and tensors
 _MESSAGE, _STOP, _READ, _STATE = 0, 1, 2, 3  # header kinds: a message, the end, a read_server request, its answer
+_NEVER = timedelta(days=365)  # the receiver's wait for the next header (see above)
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8,
            torch.int8, torch.int16, torch.bool]
 
@@ -109,7 +119,7 @@ class TorchPostOffice:
         tensor = message.tensor.detach().to("cpu").contiguous()
         meta = torch.frombuffer(bytearray(json.dumps(message.meta).encode()), dtype=torch.uint8)
         header = torch.tensor([_MESSAGE, message.src, message.dst, message.tag, message.seq, tensor.numel(),
-                               _DTYPES.index(tensor.dtype), meta.numel()], dtype=torch.int64)
+                               _DTYPES.index(tensor.dtype), meta.numel(), self.rank], dtype=torch.int64)
         with self._send_lock:  # header, meta, tensor in a row: the receiver takes them by our rank
             dist.send(header, process, tag=_HEADER)
             if meta.numel():
@@ -128,9 +138,9 @@ class TorchPostOffice:
     def _receive_loop(self) -> None:
         try:
             while self._stops < self.num_nodes - 1:
-                header = torch.empty(8, dtype=torch.int64)
-                src_process = dist.recv(header, tag=_HEADER)
-                kind, src, dst, tag, seq, numel, dtype, meta_len = header.tolist()
+                header = torch.empty(9, dtype=torch.int64)
+                dist.irecv(header, tag=_HEADER).wait(timeout=_NEVER)  # from any process, which the header names
+                kind, src, dst, tag, seq, numel, dtype, meta_len, src_process = header.tolist()
                 if kind == _STOP:
                     with self._cv:
                         self._stops += 1
@@ -286,7 +296,7 @@ class TorchPostOffice:
     def _send(self, process: int, head: list[int], payload: torch.Tensor | None) -> None:
         """A header of `head` (kind, src, dst, tag, seq) and a uint8 payload, in a row, to `process`."""
         numel = 0 if payload is None else payload.numel()
-        header = torch.tensor([*head, numel, _DTYPES.index(torch.uint8), 0], dtype=torch.int64)
+        header = torch.tensor([*head, numel, _DTYPES.index(torch.uint8), 0, self.rank], dtype=torch.int64)
         with self._send_lock:
             dist.send(header, process, tag=_HEADER)
             if numel:
@@ -312,7 +322,7 @@ class TorchPostOffice:
         self._send_stops()
 
     def _send_stops(self) -> None:
-        stop = torch.tensor([_STOP, self.rank, -2, 0, 0, 0, 0, 0], dtype=torch.int64)
+        stop = torch.tensor([_STOP, self.rank, -2, 0, 0, 0, 0, 0, self.rank], dtype=torch.int64)
         with self._send_lock:
             for process in range(self.num_nodes):
                 if process != self.rank:
