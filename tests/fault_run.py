@@ -17,13 +17,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from exogym import Trainer  # noqa: E402
+from exogym.backends.peer_watch import MIN_PEER_TIMEOUT  # noqa: E402
 from exogym.strategy import DiLoCoStrategy  # noqa: E402
 from exogym.strategy.optim import OptimSpec  # noqa: E402
 from faulty import FailOnNode  # noqa: E402
 from toy import TinyMLP  # noqa: E402
 
 MAX_STEPS, CHECKPOINT_INTERVAL, BATCH = 30, 4, 16
-PEER_TIMEOUT = 10.0  # peer_timeout of the runs over several processes: a stopped process is named this soon
+# peer_timeout of the runs over several processes: a stopped process is named this soon (the shortest fit takes)
+PEER_TIMEOUT = MIN_PEER_TIMEOUT
 NODE_TIMEOUT = 120.0  # their node_timeout: far longer, so that a stopped process is named by the peer timeout
 
 

@@ -117,8 +117,11 @@ def test_a_run_whose_disk_fills_up_at_a_random_point_loses_nothing_it_completed(
 # ---- across processes: fit(processes=2), fit(backend="torch"), and torchrun with two processes -----------------
 # Node 1, in a process of its own (process 1, torchrun's rank 1), raises at a drawn step, or its process is SIGKILLed
 # (a process or machine dies) or SIGSTOPped (hung, or cut off by a partition: named within peer_timeout). The main
-# process holds the run folder: its rows must be whole and consecutive, equal to the uninterrupted run's (over the
-# same launcher), the run must end as failed, and resuming must give the uninterrupted run's rows. Under torchrun,
+# process holds the run folder: its rows must be whole and consecutive, equal to the uninterrupted run's, the run
+# must end as failed, and resuming must give the uninterrupted run's rows. The uninterrupted run is the one-process
+# run above: a run over processes=2, the torch backend or torchrun gives its rows bit for bit (the sim-vs-torch and
+# 1-vs-P equivalences), so the comparison shows that too; torchrun with the torch backend reads other data (its
+# ranks seed their data apart) and has an uninterrupted run of its own. Under torchrun,
 # rank 0 (node 0, which holds the run folder) SIGSTOPped too ("node0-SIGSTOP"): rank 1 names it and ends; torchrun
 # then kills rank 0, so the folder says nothing of how the run ended, and resuming gives the uninterrupted rows.
 # Each run of the suite tries SUITE_CASES; EXOGYM_FAULT_LOOP=1 tries every case (the 10-loop check in
@@ -142,9 +145,12 @@ def _run(launch: str, kind: str, step: int, where: Path, timeout: float = 150) -
                           timeout=timeout)
 
 
+AS_ONE_PROCESS = ("processes", "torch", "torchrun")  # launches whose uninterrupted rows are one process's
+
+
 @pytest.fixture(scope="module")
-def uninterrupted_over(tmp_path_factory):
-    runs: dict[str, list[dict[str, str]]] = {}
+def uninterrupted_over(tmp_path_factory, uninterrupted):
+    runs: dict[str, list[dict[str, str]]] = {launch: uninterrupted for launch in AS_ONE_PROCESS}
 
     def rows(launch: str) -> list[dict[str, str]]:
         if launch not in runs:
