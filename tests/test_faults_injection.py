@@ -41,8 +41,12 @@ def table(run: Path) -> list[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> list[dict[str, str]]:
-    where = tmp_path_factory.mktemp("uninterrupted")
-    subprocess.run([sys.executable, str(SCRIPT), "none", "0"], cwd=where, check=True, timeout=120)
+    where, back = tmp_path_factory.mktemp("uninterrupted"), os.getcwd()
+    os.chdir(where)  # the run writes logs/r in the working folder; in this process (one process, one thread)
+    try:
+        fault_run.fit()
+    finally:
+        os.chdir(back)
     return table(where / "logs" / "r")
 
 
@@ -73,10 +77,7 @@ def test_a_run_stopped_at_a_random_step_loses_nothing_it_completed(kind, step, t
     newest = find_checkpoint(run)
     assert int(newest.name.removeprefix("step_")) == (step - 1) // fault_run.CHECKPOINT_INTERVAL * \
         fault_run.CHECKPOINT_INTERVAL
-    resumed = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(SCRIPT.parent)!r}); "
-                              f"import fault_run; fault_run.fit(resume_from={str(run)!r})"], cwd=tmp_path,
-                             capture_output=True, text=True, timeout=120)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    fault_run.resume(str(run))  # in this process: the stopped one is gone
     assert [[r[k] for k in COMPARED] for r in table(run)] == [[r[k] for k in COMPARED] for r in uninterrupted]
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"
     shutil.rmtree(run)
@@ -85,7 +86,7 @@ def test_a_run_stopped_at_a_random_step_loses_nothing_it_completed(kind, step, t
 DISK_KB = random.Random("disk").randint(100, 260)  # a whole run needs about 300 KB at its peak: it fills mid-run
 
 
-def test_a_run_whose_disk_fills_up_at_a_random_point_loses_nothing_it_completed(tmp_path, uninterrupted):
+def test_a_run_whose_disk_fills_up_at_a_random_point_loses_nothing_it_completed(tmp_path, uninterrupted, monkeypatch):
     why = small_disk_unavailable()
     if why is not None:
         pytest.skip(why)
@@ -107,10 +108,8 @@ def test_a_run_whose_disk_fills_up_at_a_random_point_loses_nothing_it_completed(
     assert marker["status"] == "failed", marker
     newest = find_checkpoint(run)
     load_checkpoint(newest, read_manifest(newest), devices=[torch.device("cpu")] * 2)
-    resumed = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(SCRIPT.parent)!r}); "
-                              "import fault_run; fault_run.fit(resume_from='logs/r')"], cwd=out,
-                             capture_output=True, text=True, timeout=120)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    monkeypatch.chdir(out)
+    fault_run.resume()  # in this process, from the copy (logs/r)
     assert [[r[k] for k in COMPARED] for r in table(run)] == [[r[k] for k in COMPARED] for r in uninterrupted]
 
 
@@ -196,7 +195,10 @@ def test_a_process_lost_at_a_random_step_loses_nothing_the_run_completed(launch,
             assert "RuntimeError: example" in summary["error"], summary["error"]
     if step - 1 < fault_run.CHECKPOINT_INTERVAL:
         return  # stopped before its first checkpoint: nothing to resume from
-    resumed = _run(launch, "resume", 0, tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    if launch.startswith("torchrun"):
+        resumed = _run(launch, "resume", 0, tmp_path)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+    else:  # processes=2 or the torch backend, started from this process
+        fault_run.resume(str(run), launch)
     assert [[r[k] for k in COMPARED] for r in table(run)] == [[r[k] for k in COMPARED] for r in uninterrupted]
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"
