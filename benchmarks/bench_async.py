@@ -10,8 +10,9 @@ runs interleaved in one process (the fastest of --repeat counts).
 With --processes P: asynchronous DiLoCo on one process against the same run over P processes (fit(processes=P): the
 process holding node 0 keeps the event heap, the others forward to it; exogym.backends.sim.postlink), its wall
 seconds per node-step and the ratio, with the machine's load average (the runs give the same bits; compute between
-observations runs in parallel, every event waits for the whole run to be quiescent).
-Usage: python benchmarks/bench_async.py [--nodes 16] [--steps 100] [--repeat 3] [--processes P]
+observations runs in parallel, every event waits for the whole run to be quiescent). --model cnn: the small CNN of
+benchmarks/workload.py instead (more compute per step, against the same round trips to the hub).
+Usage: python benchmarks/bench_async.py [--nodes 16] [--steps 100] [--repeat 3] [--processes P] [--model mlp|cnn]
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ import torch
 
 from exogym import Trainer
 from exogym.strategy import AsyncDiLoCoStrategy, DiLoCoStrategy, OptimSpec
-from workload import MLP, make_data
+from workload import MLP, SmallCNN, make_data
+
+MODELS = {"mlp": (MLP, "MLP 784-256-256-10"), "cnn": (SmallCNN, "small CNN")}
 
 
-def run(make, k: int, steps: int, processes: int = 1) -> float:
+def run(make, k: int, steps: int, processes: int = 1, model: str = "mlp") -> float:
     torch.manual_seed(0)
-    trainer = Trainer(MLP(), make_data(k * 32 * 4))
+    trainer = Trainer(MODELS[model][0](), make_data(k * 32 * 4))
     speeds = [1.0 - 0.75 * i / max(1, k - 1) for i in range(k)]
     start = time.perf_counter()
     trainer.fit(make(), k, max_steps=steps, batch_size=32, network="home", node_speeds=speeds, device="cpu",
@@ -44,6 +47,7 @@ def main() -> None:
     parser.add_argument("--H", type=int, default=10)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--processes", type=int, default=1)
+    parser.add_argument("--model", choices=sorted(MODELS), default="mlp")
     args = parser.parse_args()
     torch.set_num_threads(1)
     adamw = OptimSpec(torch.optim.AdamW, lr=1e-3)
@@ -53,11 +57,11 @@ def main() -> None:
     makes = {"sync DiLoCo": lambda: DiLoCoStrategy(adamw, H=args.H),
              "async DiLoCo": lambda: AsyncDiLoCoStrategy(adamw, H=args.H)}
     best = {name: float("inf") for name in makes}
-    run(makes["sync DiLoCo"], args.nodes, args.H)  # warm-up
+    run(makes["sync DiLoCo"], args.nodes, args.H, model=args.model)  # warm-up
     for _ in range(args.repeat):
         for name, make in makes.items():
-            best[name] = min(best[name], run(make, args.nodes, args.steps))
-    print(f"K={args.nodes}, {args.steps} steps, H={args.H}, MLP 784-256-256-10, batch 32, one thread\n")
+            best[name] = min(best[name], run(make, args.nodes, args.steps, model=args.model))
+    print(f"K={args.nodes}, {args.steps} steps, H={args.H}, {MODELS[args.model][1]}, batch 32, one thread\n")
     print("| run | ms per node-step | vs sync DiLoCo |\n|---|---|---|")
     for name in makes:
         print(f"| {name} | {best[name] * 1e3:.3f} | {best[name] / best['sync DiLoCo']:.3f}x |")
@@ -66,13 +70,13 @@ def main() -> None:
 def compare_processes(make, args: argparse.Namespace) -> None:
     counts = (1, args.processes)
     best = {p: float("inf") for p in counts}
-    run(make, args.nodes, args.H, args.processes)  # warm-up (the processes' imports)
+    run(make, args.nodes, args.H, args.processes, args.model)  # warm-up (the processes' imports)
     load = os.getloadavg()[0]
     for _ in range(args.repeat):
         for p in counts:
-            best[p] = min(best[p], run(make, args.nodes, args.steps, p))
+            best[p] = min(best[p], run(make, args.nodes, args.steps, p, args.model))
     load = max(load, os.getloadavg()[0])
-    print(f"async DiLoCo, K={args.nodes}, {args.steps} steps, H={args.H}, MLP 784-256-256-10, batch 32, "
+    print(f"async DiLoCo, K={args.nodes}, {args.steps} steps, H={args.H}, {MODELS[args.model][1]}, batch 32, "
           f"{os.cpu_count()} cores, load average (1 min, highest seen) {load:.1f}\n")
     print("| processes | ms per node-step | vs processes=1 |\n|---|---|---|")
     for p in counts:

@@ -10,7 +10,8 @@ inside the run (so start-up, forking and the process group's rendezvous are repo
   synchronisation (DDP: the gradients every step; DiLoCo: the parameters every H steps, then an outer Nesterov
   SGD step), no simulator at all.
 Workloads: the 784-256-256-10 MLP and the small CNN of benchmarks/workload.py, batch 32 per node, and exogym's
-small GPT (4 layers, width 128, 8 sequences x 64 tokens per node; --memory only), AdamW; DDP, and DiLoCo with H=10.
+small GPT (4 layers, width 128, 8 sequences x 64 tokens per node; --memory only), AdamW; DDP, and DiLoCo with H=10
+(--memory also: gossip on a ring, H=10).
 Ratios are to "1 proc, 1 thr" and, for "2 procs", to the plain loop.
 --memory: per simulating process, 1 process against each of 2, two measures side by side (Linux):
 - resident: its peak resident memory above that of an idle process which imported torch and exogym (measured the
@@ -23,6 +24,7 @@ Ratios are to "1 proc, 1 thr" and, for "2 procs", to the plain loop.
 Usage: python benchmarks/bench_processes.py [--models mlp cnn] [--nodes 8 16 64] [--strategies ddp diloco]
        [--seconds 10]
        python benchmarks/bench_processes.py --memory [--models mlp cnn gpt] [--nodes 16 64]
+       [--strategies ddp diloco gossip]
 """
 
 from __future__ import annotations
@@ -48,9 +50,11 @@ BATCH, H = 32, 10
 
 
 def strategy(name: str):
-    from exogym.strategy import DiLoCoStrategy, OptimSpec, SimpleReduceStrategy
+    from exogym.strategy import DiLoCoStrategy, GossipStrategy, OptimSpec, SimpleReduceStrategy
 
     spec = OptimSpec(torch.optim.AdamW, lr=1e-3)
+    if name == "gossip":  # messages between ring neighbours every H steps; the global model is the nodes' mean
+        return GossipStrategy(spec, topology="ring", H=H)
     return SimpleReduceStrategy(spec) if name == "ddp" else DiLoCoStrategy(spec, H=H)
 
 
@@ -219,7 +223,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=None, choices=["mlp", "cnn", "gpt"],
                         help="default: mlp cnn (--memory: mlp cnn gpt)")
     parser.add_argument("--nodes", type=int, nargs="+", default=[8, 16, 64])
-    parser.add_argument("--strategies", nargs="+", default=["ddp", "diloco"], choices=["ddp", "diloco"])
+    parser.add_argument("--strategies", nargs="+", default=["ddp", "diloco"], choices=["ddp", "diloco", "gossip"],
+                        help="gossip: --memory only (the plain loop has no gossip)")
     parser.add_argument("--seconds", type=float, default=10.0, help="aim for runs at least this long (timed part)")
     parser.add_argument("--memory", action="store_true",
                         help="instead: peak resident memory per simulating process, 1 process against 2 (20 steps)")
@@ -228,6 +233,8 @@ def main() -> None:
     if args.child:
         mode, model, k, name, steps, warmup = args.child
         return child(mode, model, int(k), name, int(steps), int(warmup))
+    if "gossip" in args.strategies and not args.memory:
+        parser.error("--strategies gossip is measured with --memory only")
     if args.memory:
         idle = measure("idle", "mlp", 1, "ddp", 1, 1)
         print(f"per simulating process (the caller apart), 20 steps, one thread each: peak resident MB above an idle "

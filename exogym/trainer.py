@@ -195,9 +195,9 @@ class Trainer:
                 block of the nodes (sizes differ by at most one) with torch's threads divided among them;
                 collectives whose members sit in several processes cross between them over torch.distributed
                 (gloo). Under torchrun with more than one process, `backend="sim"` runs this way on torchrun's
-                processes. Results agree with one process to float rounding (only sums across processes
-                reassociate); bytes and simulated time are exactly those of one
-                ([processes](../processes.md)).
+                processes. Bytes, simulated time, messages, the server and the global model's mean are
+                exactly those of one process; a strategy's own sums are summed per process, then across
+                processes, so they agree with one process to float rounding ([processes](../processes.md)).
             ignored_settings: Settings that had no effect, handed on by an adapter of the original's spellings
                 (`exogym.adapters`): `{name: (value, why)}`, listed apart in `config.json` under `"ignored"`.
 

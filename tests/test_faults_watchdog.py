@@ -128,12 +128,12 @@ def test_off_the_main_thread_a_python_loop_is_still_stopped():
 
 
 def test_a_node_that_catches_the_interrupt_and_moves_on_is_told_so_and_not_ended(capsys):
-    progress, stuck = [(1, 0, STUCK_STEP)], []
+    progress, stuck = [(1, 0, STUCK_STEP, None)], []
     with Watchdog(0.2, lambda: progress[0], on_stuck=stuck.append, grace=0.3):
         try:
             time.sleep(30)
         except WatchdogInterrupt:  # what a node must not do; then it makes progress again
-            progress[0] = (1, 1, STUCK_STEP + 1)
+            progress[0] = (1, 1, STUCK_STEP + 1, None)
         time.sleep(1.0)  # past the grace: the process would have ended, were the node still stuck
     assert stuck == []
     assert "node 1 caught the watchdog's interrupt" in capsys.readouterr().err

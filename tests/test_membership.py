@@ -195,6 +195,15 @@ def test_global_model_excludes_nodes_that_are_down_even_node_0():
         assert torch.equal(got.detach(), want)  # from node 1, the one up, not node 0's stale copy
 
 
+def test_with_node_0_down_mid_round_the_global_validation_is_the_outer_model():
+    # DiLoCo, H=4, node 0 down for steps 2..6: at step 3 no outer step has happened, so the global model is the
+    # initial one and its validation loss is step 0's, bit for bit (node 1 sends its outer copy, not its inner model)
+    t = Trainer(TinyMLP(), make_classification(256), make_classification(64, seed=1))
+    t.fit(DiLoCoStrategy(H=4), 3, max_steps=8, failures=[(0, 2, 7)], **{**FIT, "val_interval": 3})
+    rows = {r["step"]: r["global_loss"] for r in t.record.val}
+    assert rows[3] == rows[0]
+
+
 @pytest.mark.parametrize("make", [
     lambda: SimpleReduceStrategy(lr=0.01),
     lambda: DiLoCoStrategy(H=4, lr=0.01),

@@ -62,6 +62,39 @@ def test_a_node_that_never_reaches_its_collective_is_named_with_its_step_and_sta
     assert time.monotonic() - started < 60  # stopped, not hung
 
 
+FORWARDS = [None]  # batched forwards since the nodes started (a fused step calls the model once for every node)
+
+
+class CountsItsNodes(SimpleReduceStrategy):
+    def _init_node(self, model, rank, num_nodes):
+        super()._init_node(model, rank, num_nodes)
+        FORWARDS[0] = 0  # the set-up's probes of the model are behind
+
+
+class SpinsInItsSecondBatchedForward(toy.TinyMLP):
+    def forward(self, batch):
+        if FORWARDS[0] is not None:
+            FORWARDS[0] += 1
+            if FORWARDS[0] == 2:
+                spin_without_reaching_a_collective()
+        return super().forward(batch)
+
+
+def test_a_batched_step_that_never_finishes_under_fused_execution_is_named_with_its_nodes_and_stack():
+    FORWARDS[0] = None
+    started = time.monotonic()
+    t = Trainer(SpinsInItsSecondBatchedForward(), toy.make_classification(96))
+    with pytest.raises(NodeTimeoutError) as info:
+        t.fit(CountsItsNodes("sgd", lr=0.1), 3, batch_size=4, progress=False, device="cpu", logger=False,
+              max_steps=6, node_timeout=3.0, execution="fused", val_interval=100)
+    msg = str(info.value)
+    assert info.value.rank == 0 and info.value.step == 2
+    assert "the batched step of nodes [0, 1, 2] (fused execution; node 0 at step 2)" in msg, msg
+    assert "in the batched step: nodes [0, 1, 2]" in msg
+    assert "node_timeout=3 s" in msg and "in spin_without_reaching_a_collective" in msg  # and its stack
+    assert time.monotonic() - started < 60  # stopped, not hung
+
+
 def test_long_steps_below_the_timeout_do_not_fire():
     # Node 0 holds the baton 1.3 s in each of 2 steps: 2.6 s in all, longer than the timeout, each step below it.
     _fit(SlowSteps("sgd", lr=0.1, seconds=1.3), max_steps=2, node_timeout=2.0)

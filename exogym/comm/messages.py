@@ -90,9 +90,10 @@ class Server:
     Subclass it and implement `receive(message)`; reply with `self.send(dst, tensor, tag=..., meta=...)`. A run
     has at most one server; on the sim backend it runs in the process of node 0 (over several processes, that
     process keeps the run's event heap), between the nodes' turns, at each message's arrival time (`self.now`); on
-    the torch backend, on a thread of rank 0's process. Record each
-    update it applies with `self.record_update(node=..., staleness=..., weight=...)` (a row of
-    `trainer.record.updates`, with the simulated time added).
+    the torch backend, on a thread of rank 0's process. Record each update it applies with
+    `self.record_update(node=..., staleness=..., weight=...)` (a row of `trainer.record.updates`, with the
+    simulated time added). For `read_server` in the sim's other processes, `state_dict()` must hold every attribute
+    a node reads (their copy of the server is loaded from it).
     """
 
     rank = SERVER
@@ -310,15 +311,17 @@ def poll(src: int | None = None, *, tag: int | None = None) -> list[Message]:
 def serve(make: Callable[[], Server]) -> Server | None:
     """Declare the run's server: every node calls it (in setup) with the same factory.
 
-    The server is made once, where it runs, and returned there (the sim backend: to every node of node 0's process,
-    which is every node with processes=1; the torch backend: to rank 0; None elsewhere). Read its state from a node
-    with `read_server`.
+    The server is made once, where it runs, and returned there. On the sim backend every node gets a server: in
+    node 0's process (every process, with processes=1) the server itself; in the other processes a shadow made by
+    the same factory, which never handles a message and whose attributes are only as fresh as the last
+    `read_server` of a node of that process. On the torch backend rank 0 gets the server and the other ranks None.
+    Read the server's state from a node with `read_server`, never through the returned object's attributes.
 
     Args:
         make: A factory `make() -> Server`.
 
     Returns:
-        The Server where it runs, else None.
+        The Server (the sim's other processes: its shadow), or None (the torch backend's ranks other than 0).
     """
     return _comm.current_transport().serve(make)
 
@@ -326,14 +329,21 @@ def serve(make: Callable[[], Server]) -> Server | None:
 def read_server(read: Callable[[Server], Any] | None = None) -> Any:
     """`read(server)` as of this node's clock.
 
-    Every message that arrived at the server before that has been handled, none after. Only where the server runs
-    (the sim backend: any node of node 0's process; the torch backend: rank 0).
+    An observation, like `poll`: every message that arrived at the server before this node's clock has been
+    handled first (later ones too, if other nodes observed at later clocks before this one's turn; what is read
+    depends on simulated time only). On the sim backend, from any node of any process, with the same result as with
+    processes=1: in a process other than node 0's, the node asks the process holding the server for its state at
+    its turn (its `state_dict()`, clock, update rows and byte counts), loads it into the shadow `serve` returned,
+    and calls `read` on the shadow. On the torch backend, only on rank 0.
 
     Args:
         read: A function of the server (default: `server.snapshot()`).
 
     Returns:
         What `read` returned.
+
+    Raises:
+        RuntimeError: the run has no server, or (torch backend) this node is not rank 0.
     """
     return _comm.current_transport().read_server(read or (lambda server: server.snapshot()))
 

@@ -36,8 +36,9 @@ def global_state_dict(model: torch.nn.Module, strategy, comm: Transport, *,
                       result: bool = True) -> dict[str, torch.Tensor] | None:
     """Every node must call this together, up or down; the result is meaningful on the nodes up. The
     strategy's entries come from the first node up, the rest are averaged over its model sources among
-    the nodes up (one all-reduce per dtype). result=False: this node only takes part (it sends its share and
-    keeps no copy of the model, so K nodes waiting in the mean hold K buffers of the averaged entries only)."""
+    the nodes up (one all-reduce per dtype). result=False: this node only takes part (it sends its share, and the
+    strategy's entries when it is the first node up, and keeps no copy of the model, so K nodes waiting in the mean
+    hold K buffers of the averaged entries only)."""
     up = list(comm.up())
     if result:
         state, averaged, own = split_global_state(model, strategy)
@@ -46,6 +47,8 @@ def global_state_dict(model: torch.nn.Module, strategy, comm: Transport, *,
         overrides = _global_entries(state, strategy)
         own = list(overrides)
         averaged = _averaged_keys(state, overrides)
+        if own and comm.rank == up[0] != 0:  # it broadcasts below: the strategy's entries, not its model's own
+            state = {**state, **{k: overrides[k].detach().to(state[k].device, state[k].dtype) for k in own}}
     sources = strategy.model_sources(up, comm.step or 0) or up
     for flat, tensors in flatten_by_dtype(state[k] for k in averaged):  # flat copies: the model is untouched
         mean_over(flat, sources, comm)

@@ -160,8 +160,8 @@ class TrainNode:
         if self.rank not in m.alive(step):
             return False
         joiners = m.joiners(step)
-        rejoin = getattr(self.strategy, "rejoin_from_server", None)
-        if joiners and rejoin is not None:  # the strategy's server hands the joiner the global state; nobody waits
+        rejoin = getattr(self.strategy, "rejoin_alone", None)
+        if joiners and rejoin is not None:  # the strategy brings the joiner up to date itself; nobody waits
             if self.rank in joiners:
                 rejoin()
         elif joiners:  # every node up at this step takes part (some send, the joiners receive)

@@ -43,7 +43,9 @@ class Strategy(metaclass=Adaptable):
     What a node calls, in order: `setup(model, context)` once; per step `skip_compute()`, `zero_grad()`,
     the forward/backward, `current_lr()`, `step()`; `finish()` after the last step. Around them, the state
     protocol: `state_dict()` / `load_state_dict()` (checkpoints, nodes coming up), `global_state()` and
-    `model_sources()` (the global model), `joined()` (a node that came up).
+    `model_sources()` (the global model), `joined()` (a node that came up). A strategy that brings a node
+    coming up to date by itself (from its server, or from what reached it while it was down) defines
+    `rejoin_alone()`, which that node calls instead: nobody else waits for it.
 
     Args:
         lr_scheduler: None (a constant lr), `"lambda_cosine"` (linear warmup, then constant or cosine decay to

@@ -212,7 +212,7 @@ class DecoupledDiLoCoStrategy(ServerRoundsStrategy):
         self._versions[p], self._since[p] = int(reply.meta["version"]), 0
 
     @torch.no_grad()
-    def rejoin_from_server(self) -> None:
+    def rejoin_alone(self) -> None:
         msg.send(torch.zeros(0, dtype=self._start.dtype), msg.SERVER, tag=JOIN)
         reply = msg.recv(src=msg.SERVER)
         self._start = reply.tensor

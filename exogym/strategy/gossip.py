@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
 from exogym._validation import check_int, check_number
 from exogym.comm import messages as msg
+from exogym.comm.collectives import alive_ranks, all_reduce
 from exogym.strategy.base import Strategy, trainable_parameters
 from exogym.strategy.optim import OptimSpec, ensure_optim_spec
 from exogym.strategy.server_rounds import TimeBudget, flat_parameters, load_flat
@@ -71,6 +72,14 @@ class GossipStrategy(TimeBudget, Strategy):
     Bytes per gossip round: sync, each node sends M to every out-neighbour (ring 2M, torus up to 4M, exponential
     and random pairs M) and receives as much; async, M + 8 bytes to one neighbour.
 
+    Failures and elastic pools: a node that is down takes no part. Sync: a round mixes each node up with its
+    neighbours up at that step (a node whose neighbours are all down keeps its model), and a node coming back
+    takes the mean of the nodes that stayed up, handed over by them (`exogym.engine.rejoin`). Async: a node
+    sends to a neighbour up at its step (none up: it keeps its weight); one that is down spends its steps idle on
+    its clock, and comes back alone, with its own model and weight, folding in what reached it meanwhile; at the
+    end the nodes up take in every message still in flight from each other (a message to or from a node down at
+    the end is left out, with its weight).
+
     Args:
         optim_spec: The local optimizer (default SGD, lr 0.01).
         topology: `"ring"`, `"torus"`, `"exponential"` or `"random_pairs"`.
@@ -88,8 +97,18 @@ class GossipStrategy(TimeBudget, Strategy):
 
     _default_inner = OptimSpec(torch.optim.SGD, lr=0.01)
     collectives_match_steps = True
-    supports_membership_changes = False  # a node down would leave its neighbours waiting (sync) or lose weight
     sends_messages = True
+
+    @property
+    def clock_runs_while_down(self) -> bool:
+        """Async: a node down spends its steps idle and comes back at its time; not once it has stopped at its
+        time budget. Sync: the hand-over's collectives bring a node coming back to the others' time."""
+        return self.mode == "async" and not self._stopped
+
+    @property
+    def rejoin_alone(self) -> Callable[[], None] | None:
+        """Async: a node coming back rejoins alone (see the class docstring); sync: None, the nodes up hand it over."""
+        return self._take_what_arrived if self.mode == "async" else None
 
     def __init__(self, optim_spec: OptimSpec | str | type | None = None, *, topology: str = "ring",
                  mode: str = "sync", H: int = 1, lr: float | None = None, seed: int = 0,
@@ -134,6 +153,8 @@ class GossipStrategy(TimeBudget, Strategy):
     @torch.no_grad()
     def _sync_round(self) -> None:
         out, into = neighbours(self.topology, self.rank, self.num_nodes, self._round, self.seed)
+        up = set(alive_ranks())  # every node up at this step makes this round: the same sets on both sides
+        out, into = [j for j in out if j in up], [j for j in into if j in up]
         x = flat_parameters(self.model)
         works = [msg.isend(x, j, tag=self._round) for j in out]
         total = x.clone()
@@ -156,13 +177,21 @@ class GossipStrategy(TimeBudget, Strategy):
         load_flat(self._params, x / self._weight)
 
     @torch.no_grad()
+    def _take_what_arrived(self) -> None:
+        self._fold(msg.poll())
+
+    @torch.no_grad()
     def _push(self) -> None:
         self._fold(msg.poll())
         out, _ = neighbours(self.topology, self.rank, self.num_nodes, self._round, self.seed)
-        if self.topology in ("ring", "torus"):
+        if self.topology == "random_pairs":
+            out = [r for r in range(self.num_nodes) if r != self.rank]
+        up = set(alive_ranks())
+        out = [j for j in out if j in up]  # (without failures, all of them: the same draws)
+        if not out:  # every neighbour is down: the weight stays here
+            return
+        if self.topology != "exponential":
             out = [self._rng.choice(out)]
-        elif self.topology == "random_pairs":
-            out = [self._rng.choice([r for r in range(self.num_nodes) if r != self.rank])]
         self._weight /= 2
         msg.isend(flat_parameters(self.model), out[0], meta={"w": self._weight})
         self._sent[out[0]] += 1
@@ -171,7 +200,6 @@ class GossipStrategy(TimeBudget, Strategy):
         """Async: every message still in flight is taken in (the counts go round once), so no weight is lost."""
         if self.mode != "async" or self.num_nodes == 1:
             return
-        from exogym.comm.collectives import all_reduce
         counts = torch.zeros(self.num_nodes, self.num_nodes, dtype=torch.int64)
         counts[self.rank] = self._sent
         all_reduce(counts)  # counts[j, i]: messages j sent to i

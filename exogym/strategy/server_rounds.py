@@ -186,7 +186,7 @@ class ServerRoundsStrategy(TimeBudget, Strategy):
         self._steps, self._round_began = 0, msg.now()
 
     @torch.no_grad()
-    def rejoin_from_server(self) -> None:
+    def rejoin_alone(self) -> None:
         """A node coming back after being down: its unsent round is lost; it asks the server for the global model
         (an empty request, the model back) and starts a round from it. Nobody else waits."""
         msg.send(torch.zeros(0, dtype=self._start.dtype), msg.SERVER, tag=JOIN)
@@ -205,7 +205,8 @@ class ServerRoundsStrategy(TimeBudget, Strategy):
         barrier()
 
     def global_state(self) -> Mapping[str, torch.Tensor]:
-        """The server's theta as of this node's clock (on a node away from the server: the last one received)."""
+        """The server's theta as of this node's clock (on the torch backend's ranks other than 0, which have no
+        server: the last theta this node received)."""
         theta = self._start if self.server is None else msg.read_server(lambda s: s.theta.clone())
         state = {name: chunk.view_as(p).to(p.device, p.dtype) for name, p, chunk in
                  zip(self._names, self._params, theta.split([p.numel() for p in self._params]))}

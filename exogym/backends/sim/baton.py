@@ -87,6 +87,7 @@ class Baton:
         self.arrivals = 0  # collectives entered so far, by any node: progress, for the watchdog
         self._on_resume, self._on_pause = on_resume, on_pause  # swap per-node state (RNG, grad mode)
         self._on_compute: Callable[[list[int]], None] | None = None  # what computes the parked nodes' work at once
+        self._batched: tuple[int, ...] = ()  # the parked nodes while their batched step runs
         self._parked: list[int] = []  # nodes waiting at the compute rendezvous
         self._ready: deque[int] = deque(self.local)
         self._blocked: dict[int, tuple] = {}  # rank -> key of the collective it waits in
@@ -143,13 +144,17 @@ class Baton:
         return note + ")"
 
     def _progress(self) -> tuple:
-        """What the watchdog samples (from its thread): who runs, how many collectives so far, its step; while the
-        hub runs the server's handler, SERVER and (the server's class, the message it handles)."""
-        rank = self.running
+        """What the watchdog samples (from its thread): who runs, how many collectives so far, its step, and the
+        nodes of the batched step that runs (fused execution; None: a node's own turn): the first of them stands
+        for the batch. While the hub runs the server's handler: SERVER and (the server's class, the message it
+        handles)."""
+        rank, batched = self.running, self._batched
+        if rank is None and batched:
+            return batched[0], self.arrivals, self._step_of(batched[0]), batched
         handling = getattr(self.post, "handling", None) if rank is None else None
         if handling is not None:
-            return SERVER, self.arrivals, handling
-        return rank, self.arrivals, None if rank is None else self._step_of(rank)
+            return SERVER, self.arrivals, handling, None
+        return rank, self.arrivals, None if rank is None else self._step_of(rank), None
 
     def _run(self, node_fns: list[Callable[[], Any]]) -> list[Any]:
         results: dict[int, Any] = {}
@@ -167,7 +172,9 @@ class Baton:
                 if not self._ready and self._parked:  # the parked nodes' batched step, then they run on
                     parked, self._parked = self._parked, []
                     self._turn = f"computing the batched step of nodes {parked}"
-                    self._on_compute(parked)
+                    self._batched = tuple(parked)  # watched: each parked node's step lasts the batched step
+                    self._on_compute(parked)  # (one that raised stays named in describe_waiting)
+                    self._batched = ()
                     self._ready.extend(sorted(parked))
                     continue
                 if not self._ready and post is not None and post.due():  # the next event in simulated time
@@ -388,7 +395,10 @@ class Baton:
         lines += [self._describe(p) + f"\n    (sent across; waiting for nodes {sorted(set(p.group) - set(p.calls))} in "
                   "other processes)" for p in self._across.values()]
         lines += [f"  node {r}: waits in {what}" for r, what in sorted(self._receiving.items())]
-        idle = sorted(set(self.local) - set(self._blocked) - set(self._receiving) - self._finished)
+        idle = sorted(set(self.local) - set(self._blocked) - set(self._receiving) - self._finished
+                      - set(self._batched))
+        if self._batched:
+            lines.append(f"  in the batched step: nodes {list(self._batched)}")
         if self._finished:
             lines.append(f"  finished: nodes {sorted(self._finished)}")
         if idle:

@@ -5,9 +5,9 @@ whose post offices are proxies (exogym.backends.sim.postproxy).
 What goes over it, as pickled packets on torch.distributed point-to-point messages (gloo, tags of their own beside the
 exchange's):
 - a proxy to the hub: `post` (a message a node sent, with its arrival time worked out where it was sent), `ask` (a
-  node wants to observe at its clock: take a message, or every message that has arrived), `status` (the process has
-  nothing to run: how many answers it has taken in, and which collectives across processes it has started and has
-  open), and at its end a last status marked finished;
+  node wants to observe at its clock: take a message, every message that has arrived, or the server's state for
+  `read_server`), `status` (the process has nothing to run: how many answers it has taken in, and which collectives
+  across processes it has started and has open), and at its end a last status marked finished;
 - the hub to a proxy: `answer` (what a node asked for; it runs again) and `bye` (after its last status).
 
 Why nothing arrives out of order: every packet of one process to the hub goes on one (sender, receiver, tag) pair,
@@ -46,7 +46,8 @@ _HEADER_TAG, _BODY_TAG = (1 << 30) | 1, (1 << 30) | 2
 @dataclass(frozen=True)
 class Ask:
     """A node's observation, asked of the hub: at its clock `at`, `op` "recv" (the first matching message, or wait for
-    one) or "poll" (every matching message that has arrived)."""
+    one), "poll" (every matching message that has arrived) or "read" (the server's state, its update rows from row
+    `known` on: exogym.backends.sim.serverhost.server_state)."""
 
     rank: int
     at: float
@@ -54,6 +55,7 @@ class Ask:
     src: int | None
     tag: int | None
     what: str  # for a deadlock's message: what the node waits for
+    known: int = 0  # "read": the server's update rows the asking process already holds
 
 
 @dataclass(frozen=True)

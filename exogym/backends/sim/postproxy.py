@@ -1,15 +1,23 @@
 """The post office of a process of a sim run that does not hold the hub: it forwards its nodes' messages and
 observations to the hub (the process holding the server, beside node 0, exogym.backends.sim.postlink) and runs a node
 again when the hub answers. Nodes compute here in parallel with the other processes; everything they read goes
-through the hub's one event heap, in simulated-time order, as in one process."""
+through the hub's one event heap, in simulated-time order, as in one process.
+
+The server runs with the hub; `serve` here returns a shadow of it (made by the same factory), which `read_server`
+loads with the server's state as the hub answers it at the node's turn (the server's `state_dict()`, its clock, its
+update rows and byte counts) before handing it to the reader. So a read gives what it gives in one process; the
+shadow's attributes are only as fresh as the last read of a node of this process, and the shadow never handles a
+message or sends one.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
 from exogym.backends.sim.postlink import Ask, Link, Status
-from exogym.backends.sim.postoffice import arrival
-from exogym.comm.messages import Message, Server
+from exogym.backends.sim.postevents import arrival
+from exogym.backends.sim.serverhost import load_server
+from exogym.comm.messages import Message, Server, attach_server
 
 if TYPE_CHECKING:
     from exogym.backends.sim.baton import Baton
@@ -24,7 +32,8 @@ class PostProxy:
     def __init__(self, baton: "Baton", num_nodes: int, time_model: "TimeModel | None", exchange: Any, hub: int):
         self.baton, self.num_nodes, self.hub_process, self.exchange = baton, num_nodes, hub, exchange
         self.network = time_model.network if time_model is not None else None
-        self.server: Server | None = None  # the server runs with the hub
+        self.server: Server | None = None  # the server's shadow here, once a node declared it (it runs with the hub)
+        self._rows: list[dict[str, float]] = []  # the server's update rows as far as an answer showed them
         self.active = False  # a message was posted or a server declared: checkpoints pause the clocks
         self.progress = 0  # answers taken in (the deadlock check across processes)
         self._answers: dict[int, Any] = {}  # rank -> what the hub answered it, until it runs
@@ -34,9 +43,6 @@ class PostProxy:
         self.link = Link(exchange, [hub], self._on_packet)
 
     # ---- the baton's questions ------------------------------------------------------------------
-    def has_events(self) -> bool:
-        return False
-
     def busy(self) -> bool:
         return bool(self._awaiting)
 
@@ -75,9 +81,9 @@ class PostProxy:
         self.active = True
         self.link.send(self.hub_process, "post", message)
 
-    def _ask(self, rank: int, at: float, op: str, src: int | None, tag: int | None, what: str) -> Any:
+    def _ask(self, rank: int, at: float, op: str, src: int | None, tag: int | None, what: str, known: int = 0) -> Any:
         self.baton.arrivals += 1  # progress, for the watchdog
-        self.link.send(self.hub_process, "ask", Ask(rank, at, op, src, tag, what))
+        self.link.send(self.hub_process, "ask", Ask(rank, at, op, src, tag, what, known))
         self._awaiting.add(rank)
         self.baton.await_message(rank, what)
         return self._answers.pop(rank)
@@ -89,13 +95,39 @@ class PostProxy:
         return self._ask(rank, at, "poll", src, tag, f"poll at {at:.6g} s")
 
     def read(self, rank: int, at: float, read: Callable[[Server], Any]) -> Any:
-        raise RuntimeError(f"read_server: the server runs in the process holding node 0 (process {self.hub_process}), "
-                           f"not with node {rank}; read it from node 0 (serve returns None on the other nodes), or use "
-                           "processes=1")
+        """`read(server)` as of node `rank`'s clock `at`: the hub's server state at the node's turn, in the shadow.
 
-    def serve(self, make: Callable[[], Server]) -> None:
+        Raises:
+            RuntimeError: the run has no server, or its class does not define state_dict and load_state_dict (what a
+                read here loads).
+        """
+        if self.server is None:
+            raise RuntimeError("read_server: the run has no server (declare one with exogym.comm.serve)")
+        kind = type(self.server)
+        if kind.state_dict is Server.state_dict or kind.load_state_dict is Server.load_state_dict:
+            raise RuntimeError(f"read_server on node {rank}: the server runs in the process holding node 0 (process "
+                               f"{self.hub_process}), and a node of another process reads it through its state: "
+                               f"{kind.__name__} must define state_dict() and load_state_dict() holding what is read "
+                               "(checkpoints need them too), or use processes=1")
+        known = len(self._rows)
+        state = self._ask(rank, at, "read", None, None, f"read_server at {at:.6g} s", known)
+        if state is None:
+            raise RuntimeError(f"read_server: the run has no server in the process holding node 0 (process "
+                               f"{self.hub_process}); every node declares it with exogym.comm.serve in its setup")
+        # The rows only grow: keep the longest prefix any answer showed, and hand this reader the rows it was shown
+        # (another node's answer may have been taken in since this one was asked, with more rows or fewer).
+        count = known + len(state["updates"])
+        self._rows.extend(state["updates"][len(self._rows) - known:])
+        load_server(self.server, {**state, "updates": self._rows[:count]})
+        return read(self.server)
+
+    def serve(self, make: Callable[[], Server]) -> Server:
+        """The server's shadow here (made by `make()` at the first call): read_server loads the server's state
+        into it."""
         self.active = True
-        return None
+        if self.server is None:
+            self.server = attach_server(make, _ShadowPost(self.num_nodes, self.hub_process))
+        return self.server
 
     def cut(self, group: tuple[int, ...], count: int) -> None:
         """A checkpoint's pause: the hub takes in this process's messages (node 0 keeps the state)."""
@@ -108,3 +140,20 @@ class PostProxy:
 
     def check_loaded(self) -> None:
         """Nothing: the hub reads the messages' state."""
+
+
+class _ShadowPost:
+    """What a shadow server's `send` and timers go through: nothing, the server runs with the hub."""
+
+    def __init__(self, num_nodes: int, hub: int):
+        self.num_nodes, self.hub = num_nodes, hub
+
+    def _refuse(self) -> None:
+        raise RuntimeError(f"this server is a shadow of the run's server, which runs in the process holding node 0 "
+                           f"(process {self.hub}); it only holds the state read_server read, and sends nothing")
+
+    def post(self, message: Message) -> None:
+        self._refuse()
+
+    def wake_server(self, at: float) -> None:
+        self._refuse()

@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from exogym.backends.sim.baton import Baton, CollectiveCall, CollectiveError, Pending
-from exogym.backends.sim.postoffice import SimRecvWork, SimSendWork
+from exogym.backends.sim.postwork import SimRecvWork, SimSendWork
 from exogym.comm.messages import Message, Server
 from exogym.comm.transport import TransportBase, Group, ReduceOp, make_group, payload_nbytes, tensor_nbytes
 from exogym.cluster.membership import Membership

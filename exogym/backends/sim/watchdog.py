@@ -73,7 +73,9 @@ class WatchdogInterrupt(BaseException):
 
 class Watchdog:
     """Watches `progress()` (a hashable sample of the run's progress; element 0 is the running rank, element 2
-    its step) from a thread; context manager around the scheduler's loop. timeout None: does nothing.
+    its step, element 3 the nodes of a fused batched step or None) from a thread; context manager around the
+    scheduler's loop. timeout None: does nothing. A batched step is every parked node's step at once, so it gets
+    node_timeout, as each of those steps would.
 
     on_stuck(error): called (from the watchdog's thread) when the node has not stopped `grace` seconds after the
     watchdog fired; the process then exits with STUCK_EXIT_CODE. None: the message goes to stderr, nothing more."""
@@ -190,6 +192,14 @@ class Watchdog:
                 f"node_timeout={self.timeout:g} s, so the run was stopped; it was here:\n{stack.rstrip()}\n"
                 "A server's receive or wake that never returns holds every node up forever. If it really takes "
                 "this long, pass fit(node_timeout=<seconds>) or node_timeout=None.", server, what)
+        elif sample[3] is not None:  # fused execution: the parked nodes' batched step
+            nodes = list(sample[3])
+            error = NodeTimeoutError(
+                f"the batched step of nodes {nodes} (fused execution; node {rank} at step {step}) ran for "
+                f"{held_s:.1f} s without finishing, longer than node_timeout={self.timeout:g} s, so the run was "
+                f"stopped; it was here:\n{stack.rstrip()}\nA model or strategy that loops or waits in its step holds "
+                "every node up forever. If a batched step really takes this long, pass fit(node_timeout=<seconds>) "
+                "or node_timeout=None.", rank, step)
         else:
             where = f"in step {step} without finishing it" if step is not None else "before its first step"
             error = NodeTimeoutError(

@@ -1,0 +1,60 @@
+"""The handles a sim node's `isend` and `irecv` return (torch.distributed's Work): waiting on one moves the node's
+clock as the message's arrival says."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from exogym.cluster.network import SERVER
+from exogym.comm.messages import Message
+
+__all__ = ["SimSendWork", "SimRecvWork"]
+
+
+class SimSendWork:
+    """isend's handle: wait() brings the sender's clock to the message's arrival (the transfer is communication)."""
+
+    def __init__(self, clock: Any, message: Message):
+        self._clock, self._message, self._done = clock, message, False
+
+    def is_completed(self) -> bool:
+        return self._done
+
+    def wait(self, timeout: Any = None) -> bool:
+        if not self._done:
+            self._done = True
+            extra = self._message.arrives_at - self._clock.now
+            if extra > 0:
+                self._clock.comm_s += extra
+                self._clock.now = self._message.arrives_at
+        return True
+
+
+class SimRecvWork:
+    """irecv's handle: wait() takes the message (in arrival order) and returns it."""
+
+    def __init__(self, transport: Any, src: int | None, tag: int | None, into: torch.Tensor | None):
+        self._t, self._src, self._tag, self._into = transport, src, tag, into
+        self._message: Message | None = None
+
+    def is_completed(self) -> bool:
+        return self._message is not None
+
+    def wait(self, timeout: Any = None) -> Message:
+        if self._message is not None:
+            return self._message
+        t, post = self._t, self._t.baton.post
+        who = "any node" if self._src is None else "the server" if self._src == SERVER else f"node {self._src}"
+        m = post.receive(t.rank, t.clock.now, self._src, self._tag, lambda: (
+            f"recv from {who}" + ("" if self._tag is None else f" with tag {self._tag}")
+            + f" at step {t.step}, since {t.clock.now:.6g} s"))
+        if m.arrives_at > t.clock.now:  # waited for it: idle
+            t.clock.wait_s += m.arrives_at - t.clock.now
+            t.clock.now = m.arrives_at
+        t.stats.bytes_received += m.nbytes
+        if self._into is not None:
+            self._into.copy_(m.tensor)
+        self._message = m
+        return m

@@ -1,0 +1,119 @@
+"""The run's server on the sim, where it runs (one process, or the hub): made once, run between the nodes' turns at
+each message's arrival time and at its timers, named while a handler runs (for the watchdog), and its state as plain
+data (a checkpoint's, and what a node in another process reads into its shadow: `server_state`, `load_server`)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from exogym.comm.messages import Message, Server, attach_server
+from exogym.comm.transport import MessageError
+
+__all__ = ["ServerHost", "server_state", "load_server"]
+
+
+class ServerHost:
+    """The server a strategy declared (None until one is), the messages it has handled, and what it is handling."""
+
+    def __init__(self) -> None:
+        self.server: Server | None = None
+        self.handled = 0  # messages the server has handled
+        self.handling: tuple[str, str] | None = None  # (the server's class, what) while a handler runs: the watchdog's
+        self._saved: dict[str, Any] | None = None  # a checkpoint's server state, until the server is made
+
+    def serve(self, make: Callable[[], Server], post: Any) -> Server:
+        """The server, made by `make()` at the first call and tied to `post` (its messages and timers go there)."""
+        if self.server is None:
+            self.server = attach_server(make, post)
+            if self._saved is not None:  # a checkpoint read before the server was made
+                load_server(self.server, self._saved)
+                self._saved = None
+        return self.server
+
+    def handle(self, message: Message) -> None:
+        """The server takes `message`, at its arrival time.
+
+        Raises:
+            MessageError: the run has no server, or it raised.
+        """
+        if self.server is None:
+            raise MessageError(f"{message.describe()}: the run has no server (a strategy declares one with "
+                               "exogym.comm.serve in its setup)")
+        self.server.stats.bytes_received += message.nbytes
+        self.run(f"{message.describe()} (message {self.handled + 1} it handled)", message.arrives_at,
+                 lambda s: s.receive(message))
+        self.handled += 1
+
+    def run(self, what: str, at: float, call: Callable[[Server], None]) -> None:
+        """`call(server)` at simulated time `at` (`what`: the handler in words, for an error or the watchdog).
+
+        Raises:
+            MessageError: the server raised.
+        """
+        server = self.server
+        server.now = at
+        self.handling = (type(server).__name__, what)  # a handler that never returns is named by the watchdog
+        try:
+            with torch.no_grad():
+                call(server)
+        except Exception as e:
+            raise MessageError(f"the server ({type(server).__name__}) raised while handling {what}: "
+                               f"{type(e).__name__}: {e}") from e
+        finally:
+            self.handling = None
+
+    # ---- checkpoints ------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any] | None:
+        """The server's state (None without a server)."""
+        return None if self.server is None else server_state(self.server)
+
+    def load_state_dict(self, saved: dict[str, Any] | None) -> None:
+        """Restore what state_dict returned; a server not yet made takes it when it is made."""
+        if saved is None:
+            return
+        if self.server is None:
+            self._saved = saved
+        else:
+            load_server(self.server, saved)
+
+    def check_loaded(self) -> None:
+        """After node 0's start: a checkpoint's server state found its server.
+
+        Raises:
+            RuntimeError: the checkpoint holds a server's state but the run's strategy declared none.
+        """
+        if self._saved is not None:
+            raise RuntimeError("the checkpoint holds a server's state but this run's strategy declares none")
+
+
+def server_state(server: Server, since: int = 0) -> dict[str, Any]:
+    """The server's state as plain data and tensors: its `state_dict()`, its clock, the update rows from row
+    `since` on, and its byte counts.
+
+    Args:
+        server: The server.
+        since: The update rows the reader already holds (0: all of them).
+
+    Returns:
+        What load_server takes.
+    """
+    stats = server.stats
+    return {"state": server.state_dict(), "now": server.now, "updates": [dict(u) for u in server.updates[since:]],
+            "stats": {"bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received,
+                      "payload_bytes": stats.payload_bytes}}
+
+
+def load_server(server: Server, saved: dict[str, Any]) -> None:
+    """Put what server_state returned (with every update row) into `server`.
+
+    Args:
+        server: The server to load into.
+        saved: What server_state returned.
+    """
+    server.load_state_dict(saved["state"])
+    server.now, server.updates[:] = saved["now"], [dict(u) for u in saved["updates"]]
+    server.stats.bytes_sent = saved["stats"]["bytes_sent"]
+    server.stats.bytes_received = saved["stats"]["bytes_received"]
+    server.stats.payload_bytes = saved["stats"]["payload_bytes"]
