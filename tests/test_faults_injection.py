@@ -120,8 +120,8 @@ def test_a_run_whose_disk_fills_up_at_a_random_point_loses_nothing_it_completed(
 # process holds the run folder: its rows must be whole and consecutive, equal to the uninterrupted run's, the run
 # must end as failed, and resuming must give the uninterrupted run's rows. The uninterrupted run is the one-process
 # run above: a run over processes=2, the torch backend or torchrun gives its rows bit for bit (the sim-vs-torch and
-# 1-vs-P equivalences), so the comparison shows that too; torchrun with the torch backend reads other data (its
-# ranks seed their data apart) and has an uninterrupted run of its own. Under torchrun,
+# 1-vs-P equivalences), so the comparison shows that too; torchrun with the torch backend gives other rows here
+# (not looked into) and has an uninterrupted run of its own. Under torchrun,
 # rank 0 (node 0, which holds the run folder) SIGSTOPped too ("node0-SIGSTOP"): rank 1 names it and ends; torchrun
 # then kills rank 0, so the folder says nothing of how the run ended, and resuming gives the uninterrupted rows.
 # Each run of the suite tries SUITE_CASES; EXOGYM_FAULT_LOOP=1 tries every case (the 10-loop check in
