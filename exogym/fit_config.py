@@ -213,6 +213,17 @@ def _check(c: FitConfig) -> None:
     if ln.processes > 1 and ln.backend != "sim":
         raise ValueError(f"processes={ln.processes} spreads the sim backend's nodes over processes; "
                          f"backend={ln.backend!r} already runs one process per node: drop processes=")
+    simulated_speeds = [name for name, value in (("node_speeds", c.simulation.node_speeds),
+                                                 ("slowdowns", c.simulation.slowdowns)) if value is not None]
+    if simulated_speeds and ln.backend == "torch" and c.strategy.sends_messages:
+        given = "= and ".join(simulated_speeds)
+        raise ValueError(
+            f"{given}= cannot slow {type(c.strategy).__name__} on backend='torch': they stretch the simulated "
+            "clock, and a strategy that sends messages runs on real time there (its messages, its server and "
+            "time_budget_s go by the wall clock), so a slowed node would send as many updates, as early, as "
+            "without them, while the record said it was slowed. Use backend='sim', where the simulated clock decides, "
+            "or slow a node for real (a time.sleep in its step); the synchronous strategies take node_speeds and "
+            "slowdowns on either backend")
     if ln.processes > c.num_nodes:
         raise ValueError(f"processes={ln.processes} is more than num_nodes={c.num_nodes}: each process simulates at "
                          f"least one node; use processes <= {c.num_nodes}")

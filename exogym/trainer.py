@@ -166,7 +166,9 @@ class Trainer:
                 (node computes `factor` times more slowly from simulated second `from_s` to `to_s`) or
                 `RandomSlowdowns(rate, factor, duration, seed)` (drawn from the seed per node; see
                 `exogym.cluster.slowdowns`). Turns simulated time on; the extra seconds are each node's
-                `slowed_s`, and `record.slowdowns` lists the slowdowns that started while the nodes ran.
+                `slowed_s`, and `record.slowdowns` lists the slowdowns that started while the nodes ran. On
+                `backend="torch"` the synchronous strategies only (a strategy that sends messages runs on real time
+                there, which simulated slowdowns cannot slow: a ValueError before any node starts).
             node_timeout: Seconds (default 600; None: no limit) a node may run without finishing a step or
                 reaching a collective before it counts as stuck. The sim backend then stops the run with a
                 NodeTimeoutError naming the node, its step and its Python stack; the torch backend uses it as

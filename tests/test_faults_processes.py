@@ -160,3 +160,38 @@ def test_a_caller_killed_at_a_checkpoint_resumes_writing_the_rows_its_folder_mis
     assert steps_in(run) == list(range(1, fault_run.MAX_STEPS + 1))
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == fault_run.MAX_STEPS
+
+
+class _Store:
+    """The job's store, as a dict: what _peer_error reads and writes."""
+
+    def __init__(self, **keys):
+        self.keys = dict(keys)
+
+    def check(self, names):
+        return all(n in self.keys for n in names)
+
+    def get(self, name):
+        return self.keys[name]
+
+    def set(self, name, value):
+        self.keys[name] = value
+
+
+def test_under_torchrun_a_rank_stopped_after_a_peer_raised_ends_with_the_peers_error():
+    # Node 1 raised and posted its error; torchrun then SIGTERMs rank 0, which may see the stop (a
+    # KeyboardInterrupt) before the failure reaches it through the run: the run failed with rank 1's error, not
+    # "interrupted" (the torchrun raise case of test_faults_injection ended so, now and then, under load).
+    import pickle
+    from exogym.backends.sim.run import SIM
+    from exogym.launch.environment import Environment
+    from exogym.launch.launchers import Torchrun
+    launcher = Torchrun(SIM, 2, Environment(torchrun=True, rank=0, world_size=2))
+    store = _Store(**{"run/failed/1": pickle.dumps(RuntimeError("example"))})
+    error = launcher._peer_error(KeyboardInterrupt(), store, "run", None)
+    assert isinstance(error, RuntimeError) and str(error) == "example"
+    assert "raised by rank 1; then torchrun stopped rank 0" in "".join(error.__notes__)
+    # a stop of its own (Ctrl-C: every rank interrupted) stays an interrupt, and is posted for the others
+    store = _Store(**{"run/failed/1": pickle.dumps(KeyboardInterrupt())})
+    assert isinstance(launcher._peer_error(KeyboardInterrupt(), store, "run", None), KeyboardInterrupt)
+    assert "run/failed/0" in store.keys

@@ -180,6 +180,33 @@ def test_the_same_slowdowns_over_two_processes():
     assert two.slowdowns == one.slowdowns and two.sim_time_per_node == one.sim_time_per_node
 
 
+def test_on_the_torch_backend_a_synchronous_strategy_meets_the_same_slowdowns_at_the_same_simulated_times():
+    # The torch backend settles each collective's clocks by the sim's rule (exogym.backends.torch.transport), and
+    # each node stretches its own compute by the same seeded schedule: same windows, same simulated times.
+    sim, model = _diloco()
+    torch_, model_t = _diloco(backend="torch")
+    assert sim.slowdowns and torch_.slowdowns == sim.slowdowns
+    assert torch_.sim_time_per_node == sim.sim_time_per_node and any("slowed_s" in c for c in sim.sim_time_per_node)
+    assert [r["sim_time_s"] for r in torch_.train] == [r["sim_time_s"] for r in sim.train]
+    assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(model.parameters(), model_t.parameters()))
+
+
+def test_on_the_torch_backend_a_strategy_that_sends_messages_refuses_slowdowns_before_any_node_starts(tmp_path,
+                                                                                                      monkeypatch):
+    # Its messages, server and time budget run on the wall clock there: simulated slowdowns would change nothing
+    # the server applies while the record listed them.
+    monkeypatch.chdir(tmp_path)
+    t = Trainer(replay.Pull(), replay.data())
+    with pytest.raises(ValueError, match="slowdowns= cannot slow AsyncDiLoCoStrategy on backend='torch'"):
+        t.fit(AsyncDiLoCoStrategy(OptimSpec(torch.optim.SGD, lr=0.25), H=2), 3, max_steps=4, backend="torch",
+              slowdowns=[(0, 0.0, 4.0, 2.0)], logger=True, run_name="refused",
+              **{k: v for k, v in FIT.items() if k != "logger"})
+    assert not (tmp_path / "logs").exists()
+    with pytest.raises(ValueError, match="node_speeds= cannot slow AsyncDiLoCoStrategy on backend='torch'"):
+        t.fit(AsyncDiLoCoStrategy(OptimSpec(torch.optim.SGD, lr=0.25), H=2), 3, max_steps=4, backend="torch",
+              node_speeds=[1.0, 0.5, 0.25], **FIT)
+
+
 def test_the_command_line_draws_slowdowns_from_its_seed(tmp_path, monkeypatch):
     from exogym.cli import main
     monkeypatch.chdir(tmp_path)

@@ -24,6 +24,7 @@ import pickle
 import threading
 import time
 from abc import ABC, abstractmethod
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -201,6 +202,15 @@ def _import_before_the_group() -> None:
     import torch.distributed.nn.functional  # noqa: F401
 
 
+def _group_store(run: int, rank: int, world_size: int, timeout: timedelta) -> Any:
+    """The job's store (torch's env:// rendezvous: torchrun's) under a prefix of the job's `run`-th fit, for its
+    process group's rendezvous. torch.distributed names the default group "0" again once destroy_process_group has
+    run, so without it a second fit in one job would meet the first group's addresses, still in the job's store, and
+    connect to ports closed since: "Connection refused", or a wait that never ends (pytorch/pytorch#55967)."""
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+    return dist.PrefixStore(f"exogym/group/{run}", store)
+
+
 def _end_group(peer_lost: bool) -> None:
     """Destroy this process's process group; after a peer stopped responding, without running its destructor.
 
@@ -259,7 +269,8 @@ class Torchrun(Launcher):
             _import_before_the_group()
             # Each process has a GPU of its own (LOCAL_RANK): its own nodes' devices choose the group's backend.
             dist.init_process_group(self.backend.group_backend([plan.devices[r] for r in hosting.nodes]),
-                                    init_method="env://", rank=env.rank, world_size=env.world_size, timeout=timeout)
+                                    store=_group_store(_torchrun_runs, env.rank, env.world_size, timeout),
+                                    rank=env.rank, world_size=env.world_size, timeout=timeout)
         elif dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
             raise ValueError(f"torch.distributed is already initialised with rank {dist.get_rank()} of "
                              f"{dist.get_world_size()}, but RANK={env.rank}, WORLD_SIZE={env.world_size}; call "
@@ -331,6 +342,12 @@ class Torchrun(Launcher):
                 if gone:
                     how = (f"its beat stopped, and then this rank was stopped ({error})" if interrupted else None)
                     error = watch.lost(gone[0], error, how)
+        if interrupted and not isinstance(error, PeerLostError):
+            # torchrun stops every rank once one exited with an error, which it posted first: that error is how the
+            # run ended (a stop noticed before the peer's failure reached this rank would say "interrupted")
+            theirs = self._posted_failure(store, key, error)
+            if theirs is not None:
+                return theirs
         if not isinstance(error, PeerLostError):
             with contextlib.suppress(Exception):
                 store.set(f"{key}/failed/{self.environment.rank}", pickle.dumps(error))
@@ -345,6 +362,20 @@ class Torchrun(Launcher):
                     theirs.__cause__ = error
                     return theirs
         return error
+
+    def _posted_failure(self, store: Any, key: str, error: BaseException) -> BaseException | None:
+        """The error another rank posted before it exited (not an interrupt of its own), with a note that this rank
+        was then stopped by `error`; None when none posted one."""
+        for rank in range(self.environment.world_size):
+            name = f"{key}/failed/{rank}"
+            with contextlib.suppress(Exception):
+                if rank != self.environment.rank and store.check([name]):
+                    theirs = pickle.loads(store.get(name))
+                    if isinstance(theirs, BaseException) and not isinstance(theirs, KeyboardInterrupt):
+                        theirs.add_note(f"(raised by rank {rank}; then torchrun stopped rank "
+                                        f"{self.environment.rank}: {error!r})")
+                        return theirs
+        return None
 
     def _relay(self, sinks: "RunSinks", store: Any, key: str, timeout: Any) -> tuple["RunSinks", RelayReader | None]:
         """Under the sim every process's rows reach the main process's loggers as they are flushed (through the

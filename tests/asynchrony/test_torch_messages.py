@@ -11,10 +11,10 @@ from exogym.strategy import AsyncDiLoCoStrategy
 
 
 class SlowNodeTwo(AsyncDiLoCoStrategy):
-    """AsyncDiLoCo whose node 2 sleeps 40 ms every step (a real straggler)."""
+    """AsyncDiLoCo whose node 2 sleeps 40 ms every step it computes (a real straggler)."""
 
     def step(self):
-        if self.rank == 2:
+        if self.rank == 2 and not self.skip_compute():  # not in the steps it sits out past its budget
             time.sleep(0.04)
         super().step()
 
@@ -28,3 +28,21 @@ def test_on_the_torch_backend_the_fast_nodes_apply_more_updates():
     assert per_node[2] <= 14 and min(per_node[0], per_node[1]) > 2 * per_node[2], per_node
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert [u["staleness"] >= 0 for u in t.record.updates]
+
+
+class LongRounds(AsyncDiLoCoStrategy):
+    """AsyncDiLoCo whose every step sleeps 0.8 s: each step well inside node_timeout=2 s, a round of 3 steps past it."""
+
+    def step(self):
+        time.sleep(0.8)
+        super().step()
+
+
+def test_a_round_longer_than_node_timeout_is_no_timeout():
+    # node_timeout bounds a step, not a round: a node hears nothing between its pseudo-gradient and the server's
+    # answer for a whole round. The receiver thread once waited for the next message with the process group's
+    # timeout (node_timeout), and gloo's timeout broke every link: "Application timeout caused pair closure".
+    t = Trainer(toy.TinyMLP(), toy.make_classification(64))
+    t.fit(LongRounds(torch.optim.SGD, H=3, lr=0.05), 2, max_steps=3, batch_size=8, backend="torch", progress=False,
+          logger=False, node_timeout=2.0)
+    assert sorted(u["node"] for u in t.record.updates) == [0, 1]

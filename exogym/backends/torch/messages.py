@@ -14,6 +14,14 @@ rank. So a sender's messages arrive in the order it sent them, each whole.
 
 The end: every process sends each other a stop header after its last message and waits for everyone's; the
 server's queue is then complete, and no receive is left posted when the process group goes down.
+
+How long the receiver waits for the next header: without limit (`_NEVER`), not the process group's timeout
+(node_timeout). Hearing nothing for a while is no fault: a node of an asynchronous strategy hears only the server's
+answer to its last round, and a round of many steps may take longer than node_timeout, which bounds one step. A
+gloo receive that times out also breaks the process's every link ("Application timeout caused pair closure"), so the
+receiver cannot wait in slices either. What a node waits for is bounded where it waits (`take`, `close`:
+node_timeout and a grace), a peer that dies closes the connection, which ends the receiver's wait, and one that
+stops is named by the peer watch.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import json
 import queue
 import threading
 import time
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -37,6 +46,7 @@ __all__ = ["TorchPostOffice"]
 
 _HEADER, _BODY = 7001, 7002  # torch.distributed tags of headers and of metas and tensors
 _MESSAGE, _STOP = 0, 1
+_NEVER = timedelta(days=365)  # the receiver's wait for the next header (see above)
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8,
            torch.int8, torch.int16, torch.bool]
 
@@ -98,7 +108,7 @@ class TorchPostOffice:
         tensor = message.tensor.detach().to("cpu").contiguous()
         meta = torch.frombuffer(bytearray(json.dumps(message.meta).encode()), dtype=torch.uint8)
         header = torch.tensor([_MESSAGE, message.src, message.dst, message.tag, message.seq, tensor.numel(),
-                               _DTYPES.index(tensor.dtype), meta.numel()], dtype=torch.int64)
+                               _DTYPES.index(tensor.dtype), meta.numel(), self.rank], dtype=torch.int64)
         with self._send_lock:  # header, meta, tensor in a row: the receiver takes them by our rank
             dist.send(header, process, tag=_HEADER)
             if meta.numel():
@@ -117,9 +127,9 @@ class TorchPostOffice:
     def _receive_loop(self) -> None:
         try:
             while self._stops < self.num_nodes - 1:
-                header = torch.empty(8, dtype=torch.int64)
-                src_process = dist.recv(header, tag=_HEADER)
-                kind, src, dst, tag, seq, numel, dtype, meta_len = header.tolist()
+                header = torch.empty(9, dtype=torch.int64)
+                dist.irecv(header, tag=_HEADER).wait(timeout=_NEVER)  # from any process, which the header names
+                kind, src, dst, tag, seq, numel, dtype, meta_len, src_process = header.tolist()
                 if kind == _STOP:
                     with self._cv:
                         self._stops += 1
@@ -230,7 +240,7 @@ class TorchPostOffice:
         """After the node's last message: tell every other process, wait for theirs, stop the server."""
         if self._receiver is None:
             return
-        stop = torch.tensor([_STOP, self.rank, -2, 0, 0, 0, 0, 0], dtype=torch.int64)
+        stop = torch.tensor([_STOP, self.rank, -2, 0, 0, 0, 0, 0, self.rank], dtype=torch.int64)
         with self._send_lock:
             for process in range(self.num_nodes):
                 if process != self.rank:
