@@ -8,6 +8,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 # One intra-op thread: CI machines have 2 cores, and results must not depend on thread count.
 torch.set_num_threads(1)
+# The same for the processes the tests start (command lines, scripts, sweeps and their workers): their results then
+# match this process's on any machine, and on a loaded 2-core machine torch's default of one thread per core made
+# their small ops wait on each other (the PostgreSQL outage sweep: 26 s, against 9.5 s with one thread).
+os.environ["OMP_NUM_THREADS"] = "1"
 
 
 import pytest  # noqa: E402

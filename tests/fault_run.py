@@ -17,13 +17,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from exogym import Trainer  # noqa: E402
+from exogym.backends.peer_watch import MIN_PEER_TIMEOUT  # noqa: E402
 from exogym.strategy import DiLoCoStrategy  # noqa: E402
 from exogym.strategy.optim import OptimSpec  # noqa: E402
 from faulty import FailOnNode  # noqa: E402
 from toy import TinyMLP  # noqa: E402
 
 MAX_STEPS, CHECKPOINT_INTERVAL, BATCH = 30, 4, 16
-PEER_TIMEOUT = 10.0  # peer_timeout of the runs over several processes: a stopped process is named this soon
+# peer_timeout of the runs over several processes: a stopped process is named this soon (the shortest fit takes)
+PEER_TIMEOUT = MIN_PEER_TIMEOUT
 NODE_TIMEOUT = 120.0  # their node_timeout: far longer, so that a stopped process is named by the peer timeout
 
 
@@ -51,16 +53,27 @@ def command(kind: str, step: int, launch: str = "one") -> list[str]:
     return [sys.executable, os.path.abspath(__file__), kind, str(step), launch]
 
 
-if __name__ == "__main__":
-    torch.set_num_threads(1)
-    launch = sys.argv[3] if len(sys.argv) > 3 else "one"
+def options(kind: str, launch: str = "one") -> dict:
+    """fit's options for a run laid out as `launch` says (the command line's, or a test's run in its own process)."""
     options = {"processes": 2} if launch == "processes" else {}
     if launch != "one":  # caller-SIGKILL: the killing node waits in a sleep that node_timeout cuts short
         options.update(peer_timeout=PEER_TIMEOUT,
-                       node_timeout=PEER_TIMEOUT if sys.argv[1] == "caller-SIGKILL" else NODE_TIMEOUT)
+                       node_timeout=PEER_TIMEOUT if kind == "caller-SIGKILL" else NODE_TIMEOUT)
     if launch in ("torch", "torchrun-torch"):  # the torch backend: one node per process (fit's, or torchrun's)
         options["backend"] = "torch"
+    return options
+
+
+def resume(run: str = "logs/r", launch: str = "one"):
+    """Resume `run` from its newest checkpoint, with no fault, in this process (launch: "one", "processes" or
+    "torch"; a torchrun launch resumes through command("resume", 0, launch))."""
+    return fit(resume_from=run, **options("resume", launch))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    launch = sys.argv[3] if len(sys.argv) > 3 else "one"
     if sys.argv[1] == "resume":  # from the run's newest checkpoint, with no fault
-        fit(resume_from="logs/r", **options)
+        resume(launch=launch)
     else:
-        fit(sys.argv[1], int(sys.argv[2]), **options)
+        fit(sys.argv[1], int(sys.argv[2]), **options(sys.argv[1], launch))

@@ -36,6 +36,11 @@ def slow(config: dict, run) -> object:
     return tiny({**config, "slow": True, "steps": 30}, run)
 
 
+def unslowed(config: dict, run) -> object:
+    """slow's runs without the sleeps: the same numbers, for a reference sweep nobody kills."""
+    return tiny({**config, "steps": 30}, run)
+
+
 def kill_sweep(out: str, resume: str = "") -> None:
     """The kill test's sweep, started as `python -c "import sweep_runs; sweep_runs.kill_sweep(out)"` (so that its
     functions are sweep_runs.*, whichever process runs them)."""

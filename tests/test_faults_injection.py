@@ -13,6 +13,7 @@ import random
 import shutil
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -41,8 +42,12 @@ def table(run: Path) -> list[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> list[dict[str, str]]:
-    where = tmp_path_factory.mktemp("uninterrupted")
-    subprocess.run([sys.executable, str(SCRIPT), "none", "0"], cwd=where, check=True, timeout=120)
+    where, back = tmp_path_factory.mktemp("uninterrupted"), os.getcwd()
+    os.chdir(where)  # the run writes logs/r in the working folder; in this process (one process, one thread)
+    try:
+        fault_run.fit()
+    finally:
+        os.chdir(back)
     return table(where / "logs" / "r")
 
 
@@ -73,10 +78,7 @@ def test_a_run_stopped_at_a_random_step_loses_nothing_it_completed(kind, step, t
     newest = find_checkpoint(run)
     assert int(newest.name.removeprefix("step_")) == (step - 1) // fault_run.CHECKPOINT_INTERVAL * \
         fault_run.CHECKPOINT_INTERVAL
-    resumed = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(SCRIPT.parent)!r}); "
-                              f"import fault_run; fault_run.fit(resume_from={str(run)!r})"], cwd=tmp_path,
-                             capture_output=True, text=True, timeout=120)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    fault_run.resume(str(run))  # in this process: the stopped one is gone
     assert [[r[k] for k in COMPARED] for r in table(run)] == [[r[k] for k in COMPARED] for r in uninterrupted]
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"
     shutil.rmtree(run)
@@ -85,7 +87,7 @@ def test_a_run_stopped_at_a_random_step_loses_nothing_it_completed(kind, step, t
 DISK_KB = random.Random("disk").randint(100, 260)  # a whole run needs about 300 KB at its peak: it fills mid-run
 
 
-def test_a_run_whose_disk_fills_up_at_a_random_point_loses_nothing_it_completed(tmp_path, uninterrupted):
+def test_a_run_whose_disk_fills_up_at_a_random_point_loses_nothing_it_completed(tmp_path, uninterrupted, monkeypatch):
     why = small_disk_unavailable()
     if why is not None:
         pytest.skip(why)
@@ -107,18 +109,19 @@ def test_a_run_whose_disk_fills_up_at_a_random_point_loses_nothing_it_completed(
     assert marker["status"] == "failed", marker
     newest = find_checkpoint(run)
     load_checkpoint(newest, read_manifest(newest), devices=[torch.device("cpu")] * 2)
-    resumed = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(SCRIPT.parent)!r}); "
-                              "import fault_run; fault_run.fit(resume_from='logs/r')"], cwd=out,
-                             capture_output=True, text=True, timeout=120)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    monkeypatch.chdir(out)
+    fault_run.resume()  # in this process, from the copy (logs/r)
     assert [[r[k] for k in COMPARED] for r in table(run)] == [[r[k] for k in COMPARED] for r in uninterrupted]
 
 
 # ---- across processes: fit(processes=2), fit(backend="torch"), and torchrun with two processes -----------------
 # Node 1, in a process of its own (process 1, torchrun's rank 1), raises at a drawn step, or its process is SIGKILLed
 # (a process or machine dies) or SIGSTOPped (hung, or cut off by a partition: named within peer_timeout). The main
-# process holds the run folder: its rows must be whole and consecutive, equal to the uninterrupted run's (over the
-# same launcher), the run must end as failed, and resuming must give the uninterrupted run's rows. Under torchrun,
+# process holds the run folder: its rows must be whole and consecutive, equal to the uninterrupted run's, the run
+# must end as failed, and resuming must give the uninterrupted run's rows. The uninterrupted run is the one-process
+# run above: a run over processes=2, the torch backend or torchrun gives its rows bit for bit (the sim-vs-torch and
+# 1-vs-P equivalences), so the comparison shows that too; torchrun with the torch backend gives other rows here
+# (not looked into) and has an uninterrupted run of its own. Under torchrun,
 # rank 0 (node 0, which holds the run folder) SIGSTOPped too ("node0-SIGSTOP"): rank 1 names it and ends; torchrun
 # then kills rank 0, so the folder says nothing of how the run ended, and resuming gives the uninterrupted rows.
 # Each run of the suite tries SUITE_CASES; EXOGYM_FAULT_LOOP=1 tries every case (the 10-loop check in
@@ -132,6 +135,9 @@ PROCESS_DRAWS = [(launch, kind, random.Random(f"{launch}-{kind}").randint(2, fau
 # A stopped process over each launcher that is quick to end (torchrun waits 30 s before it kills a stopped rank), and
 # torchrun's raise case, which shows rank 1's rows reaching the run folder.
 SUITE_CASES = {("processes", "SIGSTOP"), ("torch", "SIGSTOP"), ("torchrun", "raise"), ("torchrun", "SIGSTOP")}
+# In the suite, a resume under torchrun (a torchrun job of its own) is shown once, by its SIGSTOP case; the loop
+# resumes every case.
+RESUMED_ELSEWHERE = set() if os.environ.get("EXOGYM_FAULT_LOOP") else {("torchrun", "raise")}
 if not os.environ.get("EXOGYM_FAULT_LOOP"):
     PROCESS_DRAWS = [d for d in PROCESS_DRAWS if d[:2] in SUITE_CASES]
 
@@ -142,9 +148,24 @@ def _run(launch: str, kind: str, step: int, where: Path, timeout: float = 150) -
                           timeout=timeout)
 
 
+AS_ONE_PROCESS = ("processes", "torch", "torchrun")  # launches whose uninterrupted rows are one process's
+
+
+def _stopped_run(launch: str, kind: str, step: int, where: Path) -> str:
+    """Run the faulty run to its stop and return what it said: under torchrun a job of its own; over processes=2 or
+    the torch backend from this process (node 1 lives in a process of its own), which must raise."""
+    if launch.startswith("torchrun"):
+        out = _run(launch, kind, step, where)
+        assert out.returncode != 0, f"the {kind} at step {step} did not stop the run"
+        return out.stderr
+    with pytest.raises(Exception) as info:  # noqa: PT011 (each kind's error is checked in the run folder)
+        fault_run.fit(kind, step, **fault_run.options(kind, launch))
+    return "".join(traceback.format_exception(info.value))
+
+
 @pytest.fixture(scope="module")
-def uninterrupted_over(tmp_path_factory):
-    runs: dict[str, list[dict[str, str]]] = {}
+def uninterrupted_over(tmp_path_factory, uninterrupted):
+    runs: dict[str, list[dict[str, str]]] = {launch: uninterrupted for launch in AS_ONE_PROCESS}
 
     def rows(launch: str) -> list[dict[str, str]]:
         if launch not in runs:
@@ -161,26 +182,25 @@ def test_a_process_lost_at_a_random_step_loses_nothing_the_run_completed(launch,
                                                                         uninterrupted_over):
     uninterrupted = uninterrupted_over(launch)
     assert len(uninterrupted) == fault_run.MAX_STEPS
-    out = _run(launch, kind, step, tmp_path)
-    assert out.returncode != 0, f"the {kind} at step {step} did not stop the run"
+    stderr = _stopped_run(launch, kind, step, tmp_path)
     run = tmp_path / "logs" / "r"
     rows = table(run)
     steps = [int(r["step"]) for r in rows]
-    assert steps == list(range(1, len(steps) + 1)), out.stderr[-3000:]
+    assert steps == list(range(1, len(steps) + 1)), stderr[-3000:]
     if kind == "raise":  # every step both nodes completed: node 1 stopped in step `step`
-        assert len(steps) == step - 1, out.stderr[-3000:]
+        assert len(steps) == step - 1, stderr[-3000:]
     elif kind != "node0-SIGSTOP":  # rows are flushed every 10 steps and at each checkpoint: those flushed before
         assert len(steps) >= (step - 1) // fault_run.CHECKPOINT_INTERVAL * fault_run.CHECKPOINT_INTERVAL, \
-            out.stderr[-3000:]  # the loss are all there (rank 0, stopped, wrote what it wrote before)
+            stderr[-3000:]  # the loss are all there (rank 0, stopped, wrote what it wrote before)
     for r, expected in zip(rows, uninterrupted):
         assert [r[k] for k in COMPARED] == [expected[k] for k in COMPARED]
     timeout = f"(fit's peer_timeout={fault_run.PEER_TIMEOUT:g})"  # named within it (node_timeout is far longer)
     if kind == "node0-SIGSTOP":  # rank 1 named rank 0 and ended; torchrun then killed rank 0, which recorded nothing
-        assert "PeerLostError: process 0 (node 0) stopped responding" in out.stderr and timeout in out.stderr, \
-            out.stderr[-3000:]
+        assert "PeerLostError: process 0 (node 0) stopped responding" in stderr and timeout in stderr, \
+            stderr[-3000:]
         assert json.loads((run / ".exogym-run").read_text())["status"] == "running"  # to resume
     else:
-        assert (run / "summary.json").exists(), out.stderr[-6000:]  # rank 0 recorded how the run ended
+        assert (run / "summary.json").exists(), stderr[-6000:]  # rank 0 recorded how the run ended
         summary = json.loads((run / "summary.json").read_text())
         assert summary["status"] == "failed" and summary["steps"] == len(steps), summary
         if kind == "SIGSTOP":
@@ -188,9 +208,12 @@ def test_a_process_lost_at_a_random_step_loses_nothing_the_run_completed(launch,
             assert timeout in summary["error"] and summary["lost_peer"] == {"process": 1, "nodes": [1]}, summary
         elif kind == "raise":
             assert "RuntimeError: example" in summary["error"], summary["error"]
-    if step - 1 < fault_run.CHECKPOINT_INTERVAL:
-        return  # stopped before its first checkpoint: nothing to resume from
-    resumed = _run(launch, "resume", 0, tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    if step - 1 < fault_run.CHECKPOINT_INTERVAL or (launch, kind) in RESUMED_ELSEWHERE:
+        return  # stopped before its first checkpoint: nothing to resume from (or resumed by another case)
+    if launch.startswith("torchrun"):
+        resumed = _run(launch, "resume", 0, tmp_path)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+    else:  # processes=2 or the torch backend, started from this process
+        fault_run.resume(str(run), launch)
     assert [[r[k] for k in COMPARED] for r in table(run)] == [[r[k] for k in COMPARED] for r in uninterrupted]
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from exogym import NonFiniteLoss, Trainer
+from exogym.backends.sim.watchdog import STUCK_EXIT_CODE, stuck_grace
 from exogym.strategy import DiLoCoStrategy, SimpleReduceStrategy
 from exogym.strategy.optim import OptimSpec
 
@@ -242,17 +243,27 @@ class Stuck(StuckInNativeCode, SimpleReduceStrategy):
 
 if __name__ == "__main__":
     Trainer(TinyMLP(), make_classification(256)).fit(Stuck("sgd", lr=0.05), 2, max_steps=30, batch_size=8,
-                                                     shuffle=False, progress=False, run_name="r", node_timeout=3.0)
+                                                     shuffle=False, progress=False, run_name="r", node_timeout=2.0)
 """
 
 
 def test_a_node_stuck_in_native_code_ends_the_process_with_the_run_folder_saying_so(tmp_path):
-    # No signal reaches it, so the watchdog records the failure (and the rows of steps 1-6) before ending the
-    # process with exit code 124 (exogym.backends.sim.watchdog.STUCK_EXIT_CODE).
+    # No signal reaches it, so the watchdog names it on stderr (its stack down to the Python line that called into
+    # native code), records the failure through fit's on_stuck (and the rows of steps 1-6), and ends the process
+    # with exit code 124 (STUCK_EXIT_CODE) once the grace after node_timeout is over.
     script = tmp_path / "run.py"
     script.write_text(_STUCK.format(tests=str(TESTS)))
-    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 124, out.stderr
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert stuck_grace(2.0) == 5.0
+    assert proc.returncode == STUCK_EXIT_CODE, err
+    assert "exogym watchdog: node 1 ran for" in err and "in step 7 without finishing it" in err, err
+    assert "torch.futures.Future().wait()" in err  # its stack: the Python line that called into native code
+    assert "inside native code that ignores signals" in err
+    assert f"Its process ({proc.pid}) exits now with code {STUCK_EXIT_CODE}" in err
     run = tmp_path / "logs" / "r"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["error"].startswith("NodeTimeoutError: node 1 ran for")

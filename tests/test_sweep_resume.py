@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import sweep_runs
 from exogym.sweep import grid, load, sweep
 
 optuna = pytest.importorskip("optuna")
@@ -64,8 +65,10 @@ def test_a_worker_killed_mid_run_is_replaced_and_its_configuration_reruns_from_i
 
 
 def test_a_sweep_killed_outright_resumes_bit_identically_with_its_own_workers(tmp_path):
+    # The reference: the same sweep left alone, in this process (one worker, the one thread the killed sweep's
+    # workers have too: conftest sets OMP_NUM_THREADS=1 for the processes tests start).
     whole = tmp_path / "whole"
-    assert _start(whole).wait(180) == 0
+    sweep(sweep_runs.unslowed, grid(H=[2, 4, 5], seed=[0]), out=whole, checkpoint_interval=5, progress=False)
     out = tmp_path / "s"
     proc = _start(out)
     _wait_for_checkpointed_run(out, proc)

@@ -43,6 +43,10 @@ ORPHAN_AFTER_S = 5.0
 # for this long, it ends (a resume continues the grid).
 GRID_IDLE_S = 5.0
 
+# A worker with nothing to take while other workers' trials run (a storage with a heartbeat) looks again this often
+# (or every heartbeat, if shorter): it ends, or takes a trial failed as stale, within a second of the change.
+IDLE_POLL_S = 1.0
+
 __all__ = ["SweepStudy", "Entry", "REASONS"]
 
 REASONS = ("failed", "diverged", "interrupted", "infeasible", "over budget", "no configuration left", QUEUED_TWICE)
@@ -167,7 +171,7 @@ class SweepStudy:
                 return True
             if not (self.beats and running):
                 return False
-            time.sleep(self.definition.heartbeat)
+            time.sleep(min(self.definition.heartbeat, IDLE_POLL_S))
 
     def _fresh(self, trials: list[Any], before: int | None = None) -> int:
         """Trials a search asked its sampler for (not retries, not those pruned as over budget)."""
