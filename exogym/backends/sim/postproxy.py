@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from exogym.backends.sim.postlink import Ask, Link, Status
 from exogym.backends.sim.postevents import arrival
-from exogym.backends.sim.serverhost import load_server
+from exogym.backends.server_state import ShadowPost, check_readable, load_server
 from exogym.comm.messages import Message, Server, attach_server
 
 if TYPE_CHECKING:
@@ -41,6 +41,7 @@ class PostProxy:
         self._reported: Status | None = None
         self._bye = False
         self.link = Link(exchange, [hub], self._on_packet)
+        self._server_home = f"the process holding node 0 (process {hub})"  # for the shadow's errors
 
     # ---- the baton's questions ------------------------------------------------------------------
     def busy(self) -> bool:
@@ -103,12 +104,7 @@ class PostProxy:
         """
         if self.server is None:
             raise RuntimeError("read_server: the run has no server (declare one with exogym.comm.serve)")
-        kind = type(self.server)
-        if kind.state_dict is Server.state_dict or kind.load_state_dict is Server.load_state_dict:
-            raise RuntimeError(f"read_server on node {rank}: the server runs in the process holding node 0 (process "
-                               f"{self.hub_process}), and a node of another process reads it through its state: "
-                               f"{kind.__name__} must define state_dict() and load_state_dict() holding what is read "
-                               "(checkpoints need them too), or use processes=1")
+        check_readable(self.server, rank, self._server_home)
         known = len(self._rows)
         state = self._ask(rank, at, "read", None, None, f"read_server at {at:.6g} s", known)
         if state is None:
@@ -126,7 +122,7 @@ class PostProxy:
         into it."""
         self.active = True
         if self.server is None:
-            self.server = attach_server(make, _ShadowPost(self.num_nodes, self.hub_process))
+            self.server = attach_server(make, ShadowPost(self.num_nodes, self._server_home))
         return self.server
 
     def cut(self, group: tuple[int, ...], count: int) -> None:
@@ -140,20 +136,3 @@ class PostProxy:
 
     def check_loaded(self) -> None:
         """Nothing: the hub reads the messages' state."""
-
-
-class _ShadowPost:
-    """What a shadow server's `send` and timers go through: nothing, the server runs with the hub."""
-
-    def __init__(self, num_nodes: int, hub: int):
-        self.num_nodes, self.hub = num_nodes, hub
-
-    def _refuse(self) -> None:
-        raise RuntimeError(f"this server is a shadow of the run's server, which runs in the process holding node 0 "
-                           f"(process {self.hub}); it only holds the state read_server read, and sends nothing")
-
-    def post(self, message: Message) -> None:
-        self._refuse()
-
-    def wake_server(self, at: float) -> None:
-        self._refuse()

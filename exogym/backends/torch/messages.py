@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 
 from exogym.backends.errors import NodeTimeoutError
-from exogym.backends.torch.server_reads import (ReadRequest, ShadowPost, check_readable, decode_state, encode_state,
-                                                load_answer)
+from exogym.backends.server_state import ShadowPost, check_readable
+from exogym.backends.torch.server_reads import ReadRequest, decode_state, encode_state, load_answer
 from exogym.backends.torch.server_watch import wait_grace
 from exogym.cluster.network import SERVER
 from exogym.comm.messages import Message, Server, attach_server
@@ -54,7 +54,8 @@ __all__ = ["TorchPostOffice"]
 
 _HEADER, _BODY = 7001, 7002  # torch.distributed tags of headers and of metas and tensors
 _MESSAGE, _STOP, _READ, _STATE = 0, 1, 2, 3  # header kinds: a message, the end, a read_server request, its answer
-_NEVER = timedelta(days=365)  # the receiver's wait for the next header (see above)
+_NEVER = timedelta(days=365)
+_SERVER_HOME = "rank 0's process"  # where the server runs, for the shadows' errors  # the receiver's wait for the next header (see above)
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8,
            torch.int8, torch.int16, torch.bool]
 
@@ -214,7 +215,7 @@ class TorchPostOffice:
         self._start()
         if self.rank != 0:
             if self.server is None:
-                self.server = attach_server(make, ShadowPost(self.num_nodes))
+                self.server = attach_server(make, ShadowPost(self.num_nodes, _SERVER_HOME))
             return self.server
         if self.server is None:
             self.server = attach_server(make, self)
@@ -265,7 +266,7 @@ class TorchPostOffice:
             RuntimeError: the server's class keeps no state_dict, or the run's messages have ended.
             MessageError: no answer came in that time (a server stuck or gone), or the process group broke.
         """
-        check_readable(self.server, self.rank)
+        check_readable(self.server, self.rank, _SERVER_HOME)
         if self.closed:
             raise RuntimeError(f"read_server on node {self.rank} after the run's messages ended: the server is stopped")
         number, self._asked = self._asked, self._asked + 1

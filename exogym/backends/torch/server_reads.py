@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from exogym.backends.server_state import load_server, server_state
-from exogym.comm.messages import Message, Server
+from exogym.comm.messages import Server
 
-__all__ = ["ReadRequest", "ShadowPost", "check_readable", "encode_state", "decode_state", "load_answer"]
+__all__ = ["ReadRequest", "encode_state", "decode_state", "load_answer"]
 
 
 @dataclass(frozen=True)
@@ -41,19 +41,6 @@ class ReadRequest:
     def describe(self) -> str:
         """In words, for an error or the server watch."""
         return f"read_server request #{self.number} from node {self.rank}"
-
-
-def check_readable(server: Server, rank: int) -> None:
-    """A shadow can only be as right as the server's state_dict: a class keeping none is an error before a read.
-
-    Raises:
-        RuntimeError: the server's class does not define state_dict and load_state_dict.
-    """
-    kind = type(server)
-    if kind.state_dict is Server.state_dict or kind.load_state_dict is Server.load_state_dict:
-        raise RuntimeError(f"read_server on node {rank}: the server runs in rank 0's process, and another rank reads "
-                           f"it through its state: {kind.__name__} must define state_dict() and load_state_dict() "
-                           "holding what is read (checkpoints need them too)")
 
 
 def encode_state(server: Server, since: int) -> torch.Tensor:
@@ -71,20 +58,3 @@ def decode_state(payload: torch.Tensor) -> dict[str, Any]:
 def load_answer(shadow: Server, state: dict[str, Any], known: int) -> None:
     """Load an answer into the shadow: its rows up to `known` (the ones the request said it held), then the new."""
     load_server(shadow, {**state, "updates": shadow.updates[:known] + state["updates"]})
-
-
-class ShadowPost:
-    """What a shadow server's `send` and timers go through: nothing, the server runs in rank 0's process."""
-
-    def __init__(self, num_nodes: int):
-        self.num_nodes = num_nodes
-
-    def _refuse(self) -> None:
-        raise RuntimeError("this server is a shadow of the run's server, which runs in rank 0's process; it only holds "
-                           "the state read_server read, and sends nothing")
-
-    def post(self, message: Message) -> None:
-        self._refuse()
-
-    def wake_server(self, at: float) -> None:
-        self._refuse()
