@@ -102,7 +102,7 @@ HOSTILE = [
     (["run", "--device", ""], "--device: must not be empty"),
     (RUN + ["--device", "tpu"], "invalid device 'tpu'"),
     (RUN + ["--optim", "adamx"], "unknown optimizer name 'adamx'"),
-    (RUN + ["--optim", ""], "unknown optimizer name ''"),
+    (RUN + ["--optim", ""], "argument --optim: must not be empty"),
     (["run", "--task", "nope"], "--task: invalid choice: 'nope'"),
     (["run", "--strategy", "nope"], "--strategy: invalid choice: 'nope'"),
     (["run", "--active-nodes", "sometimes"], "--active-nodes: invalid choice"),
