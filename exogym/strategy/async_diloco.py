@@ -98,9 +98,10 @@ class AsyncDiLoCoStrategy(ServerRoundsStrategy):
         nesterov_delay: The arrivals between two momentum steps (default: num_nodes).
         dynamic_local_updates: Scale each node's H by its speed (learned from its rounds; H until known).
         max_norm: Clip each inner step's gradient norm.
-        **kwargs: `time_budget_s`: a node sits out its remaining steps once its simulated clock reaches this
-            (fast nodes then train more steps than slow ones in the same time; None: every node trains max_steps);
-            and the Strategy's options (`lr_scheduler`, ...).
+        time_budget_s: A node sits out its remaining steps once its clock (simulated seconds, or the run's
+            seconds without a time model) reaches this (fast nodes then train more steps than slow ones in the same
+            time; None: every node trains max_steps).
+        **kwargs: The Strategy's options (`lr_scheduler`, ...).
 
     Raises:
         ValueError: An argument out of range (H < 1, outer_lr <= 0, outer_momentum outside [0, 1), an unknown
@@ -110,9 +111,10 @@ class AsyncDiLoCoStrategy(ServerRoundsStrategy):
     def __init__(self, optim_spec: OptimSpec | str | type | None = None, *, H: int = 100, lr: float | None = None,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, staleness: str = "constant",
                  staleness_power: float = 0.5, delayed_nesterov: bool = False, nesterov_delay: int | None = None,
-                 dynamic_local_updates: bool = False, max_norm: float | None = None, **kwargs: Any):
-        super().__init__(optim_spec, H=H, lr=lr, dynamic_local_updates=dynamic_local_updates, max_norm=max_norm,
-                         **kwargs)
+                 dynamic_local_updates: bool = False, time_budget_s: float | None = None,
+                 max_norm: float | None = None, **kwargs: Any):
+        super().__init__(optim_spec, H=H, lr=lr, dynamic_local_updates=dynamic_local_updates,
+                         time_budget_s=time_budget_s, max_norm=max_norm, **kwargs)
         check_number("outer_lr", outer_lr, positive=True)
         check_number("outer_momentum", outer_momentum, minimum=0.0)
         if outer_momentum >= 1:

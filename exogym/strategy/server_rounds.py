@@ -103,8 +103,10 @@ class TimeBudget:
 
 
 class ServerRoundsStrategy(TimeBudget, Strategy):
-    """Base of AsyncDiLoCoStrategy and FedBuffStrategy: the node's inner loop and its exchange with the server
-    (module docstring). Subclasses give `make_server(theta, num_nodes)`.
+    """The base of the strategies that train against a server in rounds (AsyncDiLoCoStrategy, FedBuffStrategy,
+    DecoupledDiLoCoStrategy): each node runs H inner steps, sends its pseudo-gradient to the server and takes back
+    the model the server answers with, on its own clock (exogym.strategy.server_rounds). A subclass gives
+    `make_server(theta, num_nodes)`, the server that holds the global model and applies what arrives.
 
     Args:
         optim_spec: The inner optimizer: an OptimSpec, a name such as `"adamw"`, or an optimizer class
@@ -149,6 +151,15 @@ class ServerRoundsStrategy(TimeBudget, Strategy):
         self.optim_spec = spec
 
     def make_server(self, theta: torch.Tensor, num_nodes: int) -> FlatServer:
+        """The run's server, made once where it runs.
+
+        Args:
+            theta: The global model's parameters as one flat tensor (the server keeps its own copy).
+            num_nodes: The run's nodes.
+
+        Returns:
+            The server (a FlatServer subclass: its `receive` applies what a node sends and answers it).
+        """
         raise NotImplementedError
 
     def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
