@@ -42,16 +42,12 @@ def test_the_readme_is_read_in_five_minutes():
     assert len(lines) <= MAX_README_LINES, f"README.md has {len(lines)} lines; keep it to {MAX_README_LINES}"
 
 
-@pytest.mark.spawns
-def test_the_readme_quick_start_runs_as_pasted(tmp_path):
+def test_the_readme_quick_start_is_a_newcomers_first_block():
+    # It runs as pasted with every other block of the README: tests/test_docs_snippets.py.
     code = _first_python_block(README.read_text())
     lines = code.rstrip("\n").splitlines()
     assert 15 <= len(lines) <= 25, f"the quick start is {len(lines)} lines; a newcomer's first block is 15-25"
     assert "Trainer(" in code and ".fit(" in code, "the quick start must build a Trainer and call fit"
-    (tmp_path / "quickstart.py").write_text(code)
-    done = subprocess.run([sys.executable, "quickstart.py"], cwd=tmp_path, env=_env(), capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, f"the README's quick start failed:\n{done.stdout}\n{done.stderr}"
 
 
 _HAS_MKDOCS = importlib.util.find_spec("mkdocs") is not None and importlib.util.find_spec("mkdocstrings") is not None

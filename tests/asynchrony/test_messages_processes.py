@@ -12,6 +12,7 @@ import torch
 
 import toy
 from exogym import Trainer
+from exogym.backends.peer_watch import MIN_PEER_TIMEOUT
 from exogym.comm import SERVER, MessageError, Server
 from exogym.strategy import AsyncDiLoCoStrategy, Strategy
 from exogym.strategy import communicate as comm
@@ -153,7 +154,8 @@ class StopsOnNode2(AsyncDiLoCoStrategy):
 def test_a_process_that_dies_or_stops_while_the_hub_waits_is_named(how):
     started = time.monotonic()
     with pytest.raises(Exception) as info:
-        _run(lambda: StopsOnNode2(how, H=2, lr=1e-2), 2, steps=8, node_timeout=3)
+        # peer_timeout at its least (5 s): the stopped process is named by its silence, not after the default 30 s
+        _run(lambda: StopsOnNode2(how, H=2, lr=1e-2), 2, steps=8, node_timeout=3, peer_timeout=MIN_PEER_TIMEOUT)
     text = str(info.value)
     assert time.monotonic() - started < 60, text
     if how == "dies":
