@@ -395,7 +395,7 @@ class RunRecord:
         timeline = self.timeline
         if timeline is None:
             raise ValueError("this run has no timeline: spans are recorded in simulated time, so give fit a network= "
-                             "(or --network on the command line) and run again")
+                             "and run again")
         return write_chrome_trace(timeline, path)
 
     def summary(self) -> dict[str, Any]:

@@ -111,7 +111,7 @@ def read_timeline(folder: str | os.PathLike) -> dict[str, Any]:
     path = Path(folder) / TIMELINE_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{str(path)!r} does not exist: a run has a timeline once it ended, and only when it ran "
-                                "with simulated time (fit's network=, or --network on the command line)")
+                                "with simulated time (fit's network=)")
     data = json.loads(path.read_text())
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"{str(path)!r} is not a timeline of format {FORMAT} (got format "
