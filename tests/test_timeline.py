@@ -126,5 +126,5 @@ def test_a_run_without_simulated_time_has_no_timeline(tmp_path):
     assert trainer.record.timeline is None
     with pytest.raises(ValueError, match="give fit a network="):
         trainer.record.export_trace(tmp_path / "t.json")
-    with pytest.raises(FileNotFoundError, match="has a timeline once it ended"):
+    with pytest.raises(FileNotFoundError, match="has a timeline once it completed"):
         read_timeline(tmp_path)

@@ -105,13 +105,13 @@ def read_timeline(folder: str | os.PathLike) -> dict[str, Any]:
         The timeline (the module's format).
 
     Raises:
-        FileNotFoundError: The run has no timeline (it ran without simulated time, or has not ended yet), saying so.
+        FileNotFoundError: The run has no timeline (it ran without simulated time, or has not completed), saying so.
         ValueError: The file is not a timeline of a format this version reads.
     """
     path = Path(folder) / TIMELINE_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{str(path)!r} does not exist: a run has a timeline once it ended, and only when it ran "
-                                "with simulated time (fit's network=)")
+        raise FileNotFoundError(f"{str(path)!r} does not exist: a run has a timeline once it completed, and only "
+                                "when it ran with simulated time (fit's network=)")
     data = json.loads(path.read_text())
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"{str(path)!r} is not a timeline of format {FORMAT} (got format "

@@ -62,8 +62,8 @@ def make_app(root: str | os.PathLike, token: str, *, hosts: tuple[str, ...] = ("
     if not root.is_dir():
         raise ValueError(f"exogym ui serves a folder of runs; {str(root)!r} is not a folder")
     if not isinstance(token, str) or not re.fullmatch(r"[A-Za-z0-9_-]{16,}", token):
-        raise ValueError("the token must be at least 16 letters, digits, '-' or '_' (exogym ui draws one with secrets), "
-                         f"got {token!r}")
+        raise ValueError("the token must be at least 16 letters, digits, '-' or '_' (exogym ui draws one with "
+                         f"secrets), got {token!r}")
 
     def _named(request: Request) -> Path:
         return resolve_inside(root, request.query_params.get("name", ""))
@@ -101,16 +101,21 @@ def make_app(root: str | os.PathLike, token: str, *, hosts: tuple[str, ...] = ("
         summary.pop("comm_per_node", None)
         entry = run_entry(root, name)
         log_dir = (Path(root.name) / Path(name).parent).as_posix()
+        rerun = rerun_call(config, summary, log_dir) if config else None
+        if entry["sweep"] is not None:  # the sweep reruns its own runs: its resume comes first
+            sweep_folder = (Path(root.name) / entry["sweep"]).as_posix()
+            rerun = f"# a run of the sweep {sweep_folder}:\n{sweep_command(sweep_folder)}\n\n{rerun or ''}"
         return JSONResponse({"entry": entry, "config": config, "summary": summary,
                              "train": run_rows(folder, "train", since_train), "val": run_rows(folder, "val", since_val),
                              "since": since_train, "since_val": since_val,
-                             "rerun": rerun_call(config, summary, log_dir) if config else None})
+                             "rerun": rerun})
 
     async def timeline(request: Request) -> Response:
         path = _named(request) / TIMELINE_FILE
         if not path.is_file():
-            return JSONResponse({"error": "this run has no timeline: it ran without simulated time (fit's network=), "
-                                          "or has not ended yet"}, status_code=404)
+            why = ("this run has no timeline: it ran without simulated time (fit's network=), or has not completed (one "
+                   "that failed or was stopped has none until a resume completes it)")
+            return JSONResponse({"error": why}, status_code=404)
         return FileResponse(path, media_type="application/json", headers={"Cache-Control": "no-cache"})
 
     async def sweep(request: Request) -> Response:

@@ -18,7 +18,8 @@ from exogym.runs.marker import MARKER, holder_running, parse_marker
 from exogym.runs.rerun import RUN_FILES
 from exogym.runs.timeline import TIMELINE_FILE
 
-__all__ = ["UnsafePath", "resolve_inside", "find_folders", "run_entry", "run_rows", "sweep_entry", "read_json", "MAX_DEPTH"]
+__all__ = ["UnsafePath", "resolve_inside", "find_folders", "run_entry", "run_rows", "sweep_entry", "read_json",
+           "MAX_DEPTH"]
 
 MAX_DEPTH = 4  # root/sweep/runs/<run>/ is three deep; a run folder's own subfolders (checkpoints) are not runs
 _SKIP = {"checkpoints", "__pycache__", ".git", "node_modules"}

@@ -31,7 +31,7 @@ def test_trace_writes_the_run_folders_timeline(tmp_path, capsys):
     events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     assert len([e for e in events if e["ph"] == "X"]) == sum(len(lane["kinds"]) for lane in record.timeline["lanes"])
     assert main(["trace", str(tmp_path), "-o", str(tmp_path / "u.json")]) == 2  # not a run folder with a timeline
-    assert "has a timeline once it ended" in capsys.readouterr().err
+    assert "has a timeline once it completed" in capsys.readouterr().err
     assert main(["trace", str(tmp_path / "r"), "-o", str(tmp_path / "no" / "t.json")]) == 2
     assert "does not exist" in capsys.readouterr().err
 

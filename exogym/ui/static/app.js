@@ -5,7 +5,7 @@
 const TOKEN = new URLSearchParams(location.search).get("token") || "";
 const state = {runs: [], sweeps: [], sort: {key: "started", desc: true}, selected: new Set(), details: {},
                compare: [], timeline: null, timelineName: null, polls: {}};
-const X_AXES = [["step", "step"], ["examples", "examples"], ["bytes", "bytes per node"],
+const X_AXES = [["step", "step (each node's local steps)"], ["examples", "examples"], ["bytes", "bytes per node"],
                 ["sim_time_s", "simulated seconds"], ["updates", "server updates"], ["wall_time_s", "wall seconds"]];
 
 function api(path, params = {}) {
