@@ -113,8 +113,8 @@ def make_app(root: str | os.PathLike, token: str, *, hosts: tuple[str, ...] = ("
     async def timeline(request: Request) -> Response:
         path = _named(request) / TIMELINE_FILE
         if not path.is_file():
-            why = ("this run has no timeline: it ran without simulated time (fit's network=), or has not completed (one "
-                   "that failed or was stopped has none until a resume completes it)")
+            why = ("this run has no timeline: it ran without simulated time (fit's network=), or has not completed "
+                   "(one that failed or was stopped has none until a resume completes it)")
             return JSONResponse({"error": why}, status_code=404)
         return FileResponse(path, media_type="application/json", headers={"Cache-Control": "no-cache"})
 
