@@ -27,6 +27,10 @@ def root(tmp_path):
     trainer.fit(AsyncDiLoCoStrategy(OptimSpec.from_string("sgd", lr=0.1), H=4), 3, max_steps=12, batch_size=8,
                 val_size=16, val_interval=6, network=Network(bandwidth="100Mbps", latency="10ms"),
                 node_speeds=[1.0, 0.5, 0.25], logger=CSVLogger(root, "async"), progress=False, device="cpu")
+    (root / "sweep-h").mkdir()
+    (root / "sweep-h" / "sweep.json").write_text("{}")
+    (root / "sweep-h" / "results.csv").write_text("H,status,objective,payload_bytes_per_node\n5,completed,0.5,100\n"
+                                                  "10,completed,0.6,50\n")
     return root
 
 
@@ -68,6 +72,13 @@ def test_runs_compare_timeline_live_and_token(root):
         with open(live / "train.csv", "a") as f:
             f.write("3,0.3,24,300,1.5\n4,0.25,32,400,2.0\n")
         page.wait_for_function("document.body.dataset.comparePoints === '4'", timeout=15000)
+        assert errors == []
+
+        # a sweep: its table, its frontier and the command for Optuna's dashboard
+        page.goto(f"{base}/?token={token}#sweeps?sweep=sweep-h")
+        page.wait_for_selector("#sweep-frontier .scatterlayer")
+        assert page.locator("#sweep-detail table tr").count() == 3
+        assert "exogym sweep dashboard runs/sweep-h" in page.inner_text("#sweep-detail")
         assert errors == []
 
         # without the token: refused
