@@ -41,7 +41,8 @@ def _check_tiles(record):
         assert all(b > a for a, b in zip(t, t[1:])), "spans are contiguous and non-empty"
         assert len(lane["kinds"]) == len(t) - 1 == len(lane["steps"])
         assert all(a != b for a, b in zip(lane["kinds"], lane["kinds"][1:])), "a span continuing a kind is merged"
-        assert math.isclose(_seconds(lane, "c"), clock["compute_s"], rel_tol=1e-9)
+        assert math.isclose(_seconds(lane, "c") + _seconds(lane, "s"), clock["compute_s"] + clock.get("slowed_s", 0),
+                            rel_tol=1e-9)
         assert math.isclose(_seconds(lane, "i") + _seconds(lane, "d"), clock["wait_s"], rel_tol=1e-9, abs_tol=1e-12)
     return timeline
 
@@ -86,6 +87,15 @@ def test_down_time_is_its_own_kind():
     lane = record.timeline["lanes"][0]
     assert "d" in lane["kinds"] and "d" not in record.timeline["lanes"][1]["kinds"]
     assert lane["steps"][lane["kinds"].index("d")] <= 12
+
+
+def test_slowed_time_is_its_own_kind():
+    # node 1 runs 3 times slower from 0 to 10 simulated seconds (all of this toy run): its steps are one slowed span
+    # a round (compute and stretch together), not a compute and a slowed span per step
+    record = _fit(DiLoCoStrategy(OptimSpec.from_string("sgd", lr=0.1), H=5), slowdowns=[(1, 0.0, 10.0, 3.0)])
+    lanes, clocks = record.timeline["lanes"], record.sim_time_per_node
+    assert lanes[1]["kinds"] == "sm" * 4 and lanes[0]["kinds"] == "cim" * 4
+    assert math.isclose(_seconds(lanes[1], "s"), clocks[1]["compute_s"] + clocks[1]["slowed_s"], rel_tol=1e-9)
 
 
 def test_run_folder_holds_the_timeline_and_summary_does_not(tmp_path):

@@ -43,9 +43,7 @@ class NodeClock:
             self.spans.advance(kind, self.now)
 
     def add_compute(self, seconds: float, slowed: float = 0.0) -> None:
-        if slowed:
-            if self.spans is not None:  # the compute, then what the slowdown added to it
-                self.spans.advance("c", self.now + seconds)
+        if slowed:  # on the timeline the stretched step is one slowed span (not a compute and a slowed one a step)
             self.now += seconds + slowed
             self.slowed_s += slowed
             self._moved("s")

@@ -1,7 +1,7 @@
 """Where a node's simulated seconds went, as spans on its clock: the record a run's timeline is drawn from.
 
-A node's clock only moves forward, and every move has a kind: compute, slowed (compute stretched by a transient
-slowdown), comm (a blocking transfer, or a send waited on), idle (waiting for the other members of a collective,
+A node's clock only moves forward, and every move has a kind: compute, slowed (a step stretched by a transient
+slowdown: its compute and the stretch together), comm (a blocking transfer, or a send waited on), idle (waiting for the other members of a collective,
 for a message, or for an async transfer to end) and down (idle while the node was down). So a node's spans tile
 [start, now] with no gap: the log keeps only the boundaries, one kind per span and the step each span began in, and
 a span continuing the previous one's kind extends it (ten DiLoCo inner steps in a row are one compute span). A
