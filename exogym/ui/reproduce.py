@@ -7,6 +7,7 @@ the sweep's own command, which resumes the whole sweep.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping
 
 __all__ = ["rerun_call", "sweep_command"]
@@ -18,11 +19,33 @@ _DEFAULTS = {"batch_size": 16, "val_size": 64, "val_interval": 100, "seed": 42, 
              "execution": "sequential", "processes": 1}
 
 
+def _value(v: Any) -> str:
+    if isinstance(v, dict) and "optimizer" in v:  # an OptimSpec as config.json writes it
+        rest = ", ".join(f"{k}={x!r}" for k, x in v.items() if k != "optimizer")
+        return f"OptimSpec(torch.optim.{v['optimizer']}{', ' + rest if rest else ''})"
+    return repr(v)
+
+
 def _strategy(config: Mapping[str, Any]) -> str:
     sc = dict(config.get("strategy_config") or {})
     name = sc.pop("name", config.get("strategy") or "Strategy")
-    args = ", ".join(f"{k}={v!r}" for k, v in sc.items() if v is not None and not isinstance(v, dict))
+    args = ", ".join(f"{k}={_value(v)}" for k, v in sc.items()
+                     if v is not None and (not isinstance(v, dict) or "optimizer" in v))
     return f"{name}({args})"
+
+
+def _time_model(tm: Mapping[str, Any]) -> list[str]:
+    """fit's keywords of the run's time model: the network, the nodes' speeds and throughput, measured or not."""
+    kw = [f"network={re.sub(r', [a-z_]+=None', '', tm['network'])}"]  # the arguments left at their default: out
+    for key in ("node_speeds", "device_flops"):
+        values = tm.get(key) or []
+        if values and len(set(values)) == 1:
+            values = values[0]  # one number for every node
+        if values and values != 1:
+            kw.append(f"{key}={values!r}")
+    if tm.get("compute_time") == "measured":
+        kw.append('compute_time="measured"')
+    return kw
 
 
 def rerun_call(config: Mapping[str, Any], summary: Mapping[str, Any], log_dir: str) -> str:
@@ -44,9 +67,7 @@ def rerun_call(config: Mapping[str, Any], summary: Mapping[str, Any], log_dir: s
         kw.append(f"{key}={value!r}")
     tm = config.get("time_model") or {}
     if tm.get("network"):
-        kw.append(f"network={tm['network']}")
-        if tm.get("node_speeds") and any(s != 1 for s in tm["node_speeds"]):
-            kw.append(f"node_speeds={tm['node_speeds']!r}")
+        kw += _time_model(tm)
     name = config.get("run_name")
     kw.append(f"logger=CSVLogger({log_dir!r}, run_name={name!r})")
     resume = summary.get("resume_from")
@@ -57,9 +78,9 @@ def rerun_call(config: Mapping[str, Any], summary: Mapping[str, Any], log_dir: s
         head = "# reruns the run (the earlier folder is kept, moved aside); model and data as the run had: " \
                f"{config.get('model', '?')}, {config.get('parameters', '?')} parameters"
     body = ",\n            ".join(kw)
-    return (f"{head}\nfrom exogym import Trainer\nfrom exogym.strategy import *\nfrom exogym.cluster.network import "
-            f"Network\nfrom exogym.runs.loggers import CSVLogger\n\ntrainer = Trainer(model, train_dataset, "
-            f"val_dataset)\ntrainer.fit({body})")
+    imports = ("import torch\nfrom exogym import Trainer\nfrom exogym.strategy import *\n"
+               "from exogym.cluster.network import Network\nfrom exogym.runs.loggers import CSVLogger")
+    return f"{head}\n{imports}\n\ntrainer = Trainer(model, train_dataset, val_dataset)\ntrainer.fit({body})"
 
 
 def sweep_command(sweep_folder: str) -> str:

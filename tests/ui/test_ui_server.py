@@ -148,3 +148,25 @@ def test_a_run_gives_its_rows_from_where_the_reader_is_and_its_rerun_call(client
     assert client.get("/api/run", params={"name": "a", "since": "x", "token": TOKEN}).status_code == 400
     missing = client.get("/api/timeline", params={"name": "a", "token": TOKEN})
     assert missing.status_code == 404 and "network=" in missing.json()["error"]
+
+
+def test_the_rerun_call_reruns_the_run_exactly(tmp_path):
+    """The call shown for a run, run as shown (with the run's model and data), gives the run's rows again."""
+    import torch
+
+    import toy
+    from exogym import Trainer
+    from exogym.runs.loggers import CSVLogger
+    from exogym.strategy import AsyncDiLoCoStrategy, OptimSpec
+    from exogym.ui.catalog import read_json, run_rows
+    from exogym.ui.reproduce import rerun_call
+
+    data = toy.make_classification(), toy.make_classification(64, seed=1)
+    trainer = Trainer(toy.TinyMLP(), *data)
+    trainer.fit(AsyncDiLoCoStrategy(OptimSpec(torch.optim.AdamW, lr=0.01), H=3, outer_lr=0.5), 3, max_steps=9,
+                batch_size=8, val_size=16, val_interval=3, seed=7, network="low", node_speeds=[1, 0.5, 0.5],
+                device_flops=1e9, logger=CSVLogger(tmp_path / "first", "r"), progress=False, device="cpu")
+    call = rerun_call(read_json(tmp_path / "first" / "r" / "config.json"), {}, str(tmp_path / "again"))
+    exec(call, {"model": toy.TinyMLP(), "train_dataset": data[0], "val_dataset": data[1]})
+    first, again = (run_rows(tmp_path / d / "r", "train") for d in ("first", "again"))
+    assert again["loss"] == first["loss"] and again["sim_time_s"] == first["sim_time_s"]

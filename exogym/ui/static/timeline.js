@@ -195,8 +195,10 @@ class Timeline {
     const i = upperBound(lane.t, at) - 1;
     if (i < 0 || i >= lane.kinds.length) return null;
     const kind = this.data.kinds[lane.kinds[i]], s0 = lane.steps[i];
-    const s1 = i + 1 < lane.steps.length ? lane.steps[i + 1] : null;
-    const steps = s1 !== null && s1 > s0 + 1 ? `steps ${s0} to ${s1 - 1}` : `step ${s0}`;
+    // the span ends in the step the next span began in, unless that one is computing: it began a new step
+    const next = i + 1 < lane.kinds.length ? lane.kinds[i + 1] : null;
+    const s1 = next === null ? null : lane.steps[i + 1] - ("cs".includes(next) ? 1 : 0);
+    const steps = s1 === null ? `from step ${s0}` : s1 > s0 ? `steps ${s0} to ${s1}` : `step ${s0}`;
     let out = `${lane.name}: ${kind}, ${steps}\n${lane.t[i].toFixed(4)} s to ${lane.t[i + 1].toFixed(4)} s` +
               ` (${(lane.t[i + 1] - lane.t[i]).toFixed(4)} s)`;
     const sent = this._sentIn(li, lane.t[i], lane.t[i + 1]);
