@@ -41,6 +41,9 @@ function route() {
   document.querySelectorAll("nav a").forEach((a) => a.classList.toggle("active", a.dataset.view === view));
   if (view === "compare") showCompare(params.getAll("run"));
   if (view === "timeline" && params.get("run")) showTimeline(params.get("run"));
+  if (view === "timeline" && !params.get("run")) {
+    document.getElementById("timeline-name").textContent = "pick a run's timeline in the runs list";
+  }
   if (view === "sweeps") showSweeps(params.get("sweep"));
 }
 
@@ -130,7 +133,8 @@ async function fetchRun(name) {
 
 async function showCompare(names) {
   state.compare = names;
-  document.getElementById("compare-names").textContent = names.join(", ");
+  document.getElementById("compare-names").textContent =
+    names.length ? names.join(", ") : "tick runs in the runs list and press Compare selected";
   await Promise.all(names.map(fetchRun));
   drawCompare(); drawFrontier(); drawConfigDiff();
   for (const name of names) followRun(name);
