@@ -1,6 +1,6 @@
 """The screenshots of docs/ui.md: `exogym ui` on the setting of docs/results.md section 7, shortened.
 
-    python examples/ui_screenshots.py                 # runs into runs/ui-demo, screenshots into runs/ui-demo/img
+    python examples/ui_screenshots.py                 # run folders into runs/ui-demo, screenshots into runs/
     python examples/ui_screenshots.py --update-docs   # the screenshots into docs/img (ui_*.png)
 
 Four nodes whose steps take 0.58, 0.75, 1.51 and 3.33 simulated seconds on a 10 Mbit/s, 50 ms WAN train the MNIST
@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from async_heterogeneous import BATCH, STEP_SECONDS, step_flops
+from published_output import add_update_docs, output_path, print_outputs
 from exogym import Trainer
 from exogym.cluster.network import Network
 from exogym.data.mnist import load_mnist
@@ -54,43 +55,54 @@ def train(root: Path, rounds: int) -> dict[str, float]:
     return goodput
 
 
-def photograph(root: Path, img: Path) -> None:
+def photograph(root: Path, first: Path) -> list[Path]:
+    """The screenshots: `first` (the runs list), the others beside it; returns their paths."""
+    img, shots = first.parent, [first]
     with served(root) as (base, token), headless_page(1400, 800) as page:
         page.goto(f"{base}/?token={token}#runs")
         page.wait_for_function("document.body.dataset.runsLoaded")
-        page.screenshot(path=str(img / "ui_runs.png"), clip={"x": 0, "y": 0, "width": 1400, "height": 200})
+        page.screenshot(path=str(first), clip={"x": 0, "y": 0, "width": 1400, "height": 200})
         page.goto(f"{base}/?token={token}#compare?run=sync-diloco&run=async-diloco")
         page.wait_for_function("document.body.dataset.comparePoints")
         page.select_option("#x-axis", "sim_time_s")
         page.select_option("#y-axis", "val:global_loss")
         page.wait_for_timeout(500)
-        page.screenshot(path=str(img / "ui_compare.png"), clip={"x": 0, "y": 0, "width": 1400, "height": 520})
+        shots.append(img / "ui_compare.png")
+        page.screenshot(path=str(shots[-1]), clip={"x": 0, "y": 0, "width": 1400, "height": 520})
         for name in ("sync-diloco", "async-diloco"):
             page.goto("about:blank")
             page.goto(f"{base}/?token={token}#timeline?run={name}")
             page.wait_for_function("document.body.dataset.timelineDrawnAt")
             page.evaluate("state.timeline.zoomTo(0, 200)")  # the first rounds: where nodes wait, or do not
-            page.screenshot(path=str(img / f"ui_timeline_{name.split('-')[0]}.png"),
-                            clip={"x": 0, "y": 0, "width": 1400, "height": 330})
+            shots.append(img / f"ui_timeline_{name.split('-')[0]}.png")
+            page.screenshot(path=str(shots[-1]), clip={"x": 0, "y": 0, "width": 1400, "height": 330})
+    return shots
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5, help="synchronous DiLoCo's rounds (default 5)")
-    parser.add_argument("--out", default="runs/ui-demo", help="the folder of the two run folders")
-    parser.add_argument("--update-docs", action="store_true", help="write the screenshots into docs/img")
-    args = parser.parse_args()
-    root = Path(args.out)
+    parser.add_argument("--runs", default="runs/ui-demo", help="the folder of the two run folders (emptied first)")
+    parser.add_argument("--out", default=None, help="the runs list's screenshot (default runs/ui_runs.png); the "
+                                                    "others are written beside it")
+    add_update_docs(parser, "ui_runs.png, ui_compare.png, ui_timeline_sync.png, ui_timeline_async.png")
+    args = parser.parse_args(argv)
+    args.out = output_path(parser, args, "ui_runs.png", given=args.out, free=("runs",))
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    root = Path(args.runs)
     if root.exists():
         shutil.rmtree(root)
     root.mkdir(parents=True)
     goodput = train(root, args.rounds)
-    img = Path(__file__).resolve().parent.parent / "docs" / "img" if args.update_docs else root / "img"
-    img.mkdir(parents=True, exist_ok=True)
-    photograph(root, img)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    shots = photograph(root, args.out)
     for name, g in goodput.items():
         print(f"{name}: goodput {g:.2f}")
-    print(f"screenshots in {img}")
+    print_outputs(shots)
 
 
 if __name__ == "__main__":
