@@ -111,7 +111,7 @@ OPTIONS: tuple[Option, ...] = (
     # the inner optimizer and its schedule: every strategy
     Option("--optim", "inner optimizer name (adamw, sgd, adam, ...) (default: adamw; dgc: sgd, its paper's)", None,
            text),
-    Option("--lr", "inner learning rate", 1e-3, number(positive=True)),
+    Option("--lr", "inner learning rate (default: 1e-3; dgc: 0.1, for its SGD)", None, number(positive=True)),
     Option("--max-norm", "clip gradients to this norm (default: none, no clipping)", None, number(positive=True)),
     Option("--warmup-steps", "linear LR warmup steps", 0, int_at_least(0)),
     Option("--cosine", "cosine-anneal the LR after warmup", switch=True),

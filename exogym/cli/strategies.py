@@ -13,8 +13,12 @@ from exogym.strategy.optim import OptimSpec
 __all__ = ["STRATEGY_BUILDERS", "options_read"]
 
 
-def _inner(args: argparse.Namespace, default: str = "adamw") -> OptimSpec:
-    return OptimSpec.from_string(default if args.optim is None else args.optim, lr=args.lr)
+def _lr(args: argparse.Namespace, default: float = 1e-3) -> float:
+    return default if args.lr is None else args.lr
+
+
+def _inner(args: argparse.Namespace, default: str = "adamw", lr: float = 1e-3) -> OptimSpec:
+    return OptimSpec.from_string(default if args.optim is None else args.optim, lr=_lr(args, lr))
 
 
 def _common(args: argparse.Namespace) -> dict:
@@ -51,7 +55,7 @@ def _fedavg(args: argparse.Namespace) -> Strategy:
 
 def _demo(args: argparse.Namespace) -> Strategy:
     from exogym.strategy import DeMoStrategy
-    optim, settings = args.optim, dict(lr=args.lr, compression_topk=args.topk, **_common(args))  # every read first
+    optim, settings = args.optim, dict(lr=_lr(args), compression_topk=args.topk, **_common(args))  # every read first
     if optim is not None:
         raise ValueError(f"demo is its own optimizer (DeMo); --optim {optim} does not apply: drop it")
     return DeMoStrategy(**settings)
@@ -72,7 +76,8 @@ def _sparta_diloco(args: argparse.Namespace) -> Strategy:
 
 def _dgc(args: argparse.Namespace) -> Strategy:
     from exogym.strategy import DGCStrategy
-    return DGCStrategy(_inner(args, "sgd"), target_sparsity=args.sparsity, **_common(args))
+    # SGD at 0.1 unless told: its paper's optimizer; at AdamW's 1e-3 it barely moves in a short run
+    return DGCStrategy(_inner(args, "sgd", 0.1), target_sparsity=args.sparsity, **_common(args))
 
 
 def _async_diloco(args: argparse.Namespace) -> Strategy:
