@@ -169,6 +169,7 @@ class Wide(toy.TinyMLP):
         return super().forward(batch)
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("make", [lambda: AsyncDiLoCoStrategy(H=5, outer_lr=0.7),
                                   lambda: FedBuffStrategy(H=2, buffer_size=2, lr=0.05)], ids=["async_diloco", "fedbuff"])
 def test_two_processes_compute_with_the_callers_threads_and_give_one_process_bits(make):
