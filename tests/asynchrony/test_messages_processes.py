@@ -189,3 +189,25 @@ def test_two_processes_compute_with_the_callers_threads_and_give_one_process_bit
     (one, one_updates), (two, two_updates) = runs
     assert one_updates == two_updates and len(one_updates) > 4
     assert all(torch.equal(a, b) for a, b in zip(one, two)), max((a - b).abs().max().item() for a, b in zip(one, two))
+
+
+def test_every_process_waiting_is_no_deadlock_while_a_link_packet_is_in_flight():
+    """Issue 46 (3): 1,024 nodes over two processes ended now and then in a 'deadlock across processes' while the
+    hub took in process 1's 512 read_server questions and its status (each process waited with its progress
+    unchanged for a second, the packets still on their way on a loaded machine). A deadlock now also needs every
+    packet sent to have been taken in."""
+    from torch.distributed import HashStore
+
+    from exogym.backends.sim import exchange as ex
+
+    store, owner = HashStore(), [0, 0, 1, 1]
+    hub, proxy = ex.Exchange(owner, 0, store, "run"), ex.Exchange(owner, 1, store, "run")
+    try:
+        proxy.report_stall("  node 2: waits in read_server at 0 s", 2, ({0: 3}, {0: 0}))  # 3 packets sent
+        assert hub.report_stall("  not waiting: nodes [0, 1]", 0, ({1: 0}, {1: 2})) is None  # 2 of them taken in
+        proxy.report_stall("  node 2: waits in read_server at 0 s", 2, ({0: 3}, {0: 0}))
+        everyone = hub.report_stall("  not waiting: nodes [0, 1]", 0, ({1: 0}, {1: 3}))  # all in: a deadlock
+        assert everyone is not None and "node 2: waits in read_server" in everyone
+    finally:
+        hub.close()
+        proxy.close()

@@ -231,7 +231,8 @@ class Baton:
             if time.monotonic() - since >= _STALL_S:
                 stalled = True
                 progress = self.arrivals + self._exchange.completed + (0 if post is None else post.progress)
-                everyone = self._exchange.report_stall(self._describe_waiting(), progress)
+                everyone = self._exchange.report_stall(self._describe_waiting(), progress,
+                                                       None if post is None else post.packets())
                 if everyone is not None:
                     raise CollectiveError("deadlock across processes: every unfinished node waits in a collective "
                                           "that cannot complete:\n" + everyone)

@@ -106,6 +106,10 @@ class PostOffice:
         if self.hub is not None:
             self.hub.close()
 
+    def packets(self) -> tuple[dict[int, int], dict[int, int]] | None:
+        """The link's packets sent and taken in, per process (None: the run is one process's)."""
+        return None if self.hub is None else self.hub.link.counts()
+
     def next_event(self) -> None:
         """Let the earliest event happen (the hub calls it when no node is ready)."""
         kind, item = self._events.pop()

@@ -66,6 +66,10 @@ class PostProxy:
             self.exchange.check_peers()
         self.link.join()
 
+    def packets(self) -> tuple[dict[int, int], dict[int, int]]:
+        """The link's packets sent to the hub and taken in from it."""
+        return self.link.counts()
+
     def _on_packet(self, src: int, packet: tuple) -> None:
         if packet[0] == "bye":
             self._bye = True
