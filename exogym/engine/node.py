@@ -160,10 +160,9 @@ class TrainNode:
         if self.rank not in m.alive(step):
             return False
         joiners = m.joiners(step)
-        rejoin = getattr(self.strategy, "rejoin_alone", None)
-        if joiners and rejoin is not None:  # the strategy brings the joiner up to date itself; nobody waits
+        if joiners and self.strategy.rejoins_alone:  # the strategy brings the joiner up to date itself; nobody waits
             if self.rank in joiners:
-                rejoin()
+                self.strategy.rejoin_alone()
         elif joiners:  # every node up at this step takes part (some send, the joiners receive)
             self.execution.release(self.rank, self.model)  # a survivor's state is sent whole
             hand_over_state(self.model, self.strategy, step, list(m.survivors(step)), list(joiners))
@@ -237,7 +236,7 @@ class TrainNode:
         step's compute time idle, so that it comes back at the time its step count says, not in the past. Other
         strategies' down nodes keep their clocks (their collectives realign them)."""
         model = self.cfg.time_model
-        if model is None or not getattr(self.strategy, "clock_runs_while_down", False):
+        if model is None or not self.strategy.clock_runs_while_down:
             return
         seconds = model.compute_seconds(self.rank, flops=self._step_flops or 0.0, measured_s=self._measured_s)
         comm.clock.now += seconds
@@ -327,9 +326,7 @@ class TrainNode:
             self._eval_model = copy.deepcopy(self.model)
         self._eval_model.load_state_dict(state, strict=True)
         row: dict[str, float] = {"step": done}
-        facts = getattr(self.strategy, "validation_facts", None)
-        if facts is not None:  # e.g. a server's: the simulated time and the updates applied when node 0 read it
-            row.update(facts())
+        row.update(self.strategy.validation_facts())  # e.g. a server's: the simulated time, the updates applied
         for prefix, model in (("local", self.model), ("global", self._eval_model)):
             for name, value in self._evaluate(model).items():
                 row[f"{prefix}_{name}"] = value

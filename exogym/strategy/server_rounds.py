@@ -20,21 +20,12 @@ import torch
 from exogym._validation import check_int, check_number
 from exogym.comm import messages as msg
 from exogym.strategy.base import Strategy, frozen_state, trainable_parameters
+from exogym.strategy.server_strategy import ServerStrategy, flat_parameters
 from exogym.strategy.optim import OptimSpec, ensure_optim_spec
 
 __all__ = ["FlatServer", "ServerRoundsStrategy", "TimeBudget", "flat_parameters", "load_flat", "JOIN"]
 
 JOIN = 1  # the tag of a node's request for the global model when it comes back after being down
-
-
-def flat_parameters(model: torch.nn.Module) -> torch.Tensor:
-    """The trainable parameters, concatenated (one dtype), detached, on the CPU."""
-    params = trainable_parameters(model)
-    dtypes = {p.dtype for p in params}
-    if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
-        raise TypeError(f"the server-based strategies send the trainable parameters as one flat tensor and need them "
-                        f"to share one floating-point dtype; got {sorted(map(str, dtypes))}")
-    return torch.cat([p.detach().reshape(-1).to("cpu") for p in params])
 
 
 class FlatServer(msg.Server):
@@ -102,7 +93,7 @@ class TimeBudget:
         return self._stopped
 
 
-class ServerRoundsStrategy(TimeBudget, Strategy):
+class ServerRoundsStrategy(TimeBudget, ServerStrategy):
     """Base of AsyncDiLoCoStrategy and FedBuffStrategy: the node's inner loop and its exchange with the server
     (module docstring). Subclasses give `make_server(theta, num_nodes)`.
 

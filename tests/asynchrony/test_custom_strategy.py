@@ -22,3 +22,23 @@ def test_the_documented_custom_strategy_runs():
     # a step's compute c (about 1 s here) dominates: node i's k-th update arrives at 2k c / s_i + (2k - 1) 0.01 s
     assert [u["node"] for u in t.record.updates] == [0, 1, 0, 2, 1, 2]
     assert "```python\n--8<-- \"examples/async_custom_strategy.py:custom\"" in (ROOT / "docs" / "asynchronous.md").read_text()
+
+
+def test_the_server_strategy_of_custom_strategy_md_runs_as_pasted_and_plots_against_updates(tmp_path, monkeypatch):
+    """docs/custom_strategy.md's strategy with a server, its block whole (imports included) run as a script, then
+    `exogym plot --x updates` on its run folder (a custom server strategy's validation rows carry `updates`: before
+    ServerStrategy the plot refused it until the undocumented validation_facts() was found)."""
+    import re
+
+    from exogym.cli import main
+
+    page = (ROOT / "docs" / "custom_strategy.md").read_text()
+    section = page[page.index("## A strategy with a server"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    command = re.search(r"```bash\n(.*?)```", section, re.S).group(1).split("#")[0].split()
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "custom_strategy.md", "exec"), {"__name__": "__main__"})
+    rows = (tmp_path / "logs" / "elastic" / "val.csv").read_text().splitlines()
+    assert "updates" in rows[0].split(",") and len(rows) == 1 + 5  # steps 0, 10, 20, 30, 40
+    assert command[:2] == ["exogym", "plot"] and main(command[1:]) == 0
+    assert (tmp_path / "elastic.png").stat().st_size > 1000

@@ -98,7 +98,7 @@ class PostOffice:
                                + "\n".join(self.describe_waiting()))
         return False
 
-    def settle(self) -> None:
+    def report_idle(self) -> None:
         """The baton has nothing to run (a proxy reports it to the hub; nothing to do here)."""
 
     def finish(self) -> None:

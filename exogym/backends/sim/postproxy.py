@@ -50,7 +50,7 @@ class PostProxy:
     def due(self) -> bool:
         return False  # the hub's heap decides
 
-    def settle(self) -> None:
+    def report_idle(self) -> None:
         """Nothing to run here: tell the hub, once per change (after every packet sent before, in order)."""
         status = Status(self.progress, dict(self.baton.crossings_started), frozenset(self.baton.open_crossings))
         if status != self._reported:
