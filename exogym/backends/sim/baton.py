@@ -22,13 +22,16 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import greenlet
 
 from exogym.backends.sim.watchdog import Watchdog, WatchdogInterrupt
 from exogym.cluster.network import SERVER
 from exogym.comm.transport import CollectiveError, MessageError
+
+if TYPE_CHECKING:
+    from exogym.backends.sim.protocols import Crossings, Messages
 
 __all__ = ["Baton", "CollectiveCall", "Pending"]
 
@@ -74,7 +77,7 @@ class Baton:
 
     def __init__(self, num_nodes: int, *, on_resume: Callable[[int], None], on_pause: Callable[[int], None],
                  node_timeout: float | None = None, step_of: Callable[[int], int | None] = lambda rank: None,
-                 local: Sequence[int] | None = None, exchange: Any = None,
+                 local: Sequence[int] | None = None, exchange: "Crossings | None" = None,
                  on_stuck: Callable[[BaseException], None] | None = None):
         self.num_nodes = num_nodes
         self.local = list(range(num_nodes)) if local is None else list(local)
@@ -98,7 +101,7 @@ class Baton:
         self.crossings_started: dict[tuple[int, ...], int] = {}  # group -> collectives on it sent across so far
         self._finished: set[int] = set()
         self._scheduler: greenlet.greenlet | None = None
-        self.post: Any = None  # point-to-point messages on the simulated clock (exogym.backends.sim.postoffice)
+        self.post: "Messages | None" = None  # point-to-point messages on the simulated clock (set by the backend)
         self._receiving: dict[int, str] = {}  # rank -> the message it waits for
 
     def run(self, node_fns: list[Callable[[], Any]]) -> list[Any]:

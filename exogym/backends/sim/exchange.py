@@ -35,12 +35,11 @@ import torch.distributed as dist
 
 from exogym.backends.sim.baton import CollectiveCall, Pending
 from exogym.backends.sim.collective_parts import OPS
+from exogym.backends.sim.protocols import Packets
 from exogym.backends.peer_watch import PeerWatch
 from exogym.comm.transport import CollectiveError
 
-__all__ = ["Exchange", "Crossing", "Packets", "in_flight"]
-
-Packets = tuple[dict[int, int], dict[int, int]]  # (sent to each process, taken in from each process)
+__all__ = ["Exchange", "Crossing", "in_flight"]
 
 _CONFIRM_S = 1.0  # and a deadlock is declared when every process has told so twice, this far apart
 

@@ -45,10 +45,14 @@ import pickle
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from exogym.backends.sim.exchange import Exchange
+    from exogym.backends.sim.protocols import HeapOwner
 
 __all__ = ["Link", "Hub", "Status", "Ask"]
 
@@ -91,7 +95,7 @@ class Link:
     PeerLostError naming it (exogym.backends.peer_watch), raised on the process's thread; one that stops is named by
     the heartbeats the process checks while it waits."""
 
-    def __init__(self, exchange: Any, peers: list[int], on_packet: Callable[[int, tuple], None]):
+    def __init__(self, exchange: "Exchange", peers: list[int], on_packet: Callable[[int, tuple], None]):
         self.exchange, self.on_packet = exchange, on_packet
         self._outbox: dict[int, queue.Queue] = {p: queue.Queue() for p in peers}
         # Packets sent to each peer and taken in from each (on the process's own thread): the deadlock check
@@ -167,7 +171,7 @@ class Hub:
     """The hub's side of the link: the other processes' statuses and the answers sent to them, and whether the run
     is quiescent (module docstring). `post` is the hub's post office (exogym.backends.sim.postoffice.PostOffice)."""
 
-    def __init__(self, post: Any, exchange: Any, owner: list[int], me: int):
+    def __init__(self, post: "HeapOwner", exchange: "Exchange", owner: list[int], me: int):
         self.post, self.owner, self.me = post, list(owner), me
         self.remotes = sorted(set(self.owner) - {me})
         self.status: dict[int, Status] = {}
