@@ -55,7 +55,7 @@ def layout(num_nodes: int, processes: int, *, roles: frozenset[str] = frozenset(
     Args:
         num_nodes: the run's nodes.
         processes: how many processes share them (1 to num_nodes).
-        roles: participants other than nodes (e.g. exogym.backends.hosting.SERVER), hosted beside node 0.
+        roles: participants other than nodes (e.g. exogym.backends.hosting.SERVER_ROLE), hosted beside node 0.
         returns_model: whether every process computes the global model itself.
 
     Returns:

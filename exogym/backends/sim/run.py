@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Sequence
 
 import torch
 
-from exogym.backends.hosting import SERVER, Hosting, Peers, ProcessBackend, process_group_timeout
+from exogym.backends.hosting import SERVER_ROLE, Hosting, Peers, ProcessBackend, process_group_timeout
 from exogym.backends.sim.baton import Baton
 from exogym.backends.sim.exchange import Exchange
 from exogym.backends.sim.fused.engine import FusedEngine
@@ -161,7 +161,7 @@ def run_hosted(plan: "RunPlan", sinks: "RunSinks", hosting: Hosting, peers: Peer
         return run_sim(plan, sinks)
     exchange = Exchange(hosting.owner, hosting.process, peers.store, peers.run_key, peer_timeout=plan.peer_timeout)
     try:
-        return run_sim(plan, sinks, local=hosting.nodes, exchange=exchange, hub=hosting.role_process(SERVER))
+        return run_sim(plan, sinks, local=hosting.nodes, exchange=exchange, hub=hosting.role_process(SERVER_ROLE))
     finally:
         exchange.close()
 
