@@ -140,6 +140,11 @@ class DecoupledDiLoCoStrategy(ServerRoundsStrategy):
                  fragments: int = 1, min_quorum: int | None = None, grace_factor: float = 0.5,
                  max_grace: float = math.inf, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  max_norm: float | None = None, **kwargs: Any):
+        task_options = sorted(k for k in ("dynamic_local_updates", "min_local_steps", "shard_sampling", "shard_seed",
+                                          "inner_state") if k in kwargs)
+        if task_options:  # the syncer hands out fragments, not tasks: these would silently mean nothing
+            raise ValueError(f"DecoupledDiLoCoStrategy has no {', '.join(task_options)} (AsyncDiLoCoStrategy and "
+                             "FedBuffStrategy do): its syncer merges fragments and hands out no tasks")
         super().__init__(optim_spec, H=H, lr=lr, max_norm=max_norm, **kwargs)
         check_int("fragments", fragments, minimum=1)
         if H % fragments:

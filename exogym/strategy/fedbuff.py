@@ -20,8 +20,8 @@ class FedBuffServer(FlatServer):
     w(tau) = (1 + tau)^-1/2 (FedBuff's weighting) or 1."""
 
     def __init__(self, theta: torch.Tensor, num_nodes: int, *, H: int, buffer_size: int, server_lr: float,
-                 staleness: str):
-        super().__init__(theta, num_nodes, H, dynamic_local_updates=False)
+                 staleness: str, **options: Any):
+        super().__init__(theta, num_nodes, H, **options)
         self.K, self.lr, self.rule = buffer_size, server_lr, staleness
         self.buffer = torch.zeros_like(self.theta)
         self.buffered: list[tuple[int, int, float]] = []  # (node, staleness, weight) of the updates in the buffer
@@ -103,4 +103,4 @@ class FedBuffStrategy(ServerRoundsStrategy):
             The FedBuff server.
         """
         return FedBuffServer(theta, num_nodes, H=self.H, buffer_size=self.buffer_size, server_lr=self.server_lr,
-                             staleness=self.staleness)
+                             staleness=self.staleness, **self.server_options(num_nodes))
