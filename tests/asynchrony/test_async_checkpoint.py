@@ -14,6 +14,10 @@ FIT = dict(progress=False, device="cpu", logger=False, batch_size=8, node_speeds
 STRATEGIES = {
     "async_diloco": lambda: AsyncDiLoCoStrategy(H=3, lr=1e-2, staleness="polynomial", delayed_nesterov=True,
                                                 dynamic_local_updates=True),
+    "async_diloco_framework": lambda: AsyncDiLoCoStrategy(  # a grace window open and shards handed out at the pause
+        H=2, lr=1e-2, delayed_nesterov=True, momentum_activation=0.2, grace_s=0.3, dynamic_local_updates="speeds",
+        shard_sampling="undersampled", shard_seed=1, inner_state="reset", lr_scheduler="lambda_cosine",
+        cosine_anneal=True),
     "fedbuff": lambda: FedBuffStrategy(H=2, buffer_size=2, lr=0.05),
     "decoupled": lambda: DecoupledDiLoCoStrategy(H=4, fragments=2, min_quorum=2, lr=1e-2),
     "gossip_async": lambda: GossipStrategy(topology="ring", mode="async", lr=0.05),

@@ -186,3 +186,16 @@ def test_fedbuff_takes_the_task_options_too():
     t = _fit(FedBuffStrategy(H=4, buffer_size=2, dynamic_local_updates="speeds", shard_sampling="undersampled"),
              steps=8)
     assert t.record.updates and t.record.val[-1]["local_steps"] == sum(4 * [8])
+
+
+def test_the_total_local_updates_axis_for_a_server_run_and_a_synchronous_one():
+    from exogym.runs.plot import _series, load_run
+    from exogym.strategy import DiLoCoStrategy
+    t = _fit(AsyncDiLoCoStrategy(OptimSpec(torch.optim.SGD, lr=0.25), H=2), steps=4, step_s=(1.0, 1.0, 2.0, 2.0))
+    xs, _ = _series(load_run(t.record), "local_steps", "global_loss")
+    assert xs == [0, 16]  # the server's count: every node's 4 steps applied by the end
+    s = Trainer(replay.Pull(), replay.data(64), replay.data(B))
+    s.fit(DiLoCoStrategy(OptimSpec(torch.optim.SGD, lr=0.25), H=2), 3, batch_size=B, max_steps=4, val_size=B,
+          val_interval=2, **FIT)
+    xs, _ = _series(load_run(s.record), "local_steps", "global_loss")
+    assert xs == [0, 6, 12]  # three nodes, every step
