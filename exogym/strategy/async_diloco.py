@@ -67,7 +67,7 @@ class AsyncDiLoCoServer(FlatServer):
             theta.sub_(g, alpha=lr)
             return
         self.buffer.add_(g)
-        mean = self.buffer / n if momentum_step else None  # Delta / N
+        mean = self.buffer * (1.0 / n) if momentum_step else None  # Delta / N
         if momentum_step:
             self.momentum.mul_(beta).add_(mean)
             self.buffer.zero_()

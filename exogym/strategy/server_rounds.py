@@ -192,6 +192,8 @@ class ServerRoundsStrategy(TimeBudget, Strategy):
             batches are one stream that each task on it continues; an LR schedule ("cosine") then runs per shard,
             over the shard's own steps (the run's max_steps each), not per node.
         shard_seed: The seed of the shard draws (only with shard_sampling).
+        shard_steps: Each shard's total steps, the length of its LR schedule under shard sampling (default: the
+            run's max_steps; the toy simulator's is H x its rounds).
         inner_state: "keep" (the inner optimizer's state goes on across rounds) or "reset" (a fresh inner
             optimizer state for every task, as the toy simulator builds a new AdamW per task).
         time_budget_s: A node sits out its remaining steps once its simulated clock reaches this (None: never).
@@ -202,7 +204,7 @@ class ServerRoundsStrategy(TimeBudget, Strategy):
         TypeError: An argument of the wrong type (dynamic_local_updates neither a bool nor "speeds").
         ValueError: H below 1, a time budget that is not positive, an unknown shard_sampling or inner_state, a
             setting that means nothing without another (min_local_steps without dynamic_local_updates,
-            shard_seed without shard_sampling), or shard sampling with an LR schedule that is not lambda_cosine.
+            shard_seed or shard_steps without shard_sampling), or shard sampling with an LR schedule that is not lambda_cosine.
     """
 
     _default_inner = OptimSpec(torch.optim.AdamW, lr=1e-3)
@@ -217,7 +219,8 @@ class ServerRoundsStrategy(TimeBudget, Strategy):
 
     def __init__(self, optim_spec: OptimSpec | str | type | None = None, *, H: int = 100, lr: float | None = None,
                  dynamic_local_updates: bool | str = False, min_local_steps: int | None = None,
-                 shard_sampling: str | None = None, shard_seed: int | None = None, inner_state: str = "keep",
+                 shard_sampling: str | None = None, shard_seed: int | None = None, shard_steps: int | None = None,
+                 inner_state: str = "keep",
                  time_budget_s: float | None = None, max_norm: float | None = None, **kwargs: Any):
         super().__init__(max_norm=max_norm, **kwargs)
         check_int("H", H, minimum=1)
@@ -235,8 +238,10 @@ class ServerRoundsStrategy(TimeBudget, Strategy):
         if shard_sampling is not None and shard_sampling not in SHARD_SAMPLING:
             raise ValueError(f"shard_sampling must be None or one of {list(SHARD_SAMPLING)}, got {shard_sampling!r}")
         check_int("shard_seed", shard_seed, minimum=0, allow_none=True)
-        if shard_seed is not None and shard_sampling is None:
-            raise ValueError(f"shard_seed={shard_seed!r} only means something with shard_sampling")
+        for name, value in (("shard_seed", shard_seed), ("shard_steps", shard_steps)):
+            if value is not None and shard_sampling is None:
+                raise ValueError(f"{name}={value!r} only means something with shard_sampling")
+        check_int("shard_steps", shard_steps, minimum=1, allow_none=True)
         if shard_sampling is not None and self.lr_schedule is not None and self.lr_schedule.kind != "lambda_cosine":
             raise ValueError("shard_sampling runs the LR schedule per shard, over each shard's own steps, and takes "
                              "lr_scheduler='cosine', 'constant' or 'lambda_cosine' (or none); got "
@@ -246,6 +251,7 @@ class ServerRoundsStrategy(TimeBudget, Strategy):
         self.H, self.dynamic_local_updates = H, dynamic_local_updates
         self.min_local_steps = 1 if min_local_steps is None else min_local_steps
         self.shard_sampling, self.shard_seed, self.inner_state = shard_sampling, shard_seed or 0, inner_state
+        self.shard_steps = shard_steps
         spec = ensure_optim_spec(optim_spec, lr=lr) if optim_spec is not None else None
         if spec is None:
             spec = self._default_inner if lr is None else OptimSpec(self._default_inner.cls,
@@ -320,8 +326,9 @@ class ServerRoundsStrategy(TimeBudget, Strategy):
         if self.shard_sampling is None or self.lr_schedule is None or self.scheduler is not None:
             super().build_scheduler()
             return
-        sched = self.lr_schedule  # lambda_cosine, over each shard's own steps: the run's max_steps
-        self.scheduler = ShardLR(self.optim, lambda_cosine(warmup_steps=sched.warmup_steps, max_steps=self.max_steps,
+        sched = self.lr_schedule  # lambda_cosine, over each shard's own steps (the run's max_steps by default)
+        length = self.shard_steps or self.max_steps
+        self.scheduler = ShardLR(self.optim, lambda_cosine(warmup_steps=sched.warmup_steps, max_steps=length,
                                                            cosine_anneal=sched.cosine_anneal,
                                                            min_lr_factor=sched.min_lr_factor))
         self.scheduler.at(self._offset + self._steps)

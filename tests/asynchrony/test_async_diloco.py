@@ -165,6 +165,8 @@ def test_same_seed_same_bits_and_the_same_under_fused_execution():
     (dict(dynamic_local_updates="speeds", H=4, min_local_steps=5), "more than H=4"),
     (dict(shard_sampling="random"), "shard_sampling must be"),
     (dict(shard_seed=1), "only means something with shard_sampling"),
+    (dict(shard_steps=100), "only means something with shard_sampling"),
+    (dict(shard_sampling="least_visited", shard_steps=0), "shard_steps"),
     (dict(shard_sampling="least_visited", lr_scheduler=torch.optim.lr_scheduler.StepLR,
           lr_scheduler_kwargs={"step_size": 2}), "per shard"),
     (dict(inner_state="fresh"), "inner_state must be")])
