@@ -58,8 +58,15 @@ class FedBuffStrategy(ServerRoundsStrategy):
     arrivals it moves the global model by server_lr times the buffer's mean and empties it. Fast clients
     contribute more often; nobody waits.
 
-    Paper: Nguyen, Malik, Zhan et al., "Federated Learning with Buffered Asynchronous Aggregation", AISTATS 2022
-    (Algorithm 1; staleness is counted in server updates).
+    Paper: Nguyen, Malik, Zhan et al., "Federated Learning with Buffered Asynchronous Aggregation", AISTATS 2022.
+    What follows its Algorithm 1: Q local steps per client update, the buffer of K staleness-weighted updates, the
+    weight 1/sqrt(1 + staleness) and the server step by server_lr times the buffer's mean. This project's reading
+    where the paper leaves room: staleness counts server updates (buffer flushes) since the client's model was
+    sent; every node is a client that is always training (the paper's concurrency is the node count, with no client
+    sampling); a client gets the global model as it stands at once, its update possibly still waiting in the
+    buffer; a buffer left short of K at the end of the run is not applied; "constant" weighting is an option of ours.
+    The asynchronous Local-SGD framework's task options (`dynamic_local_updates`, `shard_sampling`, `inner_state`;
+    ServerRoundsStrategy) come from Liu et al. 2024, not from FedBuff.
 
     Bytes per update: a node uploads M bytes (the trainable parameters, + 24 bytes of meta) and downloads M (+16)
     per round of H steps; one server update takes K uploads.
