@@ -13,7 +13,8 @@ lr 0.7); asynchronous vanilla with constant and polynomial staleness weights (ou
 times its 1/sqrt(K) weight); with Delayed Nesterov (the paper's Algorithm 3, c = 0, N = 4; outer lr 0.7); and with
 Dynamic Local Updates from the given speeds (eq. 6). Every asynchronous run twice: as ExoGym runs by default (node r
 reads shard r, the inner AdamW's state kept, no grace window) and with the framework's choices (grace window 0.5 s,
-least-visited shard sampling with each shard's own cosine, a fresh AdamW per task). Each run stops at the same
+least-visited shard sampling with each shard's own cosine, a fresh AdamW per task), and DN + DyLU with each of the
+three alone. Each run stops at the same
 number of total local updates (the asynchronous ones at the simulated time that takes; the time axis is why
 asynchrony pays). Loss of the server's model on held-out examples against total local updates and against
 simulated time, over --seeds.
@@ -97,6 +98,12 @@ def runs(args: argparse.Namespace) -> list[tuple[str, object, dict]]:
             extra = {**FRAMEWORK, "shard_steps": rounds * H} if framework else {}
             strategy = AsyncDiLoCoStrategy(adamw, H=H, time_budget_s=budget, **kw, **extra, **cosine)
             out.append((label + (", framework" if framework else ""), strategy, timed))
+    label, kw = variants[-1]  # the framework's choices one at a time, on DN + DyLU
+    for name, one in (("grace only", dict(grace_s=FRAMEWORK["grace_s"])),
+                      ("sampling only", dict(shard_sampling=FRAMEWORK["shard_sampling"], shard_steps=rounds * H)),
+                      ("fresh inner only", dict(inner_state=FRAMEWORK["inner_state"]))):
+        out.append((f"{label}, {name}", AsyncDiLoCoStrategy(adamw, H=H, time_budget_s=budget, **kw, **one, **cosine),
+                    timed))
     return out
 
 
@@ -199,6 +206,8 @@ def plot(results: list[dict], out) -> list:
         FigureCanvasAgg(fig)
         ax = fig.add_subplot()
         for i, x in enumerate(results):
+            if " only" in x["label"]:  # the one-at-a-time rows are in the table, not the plot
+                continue
             n = min(len(c) for c in x["curves"])
             xs = [statistics.fmean(c[j][key] for c in x["curves"]) for j in range(n)]
             ys = [statistics.fmean(c[j]["loss"] for c in x["curves"]) for j in range(n)]
