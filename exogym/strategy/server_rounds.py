@@ -284,6 +284,24 @@ class ServerRoundsStrategy(TimeBudget, Strategy):
         speeds = list(self._context().node_speeds) or [1.0] * num_nodes
         return speed_steps(self.H, speeds, self.min_local_steps)
 
+    def check_data(self, node_batches: list[Any], *, processes: int) -> None:
+        """Before any node starts (fit asks): shard sampling reads other nodes' shards, so it needs one dataset
+        sharded over the nodes, all of it in every process.
+
+        Args:
+            node_batches: Every node's NodeBatches.
+            processes: The processes the run spans.
+
+        Raises:
+            ValueError: Shard sampling with each node's own data (a factory, a partition), or over processes.
+        """
+        if self.shard_sampling is None:
+            return
+        if processes > 1:
+            raise ValueError(f"shard_sampling runs in one process (the sim backend, processes=1): a node reads other "
+                             f"nodes' shards, which a run over {processes} processes does not give it")
+        node_batches[0].of_shard(0)  # refuses data that is each node's own
+
     def first_steps(self, rank: int) -> int:
         """Node `rank`'s first task's inner steps: H, or eq. 6's under dynamic_local_updates="speeds"."""
         steps = self._speed_steps(self.num_nodes)

@@ -163,11 +163,16 @@ def test_each_task_reads_its_sampled_shard_from_where_the_last_task_on_it_ended(
     assert {shard for rank, shard, _, _, _ in Seen.log if rank == 0} != {0}  # node 0 trained on other shards too
 
 
-def test_shard_sampling_refuses_data_that_is_each_nodes_own():
+def test_shard_sampling_refuses_data_that_is_each_nodes_own_and_processes_before_any_node_starts(monkeypatch):
+    from exogym.engine.node import TrainNode
+    monkeypatch.setattr(TrainNode, "run", lambda *a: pytest.fail("a node started"))
     factory = lambda rank, n, is_val: replay.data(64)  # noqa: E731
     with pytest.raises(ValueError, match="each node's own"):
         Trainer(replay.Pull(), factory).fit(AsyncDiLoCoStrategy(H=2, shard_sampling="least_visited"), 2,
                                             max_steps=2, batch_size=B, **FIT)
+    with pytest.raises(ValueError, match="runs in one process"):
+        Trainer(replay.Pull(), replay.data(64)).fit(AsyncDiLoCoStrategy(H=2, shard_sampling="undersampled"), 2,
+                                                    max_steps=2, batch_size=B, processes=2, **FIT)
 
 
 def test_a_fresh_inner_optimizer_per_task():
