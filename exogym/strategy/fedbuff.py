@@ -81,7 +81,8 @@ class FedBuffStrategy(ServerRoundsStrategy):
         max_norm: Clip each local step's gradient norm.
         **kwargs: `time_budget_s`: a node sits out its remaining steps once its simulated clock reaches this
             (fast nodes then train more steps than slow ones in the same time; None: every node trains max_steps);
-            and the Strategy's options (`lr_scheduler`, ...).
+            the task options `dynamic_local_updates`, `min_local_steps`, `shard_sampling`, `shard_seed`,
+            `shard_steps`, `inner_state` (ServerRoundsStrategy); and the Strategy's options (`lr_scheduler`, ...).
 
     Raises:
         ValueError: H or buffer_size below 1, server_lr not positive, an unknown staleness rule.
