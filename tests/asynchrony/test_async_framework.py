@@ -166,7 +166,8 @@ def test_each_task_reads_its_sampled_shard_from_where_the_last_task_on_it_ended(
 def test_shard_sampling_refuses_data_that_is_each_nodes_own_and_processes_before_any_node_starts(monkeypatch):
     from exogym.engine.node import TrainNode
     monkeypatch.setattr(TrainNode, "run", lambda *a: pytest.fail("a node started"))
-    factory = lambda rank, n, is_val: replay.data(64)  # noqa: E731
+    def factory(rank, n, is_val):
+        return replay.data(64)
     with pytest.raises(ValueError, match="each node's own"):
         Trainer(replay.Pull(), factory).fit(AsyncDiLoCoStrategy(H=2, shard_sampling="least_visited"), 2,
                                             max_steps=2, batch_size=B, **FIT)
