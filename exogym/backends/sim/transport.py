@@ -280,6 +280,8 @@ class SimTransport(TransportBase):
     def send_message(self, message: Message, *, blocking: bool) -> SimSendWork | None:
         message.sent_at = self.clock.now
         self.baton.post.post(message)
+        if self.clock.spans is not None:  # the timeline's arrow, from send to arrival
+            self.clock.spans.sent(message.dst, message.sent_at, message.arrives_at, message.nbytes)
         work = SimSendWork(self.clock, message)
         if blocking:
             work.wait()
