@@ -12,7 +12,7 @@ from exogym.cli.options import OPTIONS
 from exogym.cli.strategies import STRATEGY_BUILDERS, options_read
 
 # The strategy classes a user trains with; the rest of exogym.strategy's exports are bases and parts.
-_BASES = {"Strategy", "CommunicateOptimizeStrategy", "ServerRoundsStrategy"}
+_BASES = {"Strategy", "ServerStrategy", "CommunicateOptimizeStrategy", "ServerRoundsStrategy"}
 BUILT_IN = {getattr(strategies, n) for n in strategies.__all__ if n.endswith("Strategy") and n not in _BASES}
 
 

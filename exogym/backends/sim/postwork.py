@@ -3,20 +3,35 @@ clock as the message's arrival says."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from exogym.cluster.network import SERVER
 from exogym.comm.messages import Message
 
+if TYPE_CHECKING:
+    from exogym.backends.sim.baton import Baton
+    from exogym.cluster.simtime import NodeClock
+    from exogym.comm.transport import CommStats
+
 __all__ = ["SimSendWork", "SimRecvWork"]
+
+
+class Receiver(Protocol):
+    """The node an irecv belongs to (its transport): what waiting on the handle reads and moves."""
+
+    rank: int
+    step: int | None
+    clock: "NodeClock"
+    stats: "CommStats"
+    baton: "Baton"
 
 
 class SimSendWork:
     """isend's handle: wait() brings the sender's clock to the message's arrival (the transfer is communication)."""
 
-    def __init__(self, clock: Any, message: Message):
+    def __init__(self, clock: "NodeClock", message: Message):
         self._clock, self._message, self._done = clock, message, False
 
     def is_completed(self) -> bool:
@@ -32,7 +47,7 @@ class SimSendWork:
 class SimRecvWork:
     """irecv's handle: wait() takes the message (in arrival order) and returns it."""
 
-    def __init__(self, transport: Any, src: int | None, tag: int | None, into: torch.Tensor | None):
+    def __init__(self, transport: "Receiver", src: int | None, tag: int | None, into: torch.Tensor | None):
         self._t, self._src, self._tag, self._into = transport, src, tag, into
         self._message: Message | None = None
 
