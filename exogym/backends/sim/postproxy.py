@@ -37,6 +37,11 @@ class PostProxy:
         self.active = False  # a message was posted or a server declared: checkpoints pause the clocks
         self.progress = 0  # answers taken in (the deadlock check across processes)
         self._answers: dict[int, Any] = {}  # rank -> what the hub answered it, until it runs
+        # shared links: the messages posted whose arrival the hub has not told yet, by number, and who waits on one
+        self._shared = self.network is not None and self.network.shared_links
+        self._on_wire: dict[int, Message] = {}
+        self._sending: dict[int, int] = {}
+        self._posted = 0
         self._awaiting: set[int] = set()
         self._reported: Status | None = None
         self._bye = False
@@ -70,6 +75,15 @@ class PostProxy:
         if packet[0] == "bye":
             self._bye = True
             return
+        if packet[0] == "arrived":  # a message's flow ended at the hub: its arrival time
+            _, token, at = packet
+            self.progress += 1
+            self._on_wire.pop(token).arrives_at = at
+            rank = self._sending.pop(token, None)
+            if rank is not None:
+                self._awaiting.discard(rank)
+                self.baton.wake_receiver(rank)
+            return
         _, rank, payload = packet  # "answer"
         self.progress += 1
         self._answers[rank] = payload
@@ -78,9 +92,27 @@ class PostProxy:
 
     # ---- what the nodes' transports call ------------------------------------------------------------
     def post(self, message: Message) -> None:
-        message.arrives_at = arrival(self.network, message)
         self.active = True
-        self.link.send(self.hub_process, "post", message)
+        if not self._shared:
+            message.arrives_at = arrival(self.network, message)
+            self.link.send(self.hub_process, "post", message)
+            return
+        self._posted += 1  # shared links: the hub runs its flow and tells its arrival under this number
+        self._on_wire[self._posted] = message
+        self.link.send(self.hub_process, "post", message, self._posted)
+
+    def sent(self, rank: int, message: Message) -> None:
+        """Node `rank` waits on its send: with shared links, until the hub tells its arrival."""
+        token = next((t for t, m in self._on_wire.items() if m is message), None)
+        if token is None:
+            return
+        self._sending[token] = rank
+        self._awaiting.add(rank)
+        self.baton.await_message(rank, f"its send of {message.nbytes} bytes, on the wire (told by the hub)")
+
+    def link_usage(self) -> None:
+        """The hub keeps the links' use (node 0's log)."""
+        return None
 
     def _ask(self, rank: int, at: float, op: str, src: int | None, tag: int | None, what: str, known: int = 0) -> Any:
         self.baton.arrivals += 1  # progress, for the watchdog

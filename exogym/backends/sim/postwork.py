@@ -3,7 +3,7 @@ clock as the message's arrival says."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -14,16 +14,19 @@ __all__ = ["SimSendWork", "SimRecvWork"]
 
 
 class SimSendWork:
-    """isend's handle: wait() brings the sender's clock to the message's arrival (the transfer is communication)."""
+    """isend's handle: wait() brings the sender's clock to the message's arrival (the transfer is communication,
+    waiting for a shared link included). `until_sent()` returns once the arrival is known (shared links: when the
+    message's flow ends)."""
 
-    def __init__(self, clock: Any, message: Message):
-        self._clock, self._message, self._done = clock, message, False
+    def __init__(self, clock: Any, message: Message, until_sent: Callable[[], None]):
+        self._clock, self._message, self._until_sent, self._done = clock, message, until_sent, False
 
     def is_completed(self) -> bool:
         return self._done
 
     def wait(self, timeout: Any = None) -> bool:
         if not self._done:
+            self._until_sent()
             self._done = True
             extra = self._message.arrives_at - self._clock.now
             if extra > 0:
