@@ -14,26 +14,29 @@ MB = 1_000_000
 
 
 def _drive(starts):
-    """Run flows to their ends in time order (the post office's discipline): `starts` is [(at, key, route)].
-    Returns key -> (last byte, arrival) and the model."""
+    """Run flows to their ends in time order (the post office's discipline: one finish event, for the flow that ends
+    first, stale once a flow started or ended since): `starts` is [(at, key, route)]. Returns key -> (last byte,
+    arrival) and the model."""
     model, events, order, ends = FlowModel(), [], itertools.count(), {}
     pending = sorted(starts, key=lambda s: s[0])
 
-    def schedule(flows):
-        for f in flows:
-            heapq.heappush(events, (f.finish, next(order), f.key, f.version))
+    def schedule():
+        flow = model.next_finish()
+        if flow is not None:
+            heapq.heappush(events, (flow.finish, next(order), flow.key, model.version))
 
     while pending or events:
         if pending and (not events or pending[0][0] < events[0][0]):  # an end before a start at the same time
             at, key, route = pending.pop(0)
-            schedule(model.start(key, route, at))
+            model.start(key, route, at)
+            schedule()
             continue
         _, _, key, version = heapq.heappop(events)
-        if key not in model.flows or model.flows[key].version != version:
-            continue  # stale: the flow was re-rated since
-        flow, moved = model.finish(key)
+        if version != model.version:
+            continue  # stale: a flow started or ended since
+        flow = model.finish(key)
         ends[key] = (flow.finish, flow.arrival)
-        schedule(moved)
+        schedule()
     return ends, model
 
 
@@ -148,15 +151,16 @@ def test_max_min_fair_rates_by_progressive_filling():
     assert max_min_rates([]) == {}
 
 
-def test_a_stale_finish_is_recognised_and_a_flow_ends_once():
+def test_a_start_re_rates_the_flows_it_shares_with_and_moves_the_version():
     net = Network(bandwidth="8bps", latency=0.0)
     model = FlowModel()
-    [first] = model.start(1, net.message_route(10, 0, SERVER), 0.0)
-    assert (first.finish, first.version) == (10.0, 0)
-    moved = model.start(2, net.message_route(10, 1, SERVER), 5.0)  # halves the first's rate: it ends at 15 s
-    assert [f.key for f in moved] == [1, 2] and first.version == 1 and first.finish == 15.0
-    flow, moved = model.finish(1)
-    assert flow.arrival == 15.0 and [f.key for f in moved] == [2] and moved[0].finish == 20.0
+    first = model.start(1, net.message_route(10, 0, SERVER), 0.0)
+    assert (first.finish, model.version, model.next_finish()) == (10.0, 1, first)
+    # the second halves the first's rate: it ends at 15 s; the second would end at 25 s at half rate, and ends at
+    # 20 s once it has the link to itself
+    second = model.start(2, net.message_route(10, 1, SERVER), 5.0)
+    assert (model.version, first.finish, second.finish, model.next_finish()) == (2, 15.0, 25.0, first)
+    assert model.finish(1).arrival == 15.0 and second.finish == 20.0 and model.version == 3
     with pytest.raises(ValueError, match="already in flight"):
         model.start(2, net.message_route(10, 1, SERVER), 16.0)
 
@@ -168,9 +172,9 @@ def test_a_flow_model_resumes_from_its_state():
         m.start((0, 0), net.message_route(10, 0, SERVER), 0.0)
         m.start((1, 0), net.message_route(10, 1, SERVER), 5.0)
     b.load_state_dict(a.state_dict())
-    assert [(f.finish, f.version, f.shared) for f in a.flows.values()] == \
-        [(f.finish, f.version, f.shared) for f in b.flows.values()]
-    ends = [(a.finish((0, 0))[0].arrival, b.finish((0, 0))[0].arrival)]
+    assert [(f.finish, f.shared) for f in a.flows.values()] == [(f.finish, f.shared) for f in b.flows.values()]
+    assert a.version == b.version == 2
+    ends = [(a.finish((0, 0)).arrival, b.finish((0, 0)).arrival)]
     assert ends == [(15.25, 15.25)] and a.links == b.links
 
 

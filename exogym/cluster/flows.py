@@ -4,8 +4,10 @@ Every transfer (a message, a collective) is a flow of `route.nbytes` bytes over 
 (exogym.cluster.network.Route). At any moment the flows' rates are the max-min fair allocation of the links'
 capacities (progressive filling: raise every flow's rate together; when a link is full, the flows crossing it
 keep the rate they have; go on with the rest). The rates change only when a flow starts or ends, so the owner of
-the event queue asks `start` and `finish` at those moments, in simulated-time order, and gets back the flows
-whose finish time moved: their earlier finish events are stale (each flow counts its `version`).
+the event queue asks `start` and `finish` at those moments, in simulated-time order, and after each asks for the
+`next_finish`: the flow whose last byte leaves first (ties: the one started first). It keeps one event for it; a
+start or an end moves the model's `version`, which makes that event stale (one event in flight, not one per flow:
+re-rating F flows pushes nothing F times).
 
 Exactness: a flow that ran at its route's bandwidth alone (the least capacity on it) all its life arrives at
 start + route.seconds, the formula's own expression (exogym.cluster.network), so one transfer at a time gives
@@ -15,6 +17,7 @@ last byte at the time they run out, and it arrives its route's latency after tha
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 from typing import Any, Hashable, Iterable
@@ -38,7 +41,6 @@ class Flow:
         since: When `rate` began.
         finish: When its last byte leaves, at `rate`.
         shared: Whether it ever ran below `solo`.
-        version: How often its finish time moved (finish events carry it; an older one is stale).
     """
 
     key: Hashable
@@ -50,7 +52,6 @@ class Flow:
     since: float
     finish: float
     shared: bool = False
-    version: int = 0
 
     @property
     def arrival(self) -> float:
@@ -79,18 +80,27 @@ def max_min_rates(flows: Iterable[Flow]) -> dict[Flow, float]:
             left[link] = cap
             crossing.setdefault(link, []).append(f)
     unfrozen = {link: len(fs) for link, fs in crossing.items()}
-    while unfrozen:
-        # The fullest link: the least capacity left per flow still rising (ties: the first name, for determinism).
-        share, link = min((left[l] / n, l) for l, n in unfrozen.items())
+    # The fullest link next: the least capacity left per flow still rising (ties: the first name, for determinism).
+    # A link's share only grows as flows on it freeze (each takes at most the share), so a heap with the stale
+    # entries re-pushed at their new share gives the least one.
+    heap = [(left[link] / n, link) for link, n in unfrozen.items()]
+    heapq.heapify(heap)
+    while heap:
+        share, link = heapq.heappop(heap)
+        n = unfrozen.get(link)
+        if not n:
+            continue
+        if left[link] / n != share:
+            heapq.heappush(heap, (left[link] / n, link))
+            continue
         for f in crossing[link]:
             if f in rates:
                 continue
             rates[f] = share
             for l in f.route.links:
-                left[l] = max(left[l] - share, 0.0)
+                rest = left[l] - share
+                left[l] = rest if rest > 0.0 else 0.0
                 unfrozen[l] -= 1
-                if not unfrozen[l]:
-                    del unfrozen[l]
     return rates
 
 
@@ -103,12 +113,13 @@ class FlowModel:
 
     def __init__(self) -> None:
         self.now = 0.0
+        self.version = 0  # moves at every start and end: a finish event of an older version is stale
         self.flows: dict[Hashable, Flow] = {}
         self.links: dict[str, dict[str, float]] = {}
         self._on: dict[str, int] = {}  # link -> flows in flight crossing it
         self._busy_since: dict[str, float] = {}
 
-    def start(self, key: Hashable, route: Route, at: float) -> list[Flow]:
+    def start(self, key: Hashable, route: Route, at: float) -> Flow:
         """A transfer starts at `at` (not before the last start or end asked; an earlier one starts then).
 
         Args:
@@ -117,7 +128,7 @@ class FlowModel:
             at: When it starts.
 
         Returns:
-            The flows whose finish time is new: this one, and any it slowed.
+            The flow.
 
         Raises:
             ValueError: A flow of this key is in flight.
@@ -131,6 +142,7 @@ class FlowModel:
         flow = Flow(key, route, at, solo, solo, float(route.nbytes), now, now + seconds, shared=now > at)
         alone = all(not self._on.get(link) for link in route.links)
         self.flows[key] = flow
+        self.version += 1
         for link in route.links:
             use = self.links.get(link)
             if use is None:
@@ -139,21 +151,26 @@ class FlowModel:
                 self._busy_since[link] = now
             use["bytes"] += route.nbytes
             self._on[link] = self._on.get(link, 0) + 1
-        if alone:  # nothing else crosses its links: every other rate stands
-            return [flow]
-        return self._rerate(new=flow)
+        if not alone:  # something else crosses its links: re-rate (else every other rate stands)
+            self._rerate(new=flow)
+        return flow
 
-    def finish(self, key: Hashable) -> tuple[Flow, list[Flow]]:
-        """The flow `key` sends its last byte (at its `finish`, the earliest of the flows in flight).
+    def next_finish(self) -> Flow | None:
+        """The flow in flight whose last byte leaves first (ties: the one started first), or None."""
+        return min(self.flows.values(), key=lambda f: f.finish, default=None)
+
+    def finish(self, key: Hashable) -> Flow:
+        """The flow `key` sends its last byte (at its `finish`: the `next_finish`).
 
         Args:
             key: The flow.
 
         Returns:
-            The flow, and the flows whose finish time moved as its links freed.
+            The flow, gone from the flows in flight (its `arrival` says when it is complete at the other end).
         """
         flow = self.flows.pop(key)
         self.now = max(self.now, flow.finish)
+        self.version += 1
         shared = False
         for link in flow.route.links:
             self._on[link] -= 1
@@ -161,46 +178,39 @@ class FlowModel:
                 shared = True
             else:
                 self.links[link]["busy_s"] += self.now - self._busy_since[link]
-        return flow, (self._rerate() if shared else [])
+        if shared:
+            self._rerate()
+        return flow
 
-    def _rerate(self, new: Flow | None = None) -> list[Flow]:
-        now, changed = self.now, []
+    def _rerate(self, new: Flow | None = None) -> None:
+        now = self.now
         for f, rate in max_min_rates(self.flows.values()).items():
-            if f is new:
-                if rate < f.solo:
-                    f.shared = True
-                    f.rate, f.since = rate, now
-                    f.finish = now + f.remaining / rate if f.remaining else now
-                changed.append(f)
+            if rate == f.rate:  # (a new flow starts at its solo rate: unchanged when it gets it)
                 continue
-            if rate == f.rate:
-                continue
-            f.remaining = max(f.remaining - f.rate * (now - f.since), 0.0) if math.isfinite(f.rate) else 0.0
-            f.rate, f.since, f.version = rate, now, f.version + 1
+            if f is not new:
+                f.remaining = max(f.remaining - f.rate * (now - f.since), 0.0) if math.isfinite(f.rate) else 0.0
+            f.rate, f.since = rate, now
             f.shared = f.shared or rate < f.solo
             f.finish = now + f.remaining / rate if f.remaining and rate > 0 else (now if not f.remaining
                                                                                  else math.inf)
-            changed.append(f)
-        return changed
 
     # ---- checkpoints ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The flows in flight and the links' use, as plain data."""
-        return {"now": self.now,
+        return {"now": self.now, "version": self.version,
                 "flows": [{"key": f.key, "route": _route_plain(f.route), "start": f.start, "solo": f.solo,
                            "rate": f.rate, "remaining": f.remaining, "since": f.since, "finish": f.finish,
-                           "shared": f.shared, "version": f.version} for f in self.flows.values()],
+                           "shared": f.shared} for f in self.flows.values()],
                 "links": {name: dict(use) for name, use in self.links.items()}, "busy_since": dict(self._busy_since)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what state_dict returned."""
-        self.now = state["now"]
+        self.now, self.version = state["now"], state["version"]
         self.flows, self._on = {}, {}
         for d in state["flows"]:
             key = tuple(d["key"]) if isinstance(d["key"], list) else d["key"]
             f = Flow(key, Route(**{k: tuple(v) if isinstance(v, list) else v for k, v in d["route"].items()}),
-                     d["start"], d["solo"], d["rate"], d["remaining"], d["since"], d["finish"], d["shared"],
-                     d["version"])
+                     d["start"], d["solo"], d["rate"], d["remaining"], d["since"], d["finish"], d["shared"])
             self.flows[key] = f
             for link in f.route.links:
                 self._on[link] = self._on.get(link, 0) + 1

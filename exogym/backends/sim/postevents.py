@@ -1,8 +1,8 @@
 """The event heap of the sim's messages: what happens next in simulated time.
 
 Events, in one heap ordered by (simulated time, kind, rank, sequence, the order they were pushed):
-- on a network with shared links (exogym.cluster.flows), a message's last byte leaving (kind FINISH, ordered by the
-  sender's rank and count; one whose flow was re-rated since is stale) and a message starting (kind START, at its
+- on a network with shared links (exogym.cluster.flows), a message's last byte leaving (kind FINISH: the flow that
+  ends first; stale once another flow started or ended, when the next one is pushed) and a message starting (kind START, at its
   sent_at, ordered likewise): a flow ends before another starts at the same time, and both before anything arrives
   then, so a transfer alone on its links finishes as the formula says and nothing arrives out of its order;
 - a message arriving (kind ARRIVE): at sent_at + the network's transfer time, ordered among equal times by the
@@ -60,7 +60,7 @@ class EventHeap:
         heapq.heappush(self._events, (message.sent_at, START, message.src, message.seq, next(self._order), message))
 
     def finish(self, at: float, key: tuple[int, int], version: int) -> None:
-        """The flow of message `key` (src, seq) sends its last byte at `at`, unless re-rated after `version`."""
+        """The flow of message `key` (src, seq) sends its last byte at `at`, unless the flows moved past `version`."""
         heapq.heappush(self._events, (at, FINISH, key[0], key[1], next(self._order), (key, version)))
 
     def arrive(self, message: Message, numbered: bool = False) -> None:

@@ -18,8 +18,8 @@ arrives first.
 
 On a network with shared links (exogym.cluster.flows) a message is a flow: it starts at its sent_at (a START
 event, in time order like the rest, so no flow starts before one already started), shares its links with the
-flows in flight, and arrives its route's latency after its last byte leaves (a FINISH event; when a flow starts
-or ends, the flows it re-rated get new FINISH events and their older ones are stale). A sender waiting on its send
+flows in flight, and arrives its route's latency after its last byte leaves (a FINISH event: one in the heap, for
+the flow whose last byte leaves first; a flow starting or ending makes it stale and pushes the next one). A sender waiting on its send
 (`send`, an `isend`'s wait) sleeps until its message's FINISH, when its arrival time is known.
 
 Ties are broken by fixed keys (rank, then the sender's count), so the same seed gives the same bits however
@@ -44,7 +44,7 @@ from exogym.backends.sim.postevents import FINISH, OBSERVE, START, EventHeap, Ti
     message_plain
 from exogym.backends.sim.postlink import Ask
 from exogym.backends.sim.serverhost import ServerHost, server_state
-from exogym.cluster.flows import Flow, FlowModel
+from exogym.cluster.flows import FlowModel
 from exogym.cluster.network import SERVER
 from exogym.comm.messages import Message, Server
 from exogym.comm.transport import MessageError
@@ -186,22 +186,23 @@ class PostOffice:
     def _start(self, message: Message) -> None:
         key = (message.src, message.seq)
         self._wire[key] = message
-        route = self.network.message_route(message.nbytes, message.src, message.dst)
-        self._schedule(self._flows.start(key, route, message.sent_at))
+        self._flows.start(key, self.network.message_route(message.nbytes, message.src, message.dst), message.sent_at)
+        self._schedule()
 
-    def _schedule(self, flows: list[Flow]) -> None:
-        for f in flows:
-            self._events.finish(f.finish, f.key, f.version)
+    def _schedule(self) -> None:
+        """The FINISH event of the flow whose last byte leaves first, as the flows stand now."""
+        flow = self._flows.next_finish()
+        if flow is not None:
+            self._events.finish(flow.finish, flow.key, self._flows.version)
 
     def _finish(self, key: tuple[int, int], version: int) -> None:
-        flow = self._flows.flows.get(key)
-        if flow is None or flow.version != version:
-            return  # re-rated since: a later FINISH event is the flow's
-        flow, moved = self._flows.finish(key)
+        if version != self._flows.version:
+            return  # a flow started or ended since: the FINISH event pushed then is the one
+        flow = self._flows.finish(key)
         message = self._wire.pop(key)
         message.arrives_at = flow.arrival
         self._events.arrive(message, numbered=True)
-        self._schedule(moved)
+        self._schedule()
         rank = self._sending.pop(key, None)
         if rank is not None:
             self.baton.wake_receiver(rank)
