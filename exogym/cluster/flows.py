@@ -196,7 +196,11 @@ class FlowModel:
 
     # ---- checkpoints ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The flows in flight and the links' use, as plain data."""
+        """The flows in flight and the links' use, as plain data.
+
+        Returns:
+            The state, for load_state_dict.
+        """
         return {"now": self.now, "version": self.version,
                 "flows": [{"key": f.key, "route": _route_plain(f.route), "start": f.start, "solo": f.solo,
                            "rate": f.rate, "remaining": f.remaining, "since": f.since, "finish": f.finish,
@@ -204,7 +208,11 @@ class FlowModel:
                 "links": {name: dict(use) for name, use in self.links.items()}, "busy_since": dict(self._busy_since)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what state_dict returned."""
+        """Restore what state_dict returned.
+
+        Args:
+            state: What state_dict returned.
+        """
         self.now, self.version = state["now"], state["version"]
         self.flows, self._on = {}, {}
         for d in state["flows"]:

@@ -36,15 +36,15 @@ A route's bandwidth alone is the least capacity on it, which is exactly the W of
 collective occupies the ports and nics of its members and the links between datacenters its algorithm crosses
 (ring: between neighbours in rank order, wrapping; tree: a binary tree in rank order; ps: from ranks[0] to each
 member), each with the bytes its formula counts (ring all-reduce 2 N (R-1)/R, tree 2 log2(R) N, ps 2 (R-1) N, ...).
-With shared_links (the default) transfers in flight at once share their links max-min fairly; with
-shared_links=False every transfer runs alone at W, as the formulas say.
+With shared_links (the default) the sim's messages in flight at once share their links max-min fairly (its
+collectives are costed alone, by the formulas); with shared_links=False every transfer runs alone at W.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Sequence
 
 __all__ = ["Network", "Route", "parse_bandwidth", "parse_seconds", "PRESETS", "TOPOLOGIES", "SERVER"]
@@ -142,7 +142,7 @@ class Route:
     seconds: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Network:
     """A cluster's links: how long each collective takes, for simulated time.
 
@@ -168,7 +168,7 @@ class Network:
         server_download: A cap on what the server receives.
         server_datacenter: The datacenter the server sits in (default: none, every node reaches it directly); a
             node in another one reaches it over the link between datacenters too.
-        shared_links: Whether transfers in flight at once share the links they cross (max-min fair, module doc);
+        shared_links: Whether messages in flight at once share the links they cross (max-min fair, module doc);
             False: each runs alone at its route's bandwidth, as if no other transfer were there.
 
     Raises:
@@ -233,6 +233,13 @@ class Network:
                     or not 0 <= self.server_datacenter < len(self.datacenters):
                 raise ValueError(f"server_datacenter must be the index of one of the {len(self.datacenters)} "
                                  f"datacenters (0..{len(self.datacenters) - 1}), got {self.server_datacenter!r}")
+
+    def __repr__(self) -> str:
+        # the fields added with shared links are shown only when set, so a run's config.json and the fingerprint its
+        # checkpoints carry read as they did for every network that does not set them
+        shown = [f for f in fields(self) if not (f.name == "server_datacenter" and self.server_datacenter is None
+                                                 or f.name == "shared_links" and self.shared_links)]
+        return f"Network({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in shown)})"
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "Network":
