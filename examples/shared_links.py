@@ -8,9 +8,10 @@ with AdamW inner steps (batch 32 per node) through a server behind a 100 Mbit/s 
 simulated time (--budget seconds: each node trains until its clock reaches it). Each strategy runs twice: with the
 links shared max-min fairly by the transfers in flight (exogym.cluster.flows, the default), and with every
 transfer alone at its route's bandwidth (`Network(shared_links=False)`: the formula per transfer, as before).
-Printed per run: server updates applied within the budget, the global model's validation loss at the end,
-goodput (the nodes' compute over K x the run's simulated time; a node waiting for the link is not computing),
-the mean time a node's upload took (sent to arrived at the server) and how busy the server's download link was.
+Printed per run: server updates applied within the budget, the global model's validation loss at the end, the
+run's simulated time (the budget, and the transfers still in flight then), goodput (the nodes' compute over K x the run's simulated time; a node waiting for the link is not computing),
+and how busy the server's link was each way (the share of the run's simulated time it carried at least one
+transfer: uploads into the server, the model back out).
 
 Then DiLoCo over two datacenters of K/2 nodes each (1 Gbit/s, 1 ms inside; one 100 Mbit/s, 30 ms WAN between):
 asynchronous DiLoCo with its server in datacenter 0, whose other datacenter's uploads share the WAN, and
@@ -57,15 +58,14 @@ def run(strategy, k: int, network: Network, data, flops: float, **fit) -> dict:
     trainer.fit(strategy, k, batch_size=BATCH, val_size=1000, device="cpu", network=network, node_speeds=speeds,
                 device_flops=flops / STEP_S, logger=False, progress=False, **fit)
     r = trainer.record
-    links = r.links
-    uploads = [u for u in r.updates]
-    return {"updates": len(uploads), "loss": r.val[-1]["global_loss"], "goodput": r.goodput,
-            "sim_s": r.sim_time_s, "links": links}
+    return {"updates": len(r.updates), "loss": r.val[-1]["global_loss"], "goodput": r.goodput, "sim_s": r.sim_time_s,
+            "links": r.links}
 
 
-def upload_seconds(record_links: dict, sim_s: float, link: str) -> str:
-    use = record_links.get(link)
-    return "-" if use is None else f"{use['busy_s'] / sim_s:.0%}"
+def busy(x: dict, link: str) -> str:
+    """The share of the run's simulated time `link` carried at least one transfer ("-": not recorded, per transfer)."""
+    use = x["links"].get(link)
+    return "-" if use is None else f"{use['busy_s'] / x['sim_s']:.0%}"
 
 
 def main() -> None:
@@ -81,14 +81,15 @@ def main() -> None:
     steps = int(args.budget / STEP_S * 1.5) + H
     print(f"server link {server['server_bandwidth']}, {server['latency']}; MLP 784-128-10 on MNIST, H={H}, "
           f"{args.budget:g} simulated seconds per run\n")
-    print("| strategy | K | links | server updates | val loss | goodput | server download link busy |")
-    print("|---|---|---|---|---|---|---|")
+    print("| strategy | K | links | server updates | val loss | simulated s | goodput | server link busy, in / out |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, make in makes.items():
         for k in args.nodes:
             for shared in (False, True):
                 x = run(make(k), k, Network(**server, shared_links=shared), data, flops, max_steps=steps)
                 print(f"| {name} | {k} | {'shared' if shared else 'per transfer'} | {x['updates']} | "
-                      f"{x['loss']:.4f} | {x['goodput']:.2f} | {upload_seconds(x['links'], x['sim_s'], 'server down')} |",
+                      f"{x['loss']:.4f} | {x['sim_s']:.2f} | {x['goodput']:.2f} | "
+                      f"{busy(x, 'server down')} / {busy(x, 'server up')} |",
                       flush=True)
 
     k = args.dc_nodes
@@ -103,7 +104,7 @@ def main() -> None:
         x = run(AsyncDiLoCoStrategy(adamw, H=H, outer_lr=0.05, delayed_nesterov=True, time_budget_s=args.budget), k, net, data, flops, max_steps=steps)
         print(f"| async DiLoCo, server in datacenter 0 | {'shared' if shared else 'per transfer'} | {x['updates']} | "
               f"{x['loss']:.4f} | {x['sim_s']:.2f} | {x['goodput']:.2f} | "
-              f"{upload_seconds(x['links'], x['sim_s'], 'wan 1>0')} |", flush=True)
+              f"{busy(x, 'wan 1>0')} |", flush=True)
     for shared in (False, True):
         x = run(DiLoCoStrategy(adamw, H=H), k, Network(**two, shared_links=shared), data, flops,
                 max_steps=int(args.budget / STEP_S * 0.8) // H * H)

@@ -159,6 +159,8 @@ class Hub:
     def arrived(self, token: tuple[int, int], at: float) -> None:
         """Shared links: the message process `token[0]` posted as its `token[1]`-th arrives at `at`."""
         process, number = token
+        if (s := self.status.get(process)) is not None and s.finished:
+            return  # its nodes are done: none waits on the send, and after its goodbye nothing is received there
         self.answered[process] += 1
         self.link.send(process, "arrived", number, at)
 

@@ -40,6 +40,7 @@ class PostProxy:
         # shared links: the messages posted whose arrival the hub has not told yet, by number, and who waits on one
         self._shared = self.network is not None and self.network.shared_links
         self._on_wire: dict[int, Message] = {}
+        self._token_of: dict[int, int] = {}  # id(message) -> its number, while on the wire
         self._sending: dict[int, int] = {}
         self._posted = 0
         self._awaiting: set[int] = set()
@@ -78,7 +79,9 @@ class PostProxy:
         if packet[0] == "arrived":  # a message's flow ended at the hub: its arrival time
             _, token, at = packet
             self.progress += 1
-            self._on_wire.pop(token).arrives_at = at
+            message = self._on_wire.pop(token)
+            del self._token_of[id(message)]
+            message.arrives_at = at
             rank = self._sending.pop(token, None)
             if rank is not None:
                 self._awaiting.discard(rank)
@@ -99,11 +102,12 @@ class PostProxy:
             return
         self._posted += 1  # shared links: the hub runs its flow and tells its arrival under this number
         self._on_wire[self._posted] = message
+        self._token_of[id(message)] = self._posted
         self.link.send(self.hub_process, "post", message, self._posted)
 
     def sent(self, rank: int, message: Message) -> None:
         """Node `rank` waits on its send: with shared links, until the hub tells its arrival."""
-        token = next((t for t, m in self._on_wire.items() if m is message), None)
+        token = self._token_of.get(id(message))
         if token is None:
             return
         self._sending[token] = rank
