@@ -188,3 +188,28 @@ def test_bad_network_arguments_are_named():
     Network(datacenters=[[0], [1]], inter_bandwidth="1Gbps", inter_latency=0.1, server_datacenter=1)  # the boundary
     assert math.isinf(min(Network.preset("ideal").collective_route("all_reduce", 8, [0, 1]).capacities,
                           default=math.inf))
+
+
+def test_a_collective_flow_sets_its_members_clocks_as_the_formula_when_alone_and_later_when_shared():
+    from exogym.cluster.simtime import NodeClock, TimeModel
+    net = Network(bandwidth="3.3Gbps", latency="1.7ms")
+    model = TimeModel(net, (1.0, 1.0), (1.0, 1.0), measured=False)
+    route = net.collective_route("all_reduce", 7_654_321, [0, 1])
+    formula = [NodeClock(now=0.3), NodeClock(now=0.1)]
+    model.leave([(formula[0], 0.3, True), (formula[1], 0.1, True)], 0.3, "all_reduce", 7_654_321, [0, 1])
+    ends, _ = _drive([(0.3, "c", route)])
+    flows = FlowModel()
+    flows.start("c", route, 0.3)
+    alone = [NodeClock(now=0.3), NodeClock(now=0.1)]
+    done = model.leave_flow([(alone[0], 0.3, True), (alone[1], 0.1, True)], 0.3, flows.finish("c"))
+    assert alone == formula and done == ends["c"][1] == formula[0].now
+    # beside a message on port 0 up for its whole life, the collective runs at half rate: its members communicate
+    # for twice the transfer time, plus the latency
+    flows = FlowModel()
+    flows.start("m", net.message_route(10**12, 0, 1), 0.0)
+    flows.start("c", route, 0.3)
+    shared = [NodeClock(now=0.3), NodeClock(now=0.1)]
+    done = model.leave_flow([(shared[0], 0.3, True), (shared[1], 0.1, True)], 0.3, flows.finish("c"))
+    transfer = route.nbytes / min(route.capacities)
+    assert done == pytest.approx(0.3 + 2 * transfer + route.latency)
+    assert shared[1].wait_s == pytest.approx(0.2) and shared[1].comm_s == pytest.approx(2 * transfer + route.latency)
