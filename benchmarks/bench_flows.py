@@ -10,7 +10,10 @@ stale finish events skipped), wall seconds, microseconds per event, and the rati
 Scenarios: "at once": F uploads start together over a shared server link (every end re-rates all the others);
 "staggered": F uploads start 1 ms apart, each node capped by its own access link (1 to 10 Gbit/s), so flows
 capped elsewhere leave the server link's rest to the others (progressive filling runs several rounds).
-Usage: python benchmarks/bench_flows.py [--flows 64 256 1024] [--repeat 3]
+With --run: what sharing costs a training run: asynchronous DiLoCo, K = 16 nodes of the MLP 784-256-256-10
+(benchmarks/workload.py), H = 10, the "home" network and bench_async's node speeds, wall seconds per node-step with
+the links shared against `shared_links=False`, the runs interleaved, the fastest of --repeat each.
+Usage: python benchmarks/bench_flows.py [--flows 64 256 1024] [--repeat 3] [--run [--nodes 16] [--steps 100]]
 """
 
 from __future__ import annotations
@@ -72,11 +75,50 @@ def scenario(name: str, flows: int) -> tuple[list, list]:
     return shared, alone
 
 
+def run_cost(args: argparse.Namespace) -> None:
+    """Asynchronous DiLoCo's wall seconds per node-step, links shared against each transfer alone."""
+    import torch
+
+    from exogym import Trainer
+    from exogym.strategy import AsyncDiLoCoStrategy, OptimSpec
+    from workload import MLP, make_data
+
+    torch.set_num_threads(1)
+    k = args.nodes
+    speeds = [1.0 - 0.75 * i / max(1, k - 1) for i in range(k)]
+
+    def one(shared: bool) -> float:
+        torch.manual_seed(0)
+        trainer = Trainer(MLP(), make_data(k * 32 * 4))
+        start = time.perf_counter()
+        trainer.fit(AsyncDiLoCoStrategy(OptimSpec(torch.optim.AdamW, lr=1e-3), H=10), k, max_steps=args.steps,
+                    batch_size=32, network=Network.preset("home", shared_links=shared), node_speeds=speeds,
+                    device="cpu", logger=False, progress=False)
+        return (time.perf_counter() - start) / (k * args.steps)
+
+    print(f"load average {os.getloadavg()[0]:.1f} (1 min) at the start")
+    best = {True: float("inf"), False: float("inf")}
+    for _ in range(args.repeat):
+        for shared in (False, True):
+            best[shared] = min(best[shared], one(shared))
+    print("| async DiLoCo | ms per node-step, per transfer | ms per node-step, shared | ratio |")
+    print("|---|---|---|---|")
+    print(f"| K={k}, {args.steps} steps | {1e3 * best[False]:.3f} | {1e3 * best[True]:.3f} | "
+          f"{best[True] / best[False]:.3f}x |")
+    print(f"load average {os.getloadavg()[0]:.1f} (1 min) at the end")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--flows", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--run", action="store_true", help="the cost in a training run instead (module doc)")
+    parser.add_argument("--nodes", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=100)
     args = parser.parse_args()
+    if args.run:
+        run_cost(args)
+        return
     print(f"load average {os.getloadavg()[0]:.1f} (1 min) at the start")
     print("| scenario | flows | events | wall s | us per event | one at a time: wall s | ratio |")
     print("|---|---|---|---|---|---|---|")
