@@ -1,4 +1,4 @@
-"""The network model: how long a collective takes on a given cluster.
+"""The network model: the links of a cluster, the routes transfers take over them, and how long a transfer takes alone.
 
 Notation: N bytes of payload (the full tensor; for all-gather the gathered output), R members
 in the group, W the group's bandwidth in bytes/s (its slowest link), a the latency in seconds.
@@ -24,7 +24,8 @@ cluster's bandwidth and latency). With server_datacenter=d the server sits in da
 reaches it over the link between datacenters as well.
 
 Links and routes (exogym.cluster.flows shares them): every transfer crosses a route of directed links, each
-direction of a link its own capacity (full duplex). A link of infinite capacity is left out of every route.
+direction of a link its own capacity (full duplex): "up" is what the endpoint (a node, the server) sends, "down" what
+it receives. A link of infinite capacity is left out of every route.
 
     port i up/down      node i's port on its datacenter's network: `bandwidth` (routes between nodes, collectives)
     nic i up/down       node i's own cap, node_bandwidth[i] (every route of node i)
