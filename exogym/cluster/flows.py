@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
-from typing import Any, Hashable, Iterable
+from typing import Any
 
 from exogym.cluster.network import Route
 
@@ -99,7 +100,7 @@ def max_min_rates(flows: Iterable[Flow]) -> dict[Flow, float]:
             rates[f] = share
             for l in f.route.links:
                 rest = left[l] - share
-                left[l] = rest if rest > 0.0 else 0.0
+                left[l] = max(0.0, rest)
                 unfrozen[l] -= 1
     return rates
 

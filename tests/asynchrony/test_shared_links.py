@@ -4,8 +4,8 @@ run whose transfers never overlap gives the formula's numbers to the bit, and ov
 
 import pytest
 import torch
-
 import toy
+
 from exogym import Trainer
 from exogym.cluster.network import Network
 from exogym.comm import SERVER, Server
