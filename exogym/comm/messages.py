@@ -32,6 +32,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from exogym.cluster.network import SERVER
+from exogym.cluster.spans import SpanLog
 from exogym.comm import transport as _comm
 from exogym.comm.transport import MessageError
 
@@ -103,6 +104,7 @@ class Server:
         self.now = 0.0  # the arrival time of the message being handled
         self.updates: list[dict[str, float]] = []
         self.stats = _comm.CommStats()
+        self.sent_log = SpanLog()  # the messages it sent (exogym.cluster.spans), for the run's timeline
         self._post: Any = None  # the backend's way out, bound by serve()
 
     def receive(self, message: Message) -> None:
@@ -126,6 +128,7 @@ class Server:
                           _check_meta(meta), sent_at=self.now)
         self.stats.add("send", message.nbytes, message.nbytes)
         self._post.post(message)
+        self.sent_log.sent(message.dst, message.sent_at, message.arrives_at, message.nbytes)  # the timeline's arrows
 
     def wake_at(self, at: float) -> None:
         """Have `wake(at)` called at simulated time `at` (no earlier than now), in order with the arrivals.

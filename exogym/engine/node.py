@@ -15,6 +15,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from exogym.cluster.spans import SpanLog
 from exogym.runs.checkpoint import CheckpointPlan, NodeState, finalize_checkpoint, save_node_state
 from exogym.comm.transport import CollectiveError, Transport, bind_transport
 from exogym.data.sharding import NodeBatches, batch_size_of, move_to_device, token_count
@@ -111,9 +112,14 @@ class TrainNode:
             self._validate(comm, 0)  # the initial model's loss: every curve starts at step 0
         for self.step in range(first_step, cfg.max_steps):
             comm.step = self.step + 1  # steps count from 1 in records and messages
+            spans = comm.clock.spans
+            if spans is not None:
+                spans.step = self.step + 1
             batch = next(batches)  # drawn even when the node sits out: its data position is a function of the step
             loss, metrics = None, {}  # a node that sits out the step logs no loss (and no compute time)
             if not self._up(self.step + 1):  # down: no compute, no collectives, until it comes up again
+                if spans is not None:  # its idle time is down time until it computes again
+                    spans.down = True
                 self._pass_down_time(comm)
                 self._record_step(comm, None, {}, s.current_lr())
                 self._after_step(comm, self.step + 1)
@@ -138,6 +144,8 @@ class TrainNode:
             self.log.comm["bytes_received"] = comm.stats.bytes_received
         if cfg.time_model is not None:
             self.log.comm["sim_time"] = comm.clock.as_dict()
+            if comm.clock.spans is not None:  # the timeline (exogym.runs.timeline)
+                self.log.comm["timeline"] = comm.clock.spans.to_plain()
             if cfg.time_model.slowdowns is not None:  # the ones drawn while this node ran: the record lists them
                 self.log.comm["slowdowns"] = [w.as_record() for w in
                                               cfg.time_model.slowdowns.during(self.rank, comm.clock.now)]
@@ -147,7 +155,8 @@ class TrainNode:
         server = comm.served() if self.rank == 0 and hasattr(comm, "served") else None
         if server is not None:  # a strategy's server runs with node 0: its record goes with node 0's log
             self.log.comm["server"] = {"updates": server.updates, "bytes_sent": server.stats.bytes_sent,
-                                       "bytes_received": server.stats.bytes_received}
+                                       "bytes_received": server.stats.bytes_received,
+                                       "messages": server.sent_log.to_plain()["messages"]}
         return self.log, (final if self.rank == 0 else None)
 
     def _record_step(self, comm: Transport, loss: torch.Tensor | None, metrics: dict[str, torch.Tensor],
@@ -193,6 +202,8 @@ class TrainNode:
             if "messages" in self.resume.strategy:
                 comm.load_messages_state(self.resume.strategy["messages"])
             first_step = self.resume.step
+        if cfg.time_model is not None and comm.clock.spans is None:  # a checkpoint's clock brings its own
+            comm.clock.spans = SpanLog(t=[comm.clock.now])
         self.execution.adopt_optimizer(self.rank, self.model, getattr(s, "optim", None))
         self.model.train()
         return first_step
@@ -242,9 +253,8 @@ class TrainNode:
         model = self.cfg.time_model
         if model is None or not getattr(self.strategy, "clock_runs_while_down", False):
             return
-        seconds = model.compute_seconds(self.rank, flops=self._step_flops or 0.0, measured_s=self._measured_s)
-        comm.clock.now += seconds
-        comm.clock.wait_s += seconds
+        comm.clock.sit_out(model.compute_seconds(self.rank, flops=self._step_flops or 0.0,
+                                                 measured_s=self._measured_s))
 
     def _timed_forward_backward(self, batch: Any, comm: Transport) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Forward/backward, advancing the node's virtual clock by its compute time when time is simulated."""

@@ -78,6 +78,7 @@ class PostOffice:
         self._wire: dict[tuple[int, int], Message] = {}
         self._sending: dict[tuple[int, int], int] = {}
         self._posted_by: dict[tuple[int, int], tuple[int, int]] = {}
+        self._arrows: dict[tuple[int, int], tuple[list[float], int]] = {}  # the timeline's arrivals to fill in
 
     @property
     def server(self) -> Server | None:
@@ -156,6 +157,15 @@ class PostOffice:
         if self._flows is None:
             message.arrives_at = arrival(self.network, message)
         self.push(message)
+        if message.src == SERVER and self.server is not None:  # its sent_log logs it next (exogym.comm.messages)
+            arrives = self.server.sent_log.messages["arrives"]
+            self.arrow(message, arrives, len(arrives))
+
+    def arrow(self, message: Message, arrives: list[float], index: int) -> None:
+        """The timeline logs `message` at `arrives[index]`: with shared links, its arrival is put there when its flow
+        ends (until then the log holds nan)."""
+        if self._flows is not None:
+            self._arrows[(message.src, message.seq)] = (arrives, index)
 
     def push(self, message: Message, token: tuple[int, int] | None = None) -> None:
         """A message on the wire (its arrival time set by the sender's process, without shared links): into the
@@ -203,6 +213,9 @@ class PostOffice:
         message.arrives_at = flow.arrival
         self._events.arrive(message, numbered=True)
         self._schedule()
+        arrow = self._arrows.pop(key, None)
+        if arrow is not None:
+            arrow[0][arrow[1]] = message.arrives_at
         rank = self._sending.pop(key, None)
         if rank is not None:
             self.baton.wake_receiver(rank)

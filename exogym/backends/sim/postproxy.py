@@ -42,6 +42,7 @@ class PostProxy:
         self._on_wire: dict[int, Message] = {}
         self._token_of: dict[int, int] = {}  # id(message) -> its number, while on the wire
         self._sending: dict[int, int] = {}
+        self._arrows: dict[int, tuple[list[float], int]] = {}  # the timeline's arrivals to fill in, by number
         self._posted = 0
         self._awaiting: set[int] = set()
         self._reported: Status | None = None
@@ -82,6 +83,9 @@ class PostProxy:
             message = self._on_wire.pop(token)
             del self._token_of[id(message)]
             message.arrives_at = at
+            arrow = self._arrows.pop(token, None)
+            if arrow is not None:
+                arrow[0][arrow[1]] = at
             rank = self._sending.pop(token, None)
             if rank is not None:
                 self._awaiting.discard(rank)
@@ -104,6 +108,13 @@ class PostProxy:
         self._on_wire[self._posted] = message
         self._token_of[id(message)] = self._posted
         self.link.send(self.hub_process, "post", message, self._posted)
+
+    def arrow(self, message: Message, arrives: list[float], index: int) -> None:
+        """The timeline logs `message` at `arrives[index]`: with shared links, its arrival is put there when the hub
+        tells it (a process whose nodes have all finished is told no more: those arrows are left out)."""
+        token = self._token_of.get(id(message))
+        if token is not None:
+            self._arrows[token] = (arrives, index)
 
     def sent(self, rank: int, message: Message) -> None:
         """Node `rank` waits on its send: with shared links, until the hub tells its arrival."""

@@ -28,10 +28,7 @@ class SimSendWork:
         if not self._done:
             self._until_sent()
             self._done = True
-            extra = self._message.arrives_at - self._clock.now
-            if extra > 0:
-                self._clock.comm_s += extra
-                self._clock.now = self._message.arrives_at
+            self._clock.transfer_until(self._message.arrives_at)
         return True
 
 
@@ -53,9 +50,7 @@ class SimRecvWork:
         m = post.receive(t.rank, t.clock.now, self._src, self._tag, lambda: (
             f"recv from {who}" + ("" if self._tag is None else f" with tag {self._tag}")
             + f" at step {t.step}, since {t.clock.now:.6g} s"))
-        if m.arrives_at > t.clock.now:  # waited for it: idle
-            t.clock.wait_s += m.arrives_at - t.clock.now
-            t.clock.now = m.arrives_at
+        t.clock.catch_up(m.arrives_at)  # waited for it: idle
         t.stats.bytes_received += m.nbytes
         if self._into is not None:
             self._into.copy_(m.tensor)

@@ -69,7 +69,9 @@ class ServerHost:
     # ---- checkpoints ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any] | None:
         """The server's state (None without a server)."""
-        return None if self.server is None else server_state(self.server)
+        if self.server is None:
+            return None
+        return {**server_state(self.server), "sent": self.server.sent_log.to_plain()["messages"]}  # the timeline's
 
     def load_state_dict(self, saved: dict[str, Any] | None) -> None:
         """Restore what state_dict returned; a server not yet made takes it when it is made."""

@@ -281,6 +281,10 @@ class SimTransport(TransportBase):
         message.sent_at = self.clock.now
         post = self.baton.post
         post.post(message)
+        if self.clock.spans is not None:  # the timeline's arrow, from send to arrival (shared links: once known)
+            arrives = self.clock.spans.messages["arrives"]
+            post.arrow(message, arrives, len(arrives))
+            self.clock.spans.sent(message.dst, message.sent_at, message.arrives_at, message.nbytes)
         work = SimSendWork(self.clock, message, lambda: post.sent(self.rank, message))
         if blocking:
             work.wait()
