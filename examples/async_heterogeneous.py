@@ -77,7 +77,9 @@ def strategies(args, budget: float) -> list[tuple[str, object, dict]]:
         ("async DiLoCo", AsyncDiLoCoStrategy(adamw, H=args.H, **timed), dict(max_steps=budget_steps)),
         ("async DiLoCo, outer lr 0.1", AsyncDiLoCoStrategy(adamw, H=args.H, outer_lr=0.1, **timed),
          dict(max_steps=budget_steps)),
-        ("async DiLoCo + DN + DLU", AsyncDiLoCoStrategy(adamw, H=args.H, delayed_nesterov=True,
+        # Delayed Nesterov as ExoGym first read it (each pseudo-gradient at full size), the row published in
+        # docs/results.md sec. 7; the paper's Algorithm 3 (delayed_nesterov=True) is in examples/async_toy_study.py
+        ("async DiLoCo + DN + DLU", AsyncDiLoCoStrategy(adamw, H=args.H, delayed_nesterov="full_steps",
                                                         dynamic_local_updates=True, **timed),
          dict(max_steps=budget_steps)),
         ("Decoupled DiLoCo", DecoupledDiLoCoStrategy(adamw, H=args.H, min_quorum=2, **timed),

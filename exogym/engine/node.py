@@ -107,7 +107,7 @@ class TrainNode:
     def _train(self, comm: Transport) -> tuple[NodeLog, dict[str, torch.Tensor] | None]:
         cfg, s = self.cfg, self.strategy
         first_step = self._start(comm)
-        batches: Iterator[Any] = self.batches.iterate(from_step=first_step)
+        batches: Iterator[Any] = s.read_batches(self.batches, first_step)  # the strategy may choose each task's data
         if cfg.validate and first_step == 0:
             self._validate(comm, 0)  # the initial model's loss: every curve starts at step 0
         for self.step in range(first_step, cfg.max_steps):
@@ -172,10 +172,9 @@ class TrainNode:
         if self.rank not in m.alive(step):
             return False
         joiners = m.joiners(step)
-        rejoin = getattr(self.strategy, "rejoin_alone", None)
-        if joiners and rejoin is not None:  # the strategy brings the joiner up to date itself; nobody waits
+        if joiners and self.strategy.rejoins_alone:  # the strategy brings the joiner up to date itself; nobody waits
             if self.rank in joiners:
-                rejoin()
+                self.strategy.rejoin_alone()
         elif joiners:  # every node up at this step takes part (some send, the joiners receive)
             self.execution.release(self.rank, self.model)  # a survivor's state is sent whole
             hand_over_state(self.model, self.strategy, step, list(m.survivors(step)), list(joiners))
@@ -193,6 +192,7 @@ class TrainNode:
         s.setup(self.model, NodeContext(rank=self.rank, num_nodes=cfg.num_nodes, max_steps=cfg.max_steps,
                                         steps_per_epoch=cfg.steps_per_epoch, shard_size=self.batches.shard_size,
                                         shard_sizes=cfg.shard_sizes, shard_steps=cfg.shard_steps,
+                                        node_speeds=_relative_speeds(cfg.time_model),
                                         share_parameters=self.execution.share_parameters,
                                         keep_once=self.keep_once))
         first_step = 0
@@ -251,7 +251,7 @@ class TrainNode:
         step's compute time idle, so that it comes back at the time its step count says, not in the past. Other
         strategies' down nodes keep their clocks (their collectives realign them)."""
         model = self.cfg.time_model
-        if model is None or not getattr(self.strategy, "clock_runs_while_down", False):
+        if model is None or not self.strategy.clock_runs_while_down:
             return
         comm.clock.sit_out(model.compute_seconds(self.rank, flops=self._step_flops or 0.0,
                                                  measured_s=self._measured_s))
@@ -340,9 +340,7 @@ class TrainNode:
             self._eval_model = copy.deepcopy(self.model)
         self._eval_model.load_state_dict(state, strict=True)
         row: dict[str, float] = {"step": done}
-        facts = getattr(self.strategy, "validation_facts", None)
-        if facts is not None:  # e.g. a server's: the simulated time and the updates applied when node 0 read it
-            row.update(facts())
+        row.update(self.strategy.validation_facts())  # e.g. a server's: the simulated time, the updates applied
         for prefix, model in (("local", self.model), ("global", self._eval_model)):
             for name, value in self._evaluate(model).items():
                 row[f"{prefix}_{name}"] = value
@@ -371,6 +369,16 @@ class TrainNode:
             count += n
         model.train(was_training)
         return {k: float(v) / count for k, v in sums.items()}
+
+
+def _relative_speeds(time_model: Any) -> tuple[float, ...]:
+    """Each node's compute speed by rank (a step's seconds are inversely proportional to it); () without a time
+    model."""
+    if time_model is None:
+        return ()
+    if time_model.measured:
+        return tuple(time_model.node_speeds)
+    return tuple(v * f for v, f in zip(time_model.node_speeds, time_model.device_flops))
 
 
 def keep_completed_rows(nodes: Iterable[TrainNode]) -> None:

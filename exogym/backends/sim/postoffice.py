@@ -115,13 +115,17 @@ class PostOffice:
                                + "\n".join(self.describe_waiting()))
         return False
 
-    def settle(self) -> None:
+    def report_idle(self) -> None:
         """The baton has nothing to run (a proxy reports it to the hub; nothing to do here)."""
 
     def finish(self) -> None:
         """The baton's nodes are done: the hub waits for the link's threads."""
         if self.hub is not None:
             self.hub.close()
+
+    def packets(self) -> tuple[dict[int, int], dict[int, int]] | None:
+        """The link's packets sent and taken in, per process (None: the run is one process's)."""
+        return None if self.hub is None else self.hub.link.counts()
 
     def next_event(self) -> None:
         """Let the earliest event happen (the hub calls it when no node is ready)."""

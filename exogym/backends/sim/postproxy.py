@@ -21,6 +21,7 @@ from exogym.comm.messages import Message, Server, attach_server
 
 if TYPE_CHECKING:
     from exogym.backends.sim.baton import Baton
+    from exogym.backends.sim.exchange import Exchange
     from exogym.cluster.simtime import TimeModel
 
 __all__ = ["PostProxy"]
@@ -29,7 +30,7 @@ __all__ = ["PostProxy"]
 class PostProxy:
     """The messages of this process's nodes, by way of the hub in process `hub` (same calls as PostOffice)."""
 
-    def __init__(self, baton: "Baton", num_nodes: int, time_model: "TimeModel | None", exchange: Any, hub: int):
+    def __init__(self, baton: "Baton", num_nodes: int, time_model: "TimeModel | None", exchange: "Exchange", hub: int):
         self.baton, self.num_nodes, self.hub_process, self.exchange = baton, num_nodes, hub, exchange
         self.network = time_model.network if time_model is not None else None
         self.server: Server | None = None  # the server's shadow here, once a node declared it (it runs with the hub)
@@ -57,7 +58,7 @@ class PostProxy:
     def due(self) -> bool:
         return False  # the hub's heap decides
 
-    def settle(self) -> None:
+    def report_idle(self) -> None:
         """Nothing to run here: tell the hub, once per change (after every packet sent before, in order)."""
         status = Status(self.progress, dict(self.baton.crossings_started), frozenset(self.baton.open_crossings))
         if status != self._reported:
@@ -72,6 +73,10 @@ class PostProxy:
             self.exchange.wait(timeout=0.25)
             self.exchange.check_peers()
         self.link.join()
+
+    def packets(self) -> tuple[dict[int, int], dict[int, int]]:
+        """The link's packets sent to the hub and taken in from it."""
+        return self.link.counts()
 
     def _on_packet(self, src: int, packet: tuple) -> None:
         if packet[0] == "bye":

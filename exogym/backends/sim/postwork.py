@@ -3,14 +3,29 @@ clock as the message's arrival says."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 
 from exogym.cluster.network import SERVER
 from exogym.comm.messages import Message
 
+if TYPE_CHECKING:
+    from exogym.backends.sim.baton import Baton
+    from exogym.cluster.simtime import NodeClock
+    from exogym.comm.transport import CommStats
+
 __all__ = ["SimSendWork", "SimRecvWork"]
+
+
+class Receiver(Protocol):
+    """The node an irecv belongs to (its transport): what waiting on the handle reads and moves."""
+
+    rank: int
+    step: int | None
+    clock: "NodeClock"
+    stats: "CommStats"
+    baton: "Baton"
 
 
 class SimSendWork:
@@ -18,7 +33,7 @@ class SimSendWork:
     waiting for a shared link included). `until_sent()` returns once the arrival is known (shared links: when the
     message's flow ends)."""
 
-    def __init__(self, clock: Any, message: Message, until_sent: Callable[[], None]):
+    def __init__(self, clock: "NodeClock", message: Message, until_sent: Callable[[], None]):
         self._clock, self._message, self._until_sent, self._done = clock, message, until_sent, False
 
     def is_completed(self) -> bool:
@@ -35,7 +50,7 @@ class SimSendWork:
 class SimRecvWork:
     """irecv's handle: wait() takes the message (in arrival order) and returns it."""
 
-    def __init__(self, transport: Any, src: int | None, tag: int | None, into: torch.Tensor | None):
+    def __init__(self, transport: "Receiver", src: int | None, tag: int | None, into: torch.Tensor | None):
         self._t, self._src, self._tag, self._into = transport, src, tag, into
         self._message: Message | None = None
 

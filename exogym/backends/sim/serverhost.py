@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 
 from exogym.backends.server_state import load_server, server_state
-from exogym.comm.messages import Message, Server, attach_server
+from exogym.comm.messages import Message, Server, ServerPost, attach_server
 from exogym.comm.transport import MessageError
 
 __all__ = ["ServerHost", "server_state", "load_server"]
@@ -25,7 +25,7 @@ class ServerHost:
         self.handling: tuple[str, str] | None = None  # (the server's class, what) while a handler runs: the watchdog's
         self._saved: dict[str, Any] | None = None  # a checkpoint's server state, until the server is made
 
-    def serve(self, make: Callable[[], Server], post: Any) -> Server:
+    def serve(self, make: Callable[[], Server], post: ServerPost) -> Server:
         """The server, made by `make()` at the first call and tied to `post` (its messages and timers go there)."""
         if self.server is None:
             self.server = attach_server(make, post)
