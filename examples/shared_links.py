@@ -77,7 +77,7 @@ def main() -> None:
     adamw = OptimSpec(torch.optim.AdamW, lr=1e-3)
     server = dict(bandwidth="1Gbps", latency="20ms", server_bandwidth="50Mbps")
     makes = {"FedBuff": lambda k: FedBuffStrategy(adamw, H=H, buffer_size=max(2, k // 4), time_budget_s=args.budget),
-             "async DiLoCo": lambda k: AsyncDiLoCoStrategy(adamw, H=H, outer_lr=0.05, delayed_nesterov=True, time_budget_s=args.budget)}
+             "async DiLoCo": lambda k: AsyncDiLoCoStrategy(adamw, H=H, outer_lr=0.05, delayed_nesterov="full_steps", time_budget_s=args.budget)}
     steps = int(args.budget / STEP_S * 1.5) + H
     print(f"server link {server['server_bandwidth']}, {server['latency']}; MLP 784-128-10 on MNIST, H={H}, "
           f"{args.budget:g} simulated seconds per run\n")
@@ -101,7 +101,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for shared in (False, True):
         net = Network(**two, server_datacenter=0, shared_links=shared)
-        x = run(AsyncDiLoCoStrategy(adamw, H=H, outer_lr=0.05, delayed_nesterov=True, time_budget_s=args.budget), k, net, data, flops, max_steps=steps)
+        x = run(AsyncDiLoCoStrategy(adamw, H=H, outer_lr=0.05, delayed_nesterov="full_steps", time_budget_s=args.budget), k, net, data, flops, max_steps=steps)
         print(f"| async DiLoCo, server in datacenter 0 | {'shared' if shared else 'per transfer'} | {x['updates']} | "
               f"{x['loss']:.4f} | {x['sim_s']:.2f} | {x['goodput']:.2f} | "
               f"{busy(x, 'wan 1>0')} |", flush=True)
