@@ -149,6 +149,9 @@ class TrainNode:
             if cfg.time_model.slowdowns is not None:  # the ones drawn while this node ran: the record lists them
                 self.log.comm["slowdowns"] = [w.as_record() for w in
                                               cfg.time_model.slowdowns.during(self.rank, comm.clock.now)]
+        links = comm.link_usage() if self.rank == 0 and hasattr(comm, "link_usage") else None
+        if links is not None:  # the sim's shared links (live: complete when the run's last flow has ended)
+            self.log.comm["links"] = links
         server = comm.served() if self.rank == 0 and hasattr(comm, "served") else None
         if server is not None:  # a strategy's server runs with node 0: its record goes with node 0's log
             self.log.comm["server"] = {"updates": server.updates, "bytes_sent": server.stats.bytes_sent,
