@@ -13,12 +13,15 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
+
+from exogym.backends.peer_watch import STARTUP_S
 
 if TYPE_CHECKING:
     from exogym.engine.plan import RunPlan, RunSinks
 
 __all__ = ["Hosting", "Peers", "ProcessBackend", "blocks", "block_of", "process_group_timeout",
-           "PROCESS_GROUP_TIMEOUT", "SERVER_ROLE"]
+           "PROCESS_GROUP_TIMEOUT", "SERVER_ROLE", "setup_timeout", "limit_waits"]
 
 # The role of a participant that is not a node: a strategy's server (global state, and code reacting to each
 # arriving message). It runs in the process that holds node 0; no launcher needs to know more than that.
@@ -40,6 +43,39 @@ def process_group_timeout(node_timeout: float | None) -> timedelta:
         The timeout, PROCESS_GROUP_TIMEOUT when node_timeout is None.
     """
     return PROCESS_GROUP_TIMEOUT if node_timeout is None else timedelta(seconds=node_timeout)
+
+
+# Setting the process group up (its rendezvous in the store, then gloo's connections between every pair of
+# processes) waits for every process to arrive, and they arrive seconds apart: each imports torch and unpickles or
+# builds its part of the run first, slower on a loaded machine. node_timeout bounds a node's wait at a collective
+# while training, not that start, so the setup waits at least STARTUP_S (as a peer that never beat is given), and
+# the group's waits are then cut to the process group's timeout (limit_waits). A torch without
+# ProcessGroup.set_timeout keeps the group's timeout for the setup too.
+_RETIMABLE = hasattr(dist.ProcessGroup, "set_timeout")
+
+
+def setup_timeout(timeout: timedelta) -> timedelta:
+    """How long setting up a process group (and connecting to its store) may wait for the other processes.
+
+    Args:
+        timeout: the process group's timeout (process_group_timeout).
+
+    Returns:
+        `timeout`, and at least STARTUP_S seconds where the group's timeout can be set once it is up.
+    """
+    return max(timeout, timedelta(seconds=STARTUP_S)) if _RETIMABLE else timeout
+
+
+def limit_waits(group: Any, timeout: timedelta) -> None:
+    """Once a group set up with setup_timeout is up: its collectives (and its store client's waits) give up after
+    `timeout`, the process group's timeout.
+
+    Args:
+        group: a torch.distributed ProcessGroup, or a Store.
+        timeout: the process group's timeout.
+    """
+    if _RETIMABLE or isinstance(group, dist.Store):
+        group.set_timeout(timeout)
 
 
 def blocks(num_nodes: int, processes: int) -> list[range]:

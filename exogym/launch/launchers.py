@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from exogym.backends.errors import PeerLostError
 from exogym.backends.peer_watch import PeerWatch
-from exogym.backends.hosting import Hosting, Peers, ProcessBackend, block_of
+from exogym.backends.hosting import Hosting, Peers, ProcessBackend, block_of, limit_waits, setup_timeout
 from exogym.launch.environment import Environment
 from exogym.launch.pickling import check_picklable
 from exogym.launch.shared_folder import check_shared_folder
@@ -272,9 +272,11 @@ class Torchrun(Launcher):
         if owns_group:
             _import_before_the_group()
             # Each process has a GPU of its own (LOCAL_RANK): its own nodes' devices choose the group's backend.
+            setup = setup_timeout(timeout)  # the other ranks may arrive seconds later
             dist.init_process_group(self.backend.group_backend([plan.devices[r] for r in hosting.nodes]),
-                                    store=_group_store(_torchrun_runs, env.rank, env.world_size, timeout),
-                                    rank=env.rank, world_size=env.world_size, timeout=timeout)
+                                    store=_group_store(_torchrun_runs, env.rank, env.world_size, setup),
+                                    rank=env.rank, world_size=env.world_size, timeout=setup)
+            limit_waits(dist.group.WORLD, timeout)
         elif dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
             raise ValueError(f"torch.distributed is already initialised with rank {dist.get_rank()} of "
                              f"{dist.get_world_size()}, but RANK={env.rank}, WORLD_SIZE={env.world_size}; call "
@@ -282,7 +284,9 @@ class Torchrun(Launcher):
         try:
             store = None
             if env.main_address is not None and env.main_port is not None:
-                store = dist.TCPStore(env.main_address, env.main_port, is_master=False, timeout=timeout)
+                store = dist.TCPStore(env.main_address, env.main_port, is_master=False,
+                                      timeout=setup_timeout(timeout))
+                limit_waits(store, timeout)
             run_key = f"exogym/{self.backend.name}/{_torchrun_runs}"
             if plan.checkpoints is not None and store is not None and env.world_size > 1:
                 check_shared_folder(store, f"{run_key}/shared", env.rank, env.world_size, plan.checkpoints.root)
