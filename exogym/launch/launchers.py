@@ -272,11 +272,12 @@ class Torchrun(Launcher):
         if owns_group:
             _import_before_the_group()
             # Each process has a GPU of its own (LOCAL_RANK): its own nodes' devices choose the group's backend.
-            setup = setup_timeout(timeout)  # the other ranks may arrive seconds later
-            dist.init_process_group(self.backend.group_backend([plan.devices[r] for r in hosting.nodes]),
-                                    store=_group_store(_torchrun_runs, env.rank, env.world_size, setup),
-                                    rank=env.rank, world_size=env.world_size, timeout=setup)
-            limit_waits(dist.group.WORLD, timeout)
+            group_backend = self.backend.group_backend([plan.devices[r] for r in hosting.nodes])
+            setup = setup_timeout(timeout, group_backend)  # the other ranks may arrive seconds later
+            group_store = _group_store(_torchrun_runs, env.rank, env.world_size, setup)
+            dist.init_process_group(group_backend, store=group_store, rank=env.rank, world_size=env.world_size,
+                                    timeout=setup)
+            limit_waits(dist.group.WORLD, group_store, setup, timeout)
         elif dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
             raise ValueError(f"torch.distributed is already initialised with rank {dist.get_rank()} of "
                              f"{dist.get_world_size()}, but RANK={env.rank}, WORLD_SIZE={env.world_size}; call "
@@ -284,9 +285,7 @@ class Torchrun(Launcher):
         try:
             store = None
             if env.main_address is not None and env.main_port is not None:
-                store = dist.TCPStore(env.main_address, env.main_port, is_master=False,
-                                      timeout=setup_timeout(timeout))
-                limit_waits(store, timeout)
+                store = dist.TCPStore(env.main_address, env.main_port, is_master=False, timeout=timeout)
             run_key = f"exogym/{self.backend.name}/{_torchrun_runs}"
             if plan.checkpoints is not None and store is not None and env.world_size > 1:
                 check_shared_folder(store, f"{run_key}/shared", env.rank, env.world_size, plan.checkpoints.root)
