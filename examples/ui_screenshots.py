@@ -33,7 +33,7 @@ H = 20
 
 def train(root: Path, rounds: int) -> dict[str, float]:
     """The two runs' folders under `root`; returns each run's goodput."""
-    network = Network(bandwidth="10Mbps", latency="50ms")
+    network = Network(bandwidth="10Mbps", latency="50ms", shared_links=False)  # section 7's: each transfer alone
     train_set, test = load_mnist("train"), load_mnist("test")
     torch.manual_seed(0)
     flops = step_flops(MLPClassifier(784, 10, hidden=128), (train_set.tensors[0][:BATCH], train_set.tensors[1][:BATCH]))

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
+from exogym.cluster.flows import Flow
 from exogym.cluster.network import Network
 from exogym.cluster.slowdowns import SlowdownSchedule
 from exogym.cluster.spans import SpanLog
@@ -119,6 +120,18 @@ class TimeModel:
         the last arrival and takes the network's duration. Blocking members leave at its end; async ones
         ran on and catch up in `catch_up` when they wait. Returns the time it ends."""
         return self.leave(members, max(arrival for _, arrival, _ in members), op, nbytes, ranks)
+
+    def leave_flow(self, members: Sequence[tuple[NodeClock, float, bool]], start: float, flow: Flow) -> float:
+        """`leave` for a collective that ran as a flow on shared links (exogym.cluster.flows: started at `start`
+        on `network.collective_route`, now ended): its members leave at the flow's arrival. A flow that ran alone
+        all along gives `leave`'s numbers to the bit. Returns the time it ends."""
+        duration = flow.route.seconds if not flow.shared else flow.arrival - start
+        done = start + duration if not flow.shared else flow.arrival
+        for clock, arrival, blocking in members:
+            clock.comm_s += duration  # transfer time, waiting for a shared link included
+            if blocking:
+                clock.leave_collective(arrival, start, done)
+        return done
 
     def leave(self, members: Sequence[tuple[NodeClock, float, bool]], start: float, op: str, nbytes: int,
               ranks: Sequence[int]) -> float:

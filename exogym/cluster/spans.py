@@ -72,5 +72,6 @@ class SpanLog:
 
     def to_plain(self) -> dict[str, Any]:
         """The log as JSON-ready data (the run folder's timeline.json holds one per node)."""
-        return {"t": list(self.t), "kinds": self.kinds, "steps": list(self.steps),
-                "messages": {c: list(v) for c, v in self.messages.items()}}
+        # the messages' columns are the log's own lists: on shared links a message's arrival is filled in when its
+        # flow ends, which may be after its sender's log was kept (exogym.backends.sim.postoffice)
+        return {"t": list(self.t), "kinds": self.kinds, "steps": list(self.steps), "messages": self.messages}

@@ -107,7 +107,7 @@ class TrainNode:
     def _train(self, comm: Transport) -> tuple[NodeLog, dict[str, torch.Tensor] | None]:
         cfg, s = self.cfg, self.strategy
         first_step = self._start(comm)
-        batches: Iterator[Any] = self.batches.iterate(from_step=first_step)
+        batches: Iterator[Any] = s.read_batches(self.batches, first_step)  # the strategy may choose each task's data
         if cfg.validate and first_step == 0:
             self._validate(comm, 0)  # the initial model's loss: every curve starts at step 0
         for self.step in range(first_step, cfg.max_steps):
@@ -149,6 +149,9 @@ class TrainNode:
             if cfg.time_model.slowdowns is not None:  # the ones drawn while this node ran: the record lists them
                 self.log.comm["slowdowns"] = [w.as_record() for w in
                                               cfg.time_model.slowdowns.during(self.rank, comm.clock.now)]
+        links = comm.link_usage() if self.rank == 0 and hasattr(comm, "link_usage") else None
+        if links is not None:  # the sim's shared links (live: complete when the run's last flow has ended)
+            self.log.comm["links"] = links
         server = comm.served() if self.rank == 0 and hasattr(comm, "served") else None
         if server is not None:  # a strategy's server runs with node 0: its record goes with node 0's log
             self.log.comm["server"] = {"updates": server.updates, "bytes_sent": server.stats.bytes_sent,
@@ -189,6 +192,7 @@ class TrainNode:
         s.setup(self.model, NodeContext(rank=self.rank, num_nodes=cfg.num_nodes, max_steps=cfg.max_steps,
                                         steps_per_epoch=cfg.steps_per_epoch, shard_size=self.batches.shard_size,
                                         shard_sizes=cfg.shard_sizes, shard_steps=cfg.shard_steps,
+                                        node_speeds=_relative_speeds(cfg.time_model),
                                         share_parameters=self.execution.share_parameters,
                                         keep_once=self.keep_once))
         first_step = 0
@@ -365,6 +369,16 @@ class TrainNode:
             count += n
         model.train(was_training)
         return {k: float(v) / count for k, v in sums.items()}
+
+
+def _relative_speeds(time_model: Any) -> tuple[float, ...]:
+    """Each node's compute speed by rank (a step's seconds are inversely proportional to it); () without a time
+    model."""
+    if time_model is None:
+        return ()
+    if time_model.measured:
+        return tuple(time_model.node_speeds)
+    return tuple(v * f for v, f in zip(time_model.node_speeds, time_model.device_flops))
 
 
 def keep_completed_rows(nodes: Iterable[TrainNode]) -> None:

@@ -344,6 +344,14 @@ class RunRecord:
         return list(server["updates"]) if server else []
 
     @property
+    def links(self) -> dict[str, dict[str, float]]:
+        """Per directed link of the simulated network (`"server down"`, `"port 3 up"`, `"wan 0>1"`, ...: the names of
+        exogym.cluster.network), `busy_s` (simulated seconds it carried at least one transfer) and `bytes` (what the
+        transfers put on it); {} without a network of shared links (`Network(shared_links=False)`) or messages."""
+        links = self.comm_per_node[0].get("links") if self.comm_per_node else None
+        return {name: dict(links[name]) for name in sorted(links)} if links else {}
+
+    @property
     def slowdowns(self) -> list[dict[str, float]]:
         """The transient slowdowns (fit's `slowdowns`) that started while the nodes ran, in time order: node,
         from_s, to_s (simulated seconds) and factor; [] without slowdowns."""
@@ -410,6 +418,7 @@ class RunRecord:
                 "wall_time_s": self.wall_time_s, "sim_time_s": self.sim_time_s,
                 "sim_time_per_node": self.sim_time_per_node, "goodput": self.goodput,
                 "updates_applied": len(self.updates), "peak_memory_mb": self.peak_memory_mb,
+                **({"links": self.links} if self.links else {}),
                 **({"slowdowns": self.slowdowns} if any("slowdowns" in c for c in self.comm_per_node) else {}),
                 "comm_per_node": [{k: v for k, v in c.items() if k != "timeline"} for c in self.comm_per_node],
                 **({"timeline": timeline} if (timeline := self.timeline) is not None else {})}

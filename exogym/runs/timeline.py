@@ -63,13 +63,15 @@ def build_timeline(comm_per_node: Sequence[Mapping[str, Any]], *,
     if server is not None and "messages" in server:
         senders.append((_SERVER, server["messages"]))
     for src, sent in senders:
-        n = len(sent["dst"])
-        messages["src"] += [lane_of[src]] * n
-        messages["dst"] += [lane_of.get(int(d), -1) for d in sent["dst"]]
+        # (shared links: a message's arrival is nan in its sender's log until its flow ends; one still unknown when
+        # the log was kept, e.g. across a checkpoint, has no arrow)
+        keep = [i for i, at in enumerate(sent["arrives"]) if at == at]
+        messages["src"] += [lane_of[src]] * len(keep)
+        messages["dst"] += [lane_of.get(int(sent["dst"][i]), -1) for i in keep]
         for column in ("sent", "arrives"):
-            messages[column] += list(sent[column])
-        messages["bytes"] += [int(b) for b in sent["bytes"]]
-        messages["step"] += [int(s) for s in sent["step"]]
+            messages[column] += [sent[column][i] for i in keep]
+        messages["bytes"] += [int(sent["bytes"][i]) for i in keep]
+        messages["step"] += [int(sent["step"][i]) for i in keep]
     updates: dict[str, list[float]] = {"t": [], "lane": [], "staleness": []}
     for row in (server or {}).get("updates", ()):
         updates["t"].append(row["sim_time_s"])

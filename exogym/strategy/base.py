@@ -8,7 +8,7 @@ copy to that node's model and tells it the run's facts (exogym.strategy.context.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -322,6 +322,28 @@ class Strategy(metaclass=Adaptable):
         `sim_time_s`, node 0's clock, and `updates`, the server's updates applied by then (ServerStrategy gives
         both). Nothing by default (the rows then hold the step)."""
         return {}
+
+    def check_data(self, node_batches: list[Any], *, processes: int) -> None:
+        """Before any node starts (fit asks, once the data and the processes are known): refuse data the strategy's
+        options cannot use. Accepts everything by default.
+
+        Args:
+            node_batches: Every node's NodeBatches.
+            processes: The processes the run spans.
+        """
+
+    def read_batches(self, batches: Any, from_step: int) -> Iterator[Any]:
+        """The node's batches, one per step, from `from_step` (the engine draws one every step): the node's own
+        shard in order by default; a strategy that chooses each task's data (shard sampling) overrides it.
+
+        Args:
+            batches: The node's NodeBatches.
+            from_step: The first step the node runs.
+
+        Returns:
+            An iterator of batches.
+        """
+        return batches.iterate(from_step=from_step)
 
     def model_sources(self, candidates: list[int], steps_done: int) -> list[int]:
         """Which nodes' average is the rest of the global model (all of `candidates` by default).

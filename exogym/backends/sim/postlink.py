@@ -8,7 +8,9 @@ exchange's):
   node wants to observe at its clock: take a message, every message that has arrived, or the server's state for
   `read_server`), `status` (the process has nothing to run: how many answers it has taken in, and which collectives
   across processes it has started and has open), and at its end a last status marked finished;
-- the hub to a proxy: `answer` (what a node asked for; it runs again) and `bye` (after its last status).
+- the hub to a proxy: `answer` (what a node asked for; it runs again), `arrived` (shared links: a message the proxy
+  posted has its arrival time, once its flow ended; counted as an answer, since it may run a node waiting on its
+  send) and `bye` (after its last status).
 
 Why nothing arrives out of order: every packet of one process to the hub goes on one (sender, receiver, tag) pair,
 which torch.distributed delivers in the order sent, and the hub handles a process's packets in that order. So when
@@ -195,13 +197,21 @@ class Hub:
         self.answered[process] += 1
         self.link.send(process, "answer", rank, payload)
 
+    def arrived(self, token: tuple[int, int], at: float) -> None:
+        """Shared links: the message process `token[0]` posted as its `token[1]`-th arrives at `at`."""
+        process, number = token
+        if (s := self.status.get(process)) is not None and s.finished:
+            return  # its nodes are done: none waits on the send, and after its goodbye nothing is received there
+        self.answered[process] += 1
+        self.link.send(process, "arrived", number, at)
+
     def unfinished(self) -> bool:
         return any(not (s := self.status.get(p)) or not s.finished for p in self.remotes)
 
     def _on_packet(self, src: int, packet: tuple) -> None:
         kind = packet[0]
         if kind == "post":
-            self.post.push(packet[1])
+            self.post.push(packet[1], (src, packet[2]) if len(packet) > 2 else None)
         elif kind == "ask":
             self.post.ask(packet[1])
         elif kind == "status":

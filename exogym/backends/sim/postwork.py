@@ -3,7 +3,7 @@ clock as the message's arrival says."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 
@@ -29,16 +29,19 @@ class Receiver(Protocol):
 
 
 class SimSendWork:
-    """isend's handle: wait() brings the sender's clock to the message's arrival (the transfer is communication)."""
+    """isend's handle: wait() brings the sender's clock to the message's arrival (the transfer is communication,
+    waiting for a shared link included). `until_sent()` returns once the arrival is known (shared links: when the
+    message's flow ends)."""
 
-    def __init__(self, clock: "NodeClock", message: Message):
-        self._clock, self._message, self._done = clock, message, False
+    def __init__(self, clock: "NodeClock", message: Message, until_sent: Callable[[], None]):
+        self._clock, self._message, self._until_sent, self._done = clock, message, until_sent, False
 
     def is_completed(self) -> bool:
         return self._done
 
     def wait(self, timeout: Any = None) -> bool:
         if not self._done:
+            self._until_sent()
             self._done = True
             self._clock.transfer_until(self._message.arrives_at)
         return True

@@ -45,8 +45,9 @@ class Crossings(Protocol):
 class HeapOwner(Protocol):
     """What the hub's end of the message link hands to the post office holding the run's event heap."""
 
-    def push(self, message: Message) -> None:
-        """A message another process posted, its arrival time set."""
+    def push(self, message: Message, token: tuple[int, int] | None = None) -> None:
+        """A message another process posted: its arrival time set, or (shared links) `token`, (the process, its
+        number there), under which the hub tells the process its arrival once its flow ends."""
 
     def ask(self, ask: Any) -> None:
         """A node of another process observes at its clock (a postlink.Ask)."""
@@ -87,6 +88,15 @@ class Messages(Protocol):
     # ---- what the nodes' transports call ----------------------------------------------------------------------
     def post(self, message: Message) -> None:
         """Put a message on the wire at message.sent_at."""
+
+    def sent(self, rank: int, message: Message) -> None:
+        """Node `rank` waits on its send until the message's arrival time is known (shared links: its flow ended)."""
+
+    def arrow(self, message: Message, arrives: list[float], index: int) -> None:
+        """The timeline logs `message`'s arrival at `arrives[index]`: filled in once known (shared links)."""
+
+    def link_usage(self) -> dict[str, dict[str, float]] | None:
+        """Each link's busy seconds and bytes, kept up to date (the post office with shared links; else None)."""
 
     def receive(self, rank: int, at: float, src: int | None, tag: int | None, what: Callable[[], str]) -> Message:
         """Node `rank`'s next message from `src` with `tag`, observed at its clock `at`."""
