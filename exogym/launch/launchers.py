@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from exogym.backends.errors import PeerLostError
 from exogym.backends.peer_watch import PeerWatch
-from exogym.backends.hosting import Hosting, Peers, ProcessBackend, block_of
+from exogym.backends.hosting import Hosting, Peers, ProcessBackend, block_of, limit_waits, setup_timeout
 from exogym.launch.environment import Environment
 from exogym.launch.pickling import check_picklable
 from exogym.launch.shared_folder import check_shared_folder
@@ -272,9 +272,12 @@ class Torchrun(Launcher):
         if owns_group:
             _import_before_the_group()
             # Each process has a GPU of its own (LOCAL_RANK): its own nodes' devices choose the group's backend.
-            dist.init_process_group(self.backend.group_backend([plan.devices[r] for r in hosting.nodes]),
-                                    store=_group_store(_torchrun_runs, env.rank, env.world_size, timeout),
-                                    rank=env.rank, world_size=env.world_size, timeout=timeout)
+            group_backend = self.backend.group_backend([plan.devices[r] for r in hosting.nodes])
+            setup = setup_timeout(timeout, group_backend)  # the other ranks may arrive seconds later
+            group_store = _group_store(_torchrun_runs, env.rank, env.world_size, setup)
+            dist.init_process_group(group_backend, store=group_store, rank=env.rank, world_size=env.world_size,
+                                    timeout=setup)
+            limit_waits(dist.group.WORLD, group_store, setup, timeout)
         elif dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
             raise ValueError(f"torch.distributed is already initialised with rank {dist.get_rank()} of "
                              f"{dist.get_world_size()}, but RANK={env.rank}, WORLD_SIZE={env.world_size}; call "

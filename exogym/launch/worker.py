@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from exogym.backends.hosting import Hosting, Peers, ProcessBackend
+from exogym.backends.hosting import Hosting, Peers, ProcessBackend, limit_waits, setup_timeout
 from exogym.engine.plan import RunSinks
 from exogym.launch.signals import raise_on_sigterm
 from exogym.launch.supervision import HOST, Failure
@@ -153,9 +153,12 @@ def process_main(backend: ProcessBackend, hosting: Hosting, plan: "RunPlan", por
     try:
         raise_on_sigterm()
         torch.set_num_threads(threads)
-        store = dist.TCPStore(HOST, port, is_master=False, timeout=timeout)
-        dist.init_process_group(backend.group_backend(plan.devices), store=store, rank=hosting.process,
-                                world_size=hosting.processes, timeout=timeout)
+        group_backend = backend.group_backend(plan.devices)
+        setup = setup_timeout(timeout, group_backend)  # the other processes may arrive seconds later
+        store = dist.TCPStore(HOST, port, is_master=False, timeout=setup)
+        dist.init_process_group(group_backend, store=store, rank=hosting.process, world_size=hosting.processes,
+                                timeout=setup)
+        limit_waits(dist.group.WORLD, store, setup, timeout)
         # A node stuck in native code is reported before the watchdog ends this process.
         sinks = RunSinks(ForwardingLive(outbox), on_stuck=lambda error: outbox.send_error(error.rank, error))
         if backend.processes_take_gpus:
