@@ -148,7 +148,7 @@ class DecoupledDiLoCoStrategy(ServerRoundsStrategy):
         check_int("min_quorum", min_quorum, minimum=1, allow_none=True)
         check_number("grace_factor", grace_factor, minimum=0.0)
         check_number("max_grace", max_grace, minimum=0.0)
-        check_number("outer_lr", outer_lr, positive=True)
+        check_number("outer_lr", outer_lr, positive=True, finite=True)
         check_number("outer_momentum", outer_momentum, minimum=0.0)
         if outer_momentum >= 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")

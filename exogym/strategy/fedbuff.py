@@ -87,7 +87,7 @@ class FedBuffStrategy(ServerRoundsStrategy):
                  max_norm: float | None = None, **kwargs: Any):
         super().__init__(optim_spec, H=H, lr=lr, max_norm=max_norm, **kwargs)
         check_int("buffer_size", buffer_size, minimum=1)
-        check_number("server_lr", server_lr, positive=True)
+        check_number("server_lr", server_lr, positive=True, finite=True)
         if staleness not in ("sqrt", "constant"):
             raise ValueError(f"staleness must be 'sqrt' or 'constant', got {staleness!r}")
         self.buffer_size, self.server_lr, self.staleness = buffer_size, server_lr, staleness
