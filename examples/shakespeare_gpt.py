@@ -22,7 +22,7 @@ import torch
 
 from exogym import Trainer
 from exogym.strategy import DiLoCoStrategy, OptimSpec, SimpleReduceStrategy
-from exogym.tasks import get_task
+from exogym.cli.tasks import get_task
 from published_output import add_update_docs, output_path, print_outputs
 
 

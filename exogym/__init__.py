@@ -16,7 +16,7 @@ from exogym.launch.signals import RunInterrupted
 from exogym.runs.folder import RunFolderError
 from exogym.runs.disk import DiskFullError
 from exogym.runs.record import RunRecord
-from exogym.trainer import LocalTrainer, Trainer
+from exogym.fit.trainer import LocalTrainer, Trainer
 
 from exogym import compat  # noqa: E402 - on top of everything above, and installed last
 

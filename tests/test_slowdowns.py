@@ -220,7 +220,7 @@ def test_on_the_torch_backend_a_strategy_that_sends_messages_refuses_slowdowns_b
 
 
 def test_the_command_line_draws_slowdowns_from_its_seed(tmp_path, monkeypatch):
-    from exogym.cli import main
+    from exogym.cli.commands import main
     monkeypatch.chdir(tmp_path)
     # the synthetic task's MLP at 1e12 FLOP/s: 20 steps take under 2 simulated microseconds, hence these numbers
     assert main(["run", "--task", "synthetic", "--nodes", "2", "--steps", "20", "--val-size", "16", "--quiet",

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from exogym.cli import main
+from exogym.cli.commands import main
 from exogym.sweep import StorageUnavailable, grid, sweep
 from exogym.sweep.storage import patient
 from exogym.sweep.study import SweepStudy

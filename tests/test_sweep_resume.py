@@ -96,7 +96,7 @@ def test_a_script_without_the_main_guard_gets_one_line_naming_the_fix(tmp_path):
 
 
 def test_the_command_line_sweeps_resumes_and_refuses_what_it_cannot_do(tmp_path, capsys):
-    from exogym.cli import main
+    from exogym.cli.commands import main
 
     args = ["sweep", "--task", "synthetic", "--strategies", "ddp", "diloco", "--H", "5", "10", "--outer-lr", "0.7",
             "--nodes", "2", "--steps", "10", "--val-size", "64", "--seeds", "0", "1", "--quiet", "--out", "s"]

@@ -199,6 +199,6 @@ def _adapt_fit(fit: Callable[..., Any], args: tuple[Any, ...],
 
 
 def install() -> None:
-    from exogym.trainer import Trainer
+    from exogym.fit.trainer import Trainer
 
     register_adapter(Trainer.fit, _adapt_fit)

@@ -40,6 +40,7 @@ OLD_PATHS = {
     "exogym.fused": "exogym.backends.sim.fused",
     # the original EXO Gym's layout (its llms.txt): the per-rank loop, the settings handed to the ranks, its aux/
     # package's loggers, DeMo's optimizer
+    "exogym.trainer": "exogym.fit.trainer",
     "exogym.train_node": "exogym.engine.node",
     "exogym.common": "exogym.engine.config",
     "exogym.aux.logger": "exogym.runs.loggers",

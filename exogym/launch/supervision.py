@@ -36,7 +36,7 @@ _FINISH_GRACE_S = 60.0  # after the first process finishes, how long the others 
 _SETTLE_S = 1.0  # after the first failure, how long to collect the others' reports before ending them
 # torch._dynamo: torch.optim imports it on first use, which costs a fresh process seconds.
 _PRELOAD = ("torch", "torch._dynamo", "exogym.launch.worker", "exogym.backends.sim.run",
-            "exogym.backends.torch.node_process", "exogym.trainer")
+            "exogym.backends.torch.node_process", "exogym.fit.trainer")
 
 
 @dataclass

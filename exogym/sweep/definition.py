@@ -40,7 +40,7 @@ class Definition:
     checkpoint_interval: int | None
     run: str  # "module:qualname" of the run function (or of a callable object's class)
     run_repr: str = ""  # a callable object's repr (its settings), compared on resume
-    command: list[str] | None = None  # a CLI sweep: its fixed part (see cli_sweep)
+    command: list[str] | None = None  # a CLI sweep: its fixed part (see exogym.cli.sweep)
     flags: dict[str, str] = field(default_factory=dict)  # a CLI sweep: parameter -> option
     argv: list[str] | None = None  # a CLI sweep: its command line, which --resume parses again
     workers: int = 1  # worker processes, and torch threads each: a resume runs the same unless told otherwise

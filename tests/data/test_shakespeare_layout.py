@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import exogym.data.shakespeare as shakespeare
-from exogym.cli import main
+from exogym.cli.commands import main
 from exogym.data.shakespeare_layout import (ORIGINAL_SPLITS, ORIGINAL_VOCAB, original_file, original_ids,
                                             write_original_layout)
 

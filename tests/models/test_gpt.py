@@ -148,7 +148,7 @@ def test_diloco_on_two_nodes_lowers_the_validation_loss(shakespeare):
 
 
 def test_the_shakespeare_task_builds_a_gpt_over_its_vocabulary(shakespeare):
-    from exogym.tasks import get_task
+    from exogym.cli.tasks import get_task
     model, train, val = get_task("shakespeare").build()
     assert isinstance(model, GPT) and model.vocab_size == train.vocab.size == 76 and model.block_size == 64
     assert train[0][0].shape == (64,) and len(val) == (478_653 - 65) // 64 + 1

@@ -23,12 +23,12 @@ from typing import Any, Callable, Iterator, Sequence
 
 from exogym._validation import MAX_SEED, check_int
 from exogym.cluster.network import PRESETS
-from exogym.fit_nodes import check_node_memory
+from exogym.fit.nodes import check_node_memory
 from exogym.sweep.objective import metric_name, parse_bytes
 from exogym.sweep.space import Choice, Float, Int, Space, space
 from exogym.sweep.storage import StorageUnavailable, SweepStopped
 from exogym.sweep.sweep import SEARCHES, read_definition, sweep
-from exogym.tasks import TASKS, get_task
+from exogym.cli.tasks import TASKS, get_task
 
 __all__ = ["add_sweep_command", "TaskRun"]
 
@@ -105,7 +105,7 @@ def _sweepable(training_options: Callable[[argparse.ArgumentParser], None]) -> l
 
 def add_sweep_command(sub: Any, *, formatter_class: type, training_options: Callable[[argparse.ArgumentParser], None],
                       builders: dict[str, Callable[[argparse.Namespace], Any]]) -> None:
-    """Register `exogym sweep` (cli.py passes its training options and strategy builders, which it owns)."""
+    """Register `exogym sweep` (commands.py passes its training options and strategy builders, which it owns)."""
     p = sub.add_parser("sweep", help="a grid or a search over settings, each configuration over seeds",
                        formatter_class=formatter_class, description=__doc__.split("\n\n", 1)[1])
     p.add_argument("--task", default="synthetic", choices=sorted(TASKS),

@@ -18,10 +18,10 @@ import torch
 from exogym.engine.plan import RunSinks
 from exogym.engine.rng import GlobalRNGState
 from exogym.cluster.simtime import TimeModel
-from exogym.fit_loggers import claim_run_folders
-from exogym.fit_nodes import peak_memory_mb
-from exogym.fit_plan import FitPlan
-from exogym.run_end import COMPLETED, INTERRUPTED, Ending, trace_non_finite
+from exogym.fit.loggers import claim_run_folders
+from exogym.fit.nodes import peak_memory_mb
+from exogym.fit.plan import FitPlan
+from exogym.fit.run_end import COMPLETED, INTERRUPTED, Ending, trace_non_finite
 from exogym.runs.checkpoint import CheckpointPlan, check_checkpoint_space
 from exogym.runs.folder import RunClaim, check_writable
 from exogym.runs.loggers import default_run_name
@@ -152,7 +152,7 @@ class RunLifecycle:
         return final_model
 
     def _peak_memory(self, logs: list[Any]) -> dict[str, Any]:
-        """Every process's peak memory, and the run's (exogym.fit_nodes.peak_memory_mb)."""
+        """Every process's peak memory, and the run's (exogym.fit.nodes.peak_memory_mb)."""
         launcher = self.plan.launcher
         owner = launcher.hosting[0].owner if launcher.hosting else ()
         return peak_memory_mb(self.plan.devices, logs, owner, caller_counts=launcher.caller_is_extra)

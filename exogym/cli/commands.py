@@ -21,7 +21,7 @@ from exogym.runs.folder import check_run_name
 from exogym.runs.plot import X_AXES
 from exogym.strategy import Strategy
 from exogym.strategy.optim import OptimSpec
-from exogym.tasks import TASKS, get_task
+from exogym.cli.tasks import TASKS, get_task
 
 __all__ = ["main", "STRATEGY_BUILDERS", "UsageError"]
 
@@ -306,10 +306,10 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", type=_text, default="plot.png", help="the PNG to write")
     plot.set_defaults(func=cmd_plot)
 
-    from exogym.cli_data import add_data_command
+    from exogym.cli.data import add_data_command
     add_data_command(sub, formatter_class=_HelpFormatter)
 
-    from exogym.cli_sweep import add_sweep_command  # its own module; it is given the options and builders here
+    from exogym.cli.sweep import add_sweep_command  # its own module; it is given the options and builders here
     add_sweep_command(sub, formatter_class=_HelpFormatter, training_options=_add_training_options,
                       builders=STRATEGY_BUILDERS)
     return parser
@@ -361,6 +361,3 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         return _report(args, e)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Trainer.fit: validate everything into a plan, open the run (exogym.lifecycle), launch it (exogym.launch), return
+"""Trainer.fit: validate everything into a plan, open the run (exogym.fit.lifecycle), launch it (exogym.launch), return
 the global model."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from exogym.cluster.slowdowns import RandomSlowdowns
 from exogym.cluster.network import Network
 from exogym.data.sharding import DatasetOrFactory, is_factory
 from exogym.engine.devices import DeviceLike
-from exogym.fit_config import FitConfig
-from exogym.fit_plan import build_plan
+from exogym.fit.config import FitConfig
+from exogym.fit.plan import build_plan
 from exogym.launch import BACKENDS as _BACKENDS, detect_environment
-from exogym.lifecycle import RunLifecycle
+from exogym.fit.lifecycle import RunLifecycle
 from exogym.runs.loggers import Logger
 from exogym.runs.record import RunRecord
 from exogym.strategy.base import Strategy

@@ -1,6 +1,6 @@
 """How a run ended, as a typed value: completed, failed (with its error), interrupted (with the signal, and the
 checkpoint to resume from) or stuck (a node that made no progress for node_timeout); and a non-finite loss traced to
-the node and step where it first appeared. exogym.lifecycle records the ending; this module only says what it is."""
+the node and step where it first appeared. exogym.fit.lifecycle records the ending; this module only says what it is."""
 
 from __future__ import annotations
 

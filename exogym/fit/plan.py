@@ -1,7 +1,7 @@
 """A fit call's plan: from its checked configuration, the model and the data, everything a run needs before its
 nodes start (every node's data, the record's config, where it resumes, the launcher and the RunPlan its processes
 run), checked against the model, the data and the machine. Building it claims, starts and prints nothing:
-exogym.lifecycle opens the run."""
+exogym.fit.lifecycle opens the run."""
 
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ from exogym.data.sharding import DatasetOrFactory
 from exogym.engine.config import RunConfig
 from exogym.engine.devices import DeviceLike, MemoryCap, memory_fraction, resolve_node_devices
 from exogym.engine.plan import RunPlan
-from exogym.fit_config import FitConfig
-from exogym.fit_loggers import resolve_logger, run_name_of
-from exogym.fit_nodes import RunData, build_run_data, check_node_memory, check_trainable
-from exogym.fit_resume import ResumePoint, resume_point
+from exogym.fit.config import FitConfig
+from exogym.fit.loggers import resolve_logger, run_name_of
+from exogym.fit.nodes import RunData, build_run_data, check_node_memory, check_trainable
+from exogym.fit.resume import ResumePoint, resume_point
 from exogym.launch import BACKENDS, Launcher, choose_launcher
 from exogym.launch.environment import Environment
 from exogym.runs.fingerprint import run_fingerprint
@@ -52,7 +52,7 @@ class CheckpointSpec:
 @dataclass
 class FitPlan:
     """What a fit call will do, checked and built before anything is claimed, started or printed
-    (exogym.lifecycle.RunLifecycle does those).
+    (exogym.fit.lifecycle.RunLifecycle does those).
 
     Attributes:
         run: the plan the launcher's processes run (its checkpoints are set once the run folder is claimed).

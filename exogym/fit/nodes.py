@@ -16,7 +16,7 @@ from exogym._validation import check_number
 from exogym.cluster.membership import Membership, build_membership
 from exogym.data.partition import Partition, dirichlet_partition, shards_partition
 from exogym.data.sharding import DatasetOrFactory, NodeBatches, fixed_batches, is_factory, node_dataset
-from exogym.fit_config import FitConfig
+from exogym.fit.config import FitConfig
 from exogym.launch.environment import Environment, detect_environment
 from exogym.runs.disk import format_bytes
 

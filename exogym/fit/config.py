@@ -3,7 +3,7 @@ simulation, launch, logging), checked once, as they are built, with nothing but 
 
 `Trainer.fit` keeps its signature (each keyword visible in help(), documented there); `FitConfig.from_arguments`
 takes its keywords by name. What needs the model, the data or the machine is checked as the plan is built
-(exogym.fit_plan).
+(exogym.fit.plan).
 """
 
 from __future__ import annotations

@@ -1,0 +1,7 @@
+"""`python -m exogym.cli ...`: the `exogym` command."""
+
+import sys
+
+from exogym.cli.commands import main
+
+sys.exit(main())
