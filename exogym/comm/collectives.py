@@ -260,6 +260,20 @@ def alive_ranks(group: Group | Sequence[int] | None = None, *, step: int | None 
     return [r for r in _group_ranks(c, group) if r in up]
 
 
+def ranks_up_from(step: int) -> frozenset[int]:
+    """The nodes up at `step` or at any later step of the run (every node, without a failure or elastic schedule):
+    the others are gone for good. Not exported: for the library's strategies' warnings.
+
+    Args:
+        step: A step, counted from 1.
+
+    Returns:
+        The ranks.
+    """
+    c = _comm.current_transport()
+    return frozenset(c.world.ranks) if c.membership is None else c.membership.up_from(step)
+
+
 def in_running_node() -> bool:
     """Whether the caller runs inside a node of a running fit (where collectives work)."""
     return _comm.bound_transport() is not None

@@ -149,6 +149,7 @@ def build_plan(c: FitConfig, *, model: torch.nn.Module, train_dataset: DatasetOr
     if s.autocast and any(d.type == "cuda" and not torch.cuda.is_bf16_supported() for d in node_devices):
         raise ValueError("autocast=True trains in bfloat16, which this GPU does not support; use autocast=False")
     data = build_run_data(c, train_dataset, val_dataset, loader)
+    c.strategy.check_length(c.num_nodes, data.total_steps)
     check_trainable(model)  # before the execution probe, which would build an optimizer of nothing
     cfg = RunConfig(num_nodes=c.num_nodes, max_steps=data.total_steps, batch_size=s.batch_size,
                     minibatch_size=s.minibatch, val_interval=s.val_interval,
