@@ -4,43 +4,49 @@
 
 Every H steps a node sends its parameters to the server, which pulls the global model towards them
 (theta <- theta + alpha (x - theta), asynchronous EASGD's server step) and sends theta back; the node moves
-halfway to it. docs/asynchronous.md shows the class; tests/asynchrony/test_custom_strategy.py runs it.
+halfway to it. A ServerStrategy: the model fit returns is the server's, validation rows carry the server's
+updates (`exogym plot --x updates`). docs/asynchronous.md shows the class; tests/asynchrony/test_custom_strategy.py
+runs it.
 """
 
 import torch
 
-from exogym.comm import SERVER, Server, recv, send, serve
-from exogym.strategy import OptimSpec, Strategy
+from exogym.comm import SERVER, Server, recv, send
+from exogym.strategy import OptimSpec, ServerStrategy
 
 
 # --8<-- [start:custom]
 class ElasticServer(Server):
     def __init__(self, theta: torch.Tensor, alpha: float):
         super().__init__()
-        self.theta, self.alpha = theta.clone(), alpha
+        self.theta, self.alpha = theta.clone(), alpha    # the global model, flat: what fit returns
 
-    def receive(self, message):                      # in arrival order, at the arrival time
+    def receive(self, message):                          # in arrival order, at the arrival time
         self.theta += self.alpha * (message.tensor - self.theta)
         self.record_update(node=message.src, staleness=0, weight=self.alpha)
         self.send(message.src, self.theta)
 
+    def state_dict(self):                                # checkpoints, and reads from another process
+        return {"theta": self.theta.clone()}
 
-class AsyncElasticAveraging(Strategy):
+    def load_state_dict(self, state):
+        self.theta.copy_(state["theta"])
+
+
+class AsyncElasticAveraging(ServerStrategy):
     def __init__(self, H: int = 10, alpha: float = 0.5, **kwargs):
         super().__init__(optim_spec=OptimSpec(torch.optim.SGD, lr=0.05), **kwargs)
         self.H, self.alpha = H, alpha
 
-    def _init_node(self, model, rank, num_nodes):
-        super()._init_node(model, rank, num_nodes)
-        flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
-        serve(lambda: ElasticServer(flat, self.alpha))  # made once, where the server runs
+    def make_server(self, theta, num_nodes):             # once, where the server runs
+        return ElasticServer(theta, self.alpha)
 
     def step(self):
         self.optim.step()
         if (self.local_step + 1) % self.H == 0:
             x = torch.nn.utils.parameters_to_vector(self.model.parameters()).detach()
-            send(x, SERVER)                          # leaves at this node's clock
-            theta = recv(src=SERVER).tensor          # arrives after the round trip
+            send(x, SERVER)                              # leaves at this node's clock
+            theta = recv(src=SERVER).tensor              # arrives after the round trip
             torch.nn.utils.vector_to_parameters((x + theta) / 2, self.model.parameters())
         super().step()
 # --8<-- [end:custom]

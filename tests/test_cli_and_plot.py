@@ -126,7 +126,7 @@ def test_help_shows_every_default():
             if action.help in (None, "==SUPPRESS==") or action.nargs == 0 or not action.option_strings:
                 continue
             assert "default" in p._get_formatter()._get_help_string(action), (name, action.dest)
-        assert "(default: 4)" in text or name in ("plot", "data")
+        assert "(default: 4)" in text or name in ("plot", "data", "ui", "trace")  # (the ones that train show --nodes)
     assert "(default: ddp)" in sub.choices["run"].format_help()
 
 

@@ -22,6 +22,8 @@ EXAMPLES = {
     "hf_shakespeare": ("out", "hf_shakespeare.json", ["--H", "5"]),
     "elastic_compute": ("plot", "elastic_compute.png", ["--quick"]),
     "async_heterogeneous": ("out", "async_heterogeneous.json", ["--rounds", "3"]),
+    "async_toy_study": ("out", "async_toy_study.json", ["--seeds", "0"]),
+    "ui_screenshots": ("out", "ui_runs.png", ["--rounds", "3"]),
 }
 
 

@@ -5,7 +5,7 @@ is read in one module."""
 import ast
 from pathlib import Path
 
-from exogym.backends.hosting import SERVER, block_of, blocks
+from exogym.backends.hosting import SERVER_ROLE, block_of, blocks
 from exogym.launch.environment import detect_environment
 from exogym.launch.launchers import layout
 
@@ -59,9 +59,9 @@ def test_torchruns_variables_are_read_in_one_module():
 
 
 def test_each_process_hosts_a_block_and_node_zeros_process_hosts_the_extra_roles():
-    hosting = layout(5, 2, roles=frozenset({SERVER}))
+    hosting = layout(5, 2, roles=frozenset({SERVER_ROLE}))
     assert [list(h.nodes) for h in hosting] == [[0, 1, 2], [3, 4]] == [list(b) for b in blocks(5, 2)]
-    assert [h.roles for h in hosting] == [frozenset({SERVER}), frozenset()]
+    assert [h.roles for h in hosting] == [frozenset({SERVER_ROLE}), frozenset()]
     assert all(h.owner == tuple(block_of(5, 2)) and h.processes == 2 for h in hosting)
     assert [list(h.nodes) for h in layout(3, 3)] == [[0], [1], [2]]
 

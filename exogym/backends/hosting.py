@@ -18,11 +18,11 @@ if TYPE_CHECKING:
     from exogym.engine.plan import RunPlan, RunSinks
 
 __all__ = ["Hosting", "Peers", "ProcessBackend", "blocks", "block_of", "process_group_timeout",
-           "PROCESS_GROUP_TIMEOUT", "SERVER"]
+           "PROCESS_GROUP_TIMEOUT", "SERVER_ROLE"]
 
 # The role of a participant that is not a node: a strategy's server (global state, and code reacting to each
 # arriving message). It runs in the process that holds node 0; no launcher needs to know more than that.
-SERVER = "server"
+SERVER_ROLE = "server"  # (the server's rank in messages is exogym.cluster.network.SERVER)
 
 # How long a torch.distributed wait may last before it gives up. fit's node_timeout where the backend uses it (the
 # torch backend: a node that never reaches a collective, named by exogym.backends.torch.heartbeat); None asks for no
@@ -75,7 +75,7 @@ class Hosting:
     Attributes:
         process: this process's index among the run's processes.
         owner: the process of each node, by rank (`owner[r]`); its length is the run's num_nodes.
-        roles: the participants other than nodes this process holds (e.g. `SERVER`); empty for most runs.
+        roles: the participants other than nodes this process holds (e.g. `SERVER_ROLE`); empty for most runs.
         returns_model: whether this process computes the global model itself at the end (rather than receiving
             it from the process that holds node 0).
         run_roles: the roles the run has, in whichever process (each is held beside node 0).
@@ -91,7 +91,7 @@ class Hosting:
         """The process holding `role` (the one holding node 0), or None when the run has no such role.
 
         Args:
-            role: e.g. `SERVER`.
+            role: e.g. `SERVER_ROLE`.
 
         Returns:
             The process's index, or None.

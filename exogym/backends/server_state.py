@@ -40,6 +40,8 @@ def load_server(server: Server, saved: dict[str, Any]) -> None:
     server.stats.bytes_sent = saved["stats"]["bytes_sent"]
     server.stats.bytes_received = saved["stats"]["bytes_received"]
     server.stats.payload_bytes = saved["stats"]["payload_bytes"]
+    if "sent" in saved:  # a checkpoint's: the messages it sent before, for the run's timeline
+        server.sent_log.messages = {c: list(v) for c, v in saved["sent"].items()}
 
 
 def check_readable(server: Server, rank: int, where: str) -> None:

@@ -1,5 +1,5 @@
 """The `exogym` command: `run`, `compare` and `plot` (commands.py, whose `main` is the console script), `sweep`
-(sweep.py), `data` (data.py), and the built-in tasks they train on (tasks.py)."""
+(sweep.py), `data` (data.py), `ui` and `trace` (ui.py), and the built-in tasks they train on (tasks.py)."""
 
 from __future__ import annotations
 

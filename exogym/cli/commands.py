@@ -5,6 +5,8 @@
     exogym plot logs/run-a logs/run-b --x bytes --y global_loss --out loss_vs_bytes.png
     exogym data mnist --torchvision-root data
     exogym sweep --task synthetic --strategies diloco --H 10 30 --outer-lr 0.5 0.7 --seeds 0 1 --out sweeps/h
+    exogym ui runs/ --port 8765
+    exogym trace runs/mnist-diloco -o trace.json
 """
 
 from __future__ import annotations
@@ -308,6 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from exogym.cli.data import add_data_command
     add_data_command(sub, formatter_class=_HelpFormatter)
+
+    from exogym.cli.ui import add_ui_commands
+    add_ui_commands(sub, formatter_class=_HelpFormatter)
 
     from exogym.cli.sweep import add_sweep_command  # its own module; it is given the options and builders here
     add_sweep_command(sub, formatter_class=_HelpFormatter, training_options=_add_training_options,

@@ -27,11 +27,12 @@ the receiver (`bytes_received`); the server's own counts are in the record.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
 from exogym.cluster.network import SERVER
+from exogym.cluster.spans import SpanLog
 from exogym.comm import transport as _comm
 from exogym.comm.transport import MessageError
 
@@ -84,6 +85,19 @@ class Message:
                 f"{self.sent_at:.6g} s, arriving at {self.arrives_at:.6g} s)")
 
 
+class ServerPost(Protocol):
+    """What a server's `send` and timers go through: the backend's delivery where the server runs, or a shadow's
+    refusal away from it (for backends)."""
+
+    num_nodes: int
+
+    def post(self, message: Message) -> None:
+        """Put the server's message on the wire at message.sent_at."""
+
+    def wake_server(self, at: float) -> None:
+        """Call the server's `wake(at)` at simulated time `at`."""
+
+
 class Server:
     """A strategy's server: the run's global state and the code reacting to each message it receives.
 
@@ -103,7 +117,8 @@ class Server:
         self.now = 0.0  # the arrival time of the message being handled
         self.updates: list[dict[str, float]] = []
         self.stats = _comm.CommStats()
-        self._post: Any = None  # the backend's way out, bound by serve()
+        self.sent_log = SpanLog()  # the messages it sent (exogym.cluster.spans), for the run's timeline
+        self._post: "ServerPost | None" = None  # the backend's way out, bound by serve()
 
     def receive(self, message: Message) -> None:
         """React to one message (in arrival order). Raise to stop the run (the error names the message).
@@ -126,6 +141,7 @@ class Server:
                           _check_meta(meta), sent_at=self.now)
         self.stats.add("send", message.nbytes, message.nbytes)
         self._post.post(message)
+        self.sent_log.sent(message.dst, message.sent_at, message.arrives_at, message.nbytes)  # the timeline's arrows
 
     def wake_at(self, at: float) -> None:
         """Have `wake(at)` called at simulated time `at` (no earlier than now), in order with the arrivals.
@@ -170,7 +186,7 @@ class Server:
         """
 
 
-def attach_server(make: Callable[[], Server], post: Any) -> Server:
+def attach_server(make: Callable[[], Server], post: ServerPost) -> Server:
     """The server `make()` builds, checked and tied to the backend's post that delivers its messages (for backends).
 
     Args:

@@ -117,6 +117,7 @@ class NodeBatches:
     def __init__(self, ds: Dataset, *, rank: int, num_nodes: int, batch_size: int, shuffle: bool, seed: int,
                  shard: bool, loader: dict[str, Any] | None = None):
         self.ds, self.batch_size = ds, batch_size
+        self.num_nodes, self.shuffle, self.seed, self.sharded = num_nodes, shuffle, seed, shard
         self.loader = dict(loader or {})  # DataLoader options (exogym.data.loader_options): how, not which
         self.sampler = DistributedSampler(ds, num_replicas=num_nodes if shard else 1, rank=rank if shard else 0,
                                           shuffle=shuffle, seed=seed)
@@ -138,6 +139,33 @@ class NodeBatches:
         if self.loader:  # the same index lists, loaded by a DataLoader (workers, pinned memory, your collate_fn)
             return iter(DataLoader(self.ds, batch_sampler=_Indices(self, from_step), **self.loader))
         return (_collate(self.ds, idx) for idx in self.index_batches(from_step))
+
+    def of_shard(self, shard: int) -> "NodeBatches":
+        """The batches of shard `shard` (what node `shard` reads by default), with this node's loading options: the
+        asynchronous strategies' shard sampling hands a node another node's shard for a task.
+
+        Args:
+            shard: The shard, a rank in 0..num_nodes-1.
+
+        Returns:
+            New node batches over the same dataset (these are untouched).
+
+        Raises:
+            ValueError: The data is not one dataset sharded over the nodes (a factory gives each node its own), or
+                this process holds only its own nodes' examples (a run over several processes).
+        """
+        if not self.sharded:
+            raise ValueError("shard sampling reads other nodes' shards of one dataset; the training data here is "
+                             "each node's own (a factory f(rank, num_nodes, is_val), or a partition): pass one "
+                             "Dataset to Trainer, or leave shard_sampling=None")
+        base = self.ds.dataset if isinstance(self.ds, Subset) else self.ds
+        if isinstance(base, _Rows):
+            raise ValueError("shard sampling reads other nodes' shards, and this process holds only its own nodes' "
+                             "examples (a run over several processes); run it with processes=1")
+        other = copy.copy(self)
+        other.sampler = DistributedSampler(self.ds, num_replicas=self.num_nodes, rank=shard, shuffle=self.shuffle,
+                                           seed=self.seed)
+        return other
 
     def index_batches(self, from_step: int) -> Iterator[list[int]]:
         """The example indices of each batch from step `from_step` on, epoch after epoch.

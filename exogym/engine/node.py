@@ -15,6 +15,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from exogym.cluster.spans import SpanLog
 from exogym.runs.checkpoint import CheckpointError, CheckpointPlan, NodeState, finalize_checkpoint, save_node_state
 from exogym.comm.transport import CollectiveError, Transport, bind_transport
 from exogym.data.sharding import NodeBatches, batch_size_of, move_to_device, token_count
@@ -106,14 +107,19 @@ class TrainNode:
     def _train(self, comm: Transport) -> tuple[NodeLog, dict[str, torch.Tensor] | None]:
         cfg, s = self.cfg, self.strategy
         first_step = self._start(comm)
-        batches: Iterator[Any] = self.batches.iterate(from_step=first_step)
+        batches: Iterator[Any] = s.read_batches(self.batches, first_step)  # the strategy may choose each task's data
         if cfg.validate and first_step == 0:
             self._validate(comm, 0)  # the initial model's loss: every curve starts at step 0
         for self.step in range(first_step, cfg.max_steps):
             comm.step = self.step + 1  # steps count from 1 in records and messages
+            spans = comm.clock.spans
+            if spans is not None:
+                spans.step = self.step + 1
             batch = next(batches)  # drawn even when the node sits out: its data position is a function of the step
             loss, metrics = None, {}  # a node that sits out the step logs no loss (and no compute time)
             if not self._up(self.step + 1):  # down: no compute, no collectives, until it comes up again
+                if spans is not None:  # its idle time is down time until it computes again
+                    spans.down = True
                 self._pass_down_time(comm)
                 self._record_step(comm, None, {}, s.current_lr())
                 self._after_step(comm, self.step + 1)
@@ -138,13 +144,19 @@ class TrainNode:
             self.log.comm["bytes_received"] = comm.stats.bytes_received
         if cfg.time_model is not None:
             self.log.comm["sim_time"] = comm.clock.as_dict()
+            if comm.clock.spans is not None:  # the timeline (exogym.runs.timeline)
+                self.log.comm["timeline"] = comm.clock.spans.to_plain()
             if cfg.time_model.slowdowns is not None:  # the ones drawn while this node ran: the record lists them
                 self.log.comm["slowdowns"] = [w.as_record() for w in
                                               cfg.time_model.slowdowns.during(self.rank, comm.clock.now)]
+        links = comm.link_usage() if self.rank == 0 and hasattr(comm, "link_usage") else None
+        if links is not None:  # the sim's shared links (live: complete when the run's last flow has ended)
+            self.log.comm["links"] = links
         server = comm.served() if self.rank == 0 and hasattr(comm, "served") else None
         if server is not None:  # a strategy's server runs with node 0: its record goes with node 0's log
             self.log.comm["server"] = {"updates": server.updates, "bytes_sent": server.stats.bytes_sent,
-                                       "bytes_received": server.stats.bytes_received}
+                                       "bytes_received": server.stats.bytes_received,
+                                       "messages": server.sent_log.to_plain()["messages"]}
         return self.log, (final if self.rank == 0 else None)
 
     def _record_step(self, comm: Transport, loss: torch.Tensor | None, metrics: dict[str, torch.Tensor],
@@ -160,10 +172,9 @@ class TrainNode:
         if self.rank not in m.alive(step):
             return False
         joiners = m.joiners(step)
-        rejoin = getattr(self.strategy, "rejoin_alone", None)
-        if joiners and rejoin is not None:  # the strategy brings the joiner up to date itself; nobody waits
+        if joiners and self.strategy.rejoins_alone:  # the strategy brings the joiner up to date itself; nobody waits
             if self.rank in joiners:
-                rejoin()
+                self.strategy.rejoin_alone()
         elif joiners:  # every node up at this step takes part (some send, the joiners receive)
             self.execution.release(self.rank, self.model)  # a survivor's state is sent whole
             hand_over_state(self.model, self.strategy, step, list(m.survivors(step)), list(joiners))
@@ -181,6 +192,7 @@ class TrainNode:
         s.setup(self.model, NodeContext(rank=self.rank, num_nodes=cfg.num_nodes, max_steps=cfg.max_steps,
                                         steps_per_epoch=cfg.steps_per_epoch, shard_size=self.batches.shard_size,
                                         shard_sizes=cfg.shard_sizes, shard_steps=cfg.shard_steps,
+                                        node_speeds=_relative_speeds(cfg.time_model),
                                         share_parameters=self.execution.share_parameters,
                                         keep_once=self.keep_once))
         first_step = 0
@@ -196,6 +208,8 @@ class TrainNode:
             if "messages" in self.resume.strategy:
                 comm.load_messages_state(self.resume.strategy["messages"])
             first_step = self.resume.step
+        if cfg.time_model is not None and comm.clock.spans is None:  # a checkpoint's clock brings its own
+            comm.clock.spans = SpanLog(t=[comm.clock.now])
         self.execution.adopt_optimizer(self.rank, self.model, getattr(s, "optim", None))
         self.model.train()
         return first_step
@@ -243,11 +257,10 @@ class TrainNode:
         step's compute time idle, so that it comes back at the time its step count says, not in the past. Other
         strategies' down nodes keep their clocks (their collectives realign them)."""
         model = self.cfg.time_model
-        if model is None or not getattr(self.strategy, "clock_runs_while_down", False):
+        if model is None or not self.strategy.clock_runs_while_down:
             return
-        seconds = model.compute_seconds(self.rank, flops=self._step_flops or 0.0, measured_s=self._measured_s)
-        comm.clock.now += seconds
-        comm.clock.wait_s += seconds
+        comm.clock.sit_out(model.compute_seconds(self.rank, flops=self._step_flops or 0.0,
+                                                 measured_s=self._measured_s))
 
     def _timed_forward_backward(self, batch: Any, comm: Transport) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Forward/backward, advancing the node's virtual clock by its compute time when time is simulated."""
@@ -333,9 +346,7 @@ class TrainNode:
             self._eval_model = copy.deepcopy(self.model)
         self._eval_model.load_state_dict(state, strict=True)
         row: dict[str, float] = {"step": done}
-        facts = getattr(self.strategy, "validation_facts", None)
-        if facts is not None:  # e.g. a server's: the simulated time and the updates applied when node 0 read it
-            row.update(facts())
+        row.update(self.strategy.validation_facts())  # e.g. a server's: the simulated time, the updates applied
         for prefix, model in (("local", self.model), ("global", self._eval_model)):
             for name, value in self._evaluate(model).items():
                 row[f"{prefix}_{name}"] = value
@@ -364,6 +375,16 @@ class TrainNode:
             count += n
         model.train(was_training)
         return {k: float(v) / count for k, v in sums.items()}
+
+
+def _relative_speeds(time_model: Any) -> tuple[float, ...]:
+    """Each node's compute speed by rank (a step's seconds are inversely proportional to it); () without a time
+    model."""
+    if time_model is None:
+        return ()
+    if time_model.measured:
+        return tuple(time_model.node_speeds)
+    return tuple(v * f for v, f in zip(time_model.node_speeds, time_model.device_flops))
 
 
 def keep_completed_rows(nodes: Iterable[TrainNode]) -> None:

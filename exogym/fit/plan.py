@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import torch
 
 from exogym._validation import check_number
-from exogym.backends.hosting import SERVER
+from exogym.backends.hosting import SERVER_ROLE
 from exogym.backends.sim.fused.choose import choose_execution
 from exogym.cluster.network import Network
 from exogym.cluster.simtime import TimeModel
@@ -133,7 +133,7 @@ def build_plan(c: FitConfig, *, model: torch.nn.Module, train_dataset: DatasetOr
     launcher = choose_launcher(environment, ln.backend, c.num_nodes, processes=ln.processes, port=ln.port,
                                checkpoint_dir_shared=k.checkpoint_interval is None or k.checkpoint_dir is not None
                                or run_name is not None,
-                               roles=frozenset({SERVER}) if c.strategy.sends_messages else frozenset())
+                               roles=frozenset({SERVER_ROLE}) if c.strategy.sends_messages else frozenset())
     is_main = launcher.is_main
     logger = logger if is_main else None
     node_devices = launcher.node_devices(resolve_node_devices(
@@ -150,6 +150,7 @@ def build_plan(c: FitConfig, *, model: torch.nn.Module, train_dataset: DatasetOr
         raise ValueError("autocast=True trains in bfloat16, which this GPU does not support; use autocast=False")
     data = build_run_data(c, train_dataset, val_dataset, loader)
     c.strategy.check_length(c.num_nodes, data.total_steps)
+    c.strategy.check_data(data.node_batches, processes=launcher.processes)  # options that need the data's shape
     check_trainable(model)  # before the execution probe, which would build an optimizer of nothing
     cfg = RunConfig(num_nodes=c.num_nodes, max_steps=data.total_steps, batch_size=s.batch_size,
                     minibatch_size=s.minibatch, val_interval=s.val_interval,

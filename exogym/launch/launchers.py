@@ -55,7 +55,7 @@ def layout(num_nodes: int, processes: int, *, roles: frozenset[str] = frozenset(
     Args:
         num_nodes: the run's nodes.
         processes: how many processes share them (1 to num_nodes).
-        roles: participants other than nodes (e.g. exogym.backends.hosting.SERVER), hosted beside node 0.
+        roles: participants other than nodes (e.g. exogym.backends.hosting.SERVER_ROLE), hosted beside node 0.
         returns_model: whether every process computes the global model itself.
 
     Returns:
@@ -159,7 +159,11 @@ class LocalProcesses(Launcher):
         timeout = self.backend.group_timeout(plan)
         # The store is the rendezvous point; listening on port 0 lets the OS pick a free port, with no race.
         store = dist.TCPStore(HOST, self.port or 0, is_master=True, wait_for_workers=False, timeout=timeout)
-        threads = max(1, torch.get_num_threads() // self.processes)  # the processes share the caller's threads
+        # A simulating process computes with the caller's torch threads: a kernel's rounding may depend on the count
+        # (a matmul's blocking), so the nodes give one process's bits. One node per process (torch.distributed)
+        # shares the caller's threads instead: its bits are not the sim's anyway.
+        threads = (max(1, torch.get_num_threads() // self.processes) if self.backend.one_node_per_process
+                   else torch.get_num_threads())
         ctx = process_context()
         start = time.perf_counter()  # one machine, one clock: the nodes' wall times count from here, as in the sim
         procs: list[Any] = []

@@ -33,6 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from exogym.runs.disk import AppendFile, warn, write_text
 from exogym.runs.folder import RunClaim, check_run_name, claim_run
+from exogym.runs.timeline import write_timeline
 from exogym.adapters import Adaptable
 
 __all__ = ["Logger", "CSVLogger", "WandbLogger", "TensorBoardLogger", "MultiLogger", "default_run_name",
@@ -301,6 +302,9 @@ class CSVLogger(_FolderLogger):
             self.claim.abandon()
         elif self.run_dir is not None:
             try:
+                if summary.get("timeline") is not None:  # its own file: exogym ui and exogym trace read it
+                    write_timeline(self.run_dir, summary["timeline"])
+                summary = {k: v for k, v in summary.items() if k != "timeline"}
                 write_text(self.run_dir / "summary.json", json.dumps(_json_safe(summary), indent=2) + "\n",
                            "the run's summary")
             except OSError as e:  # never over the run's own error; the run folder's marker still says how it ended

@@ -10,6 +10,7 @@ RunRecord objects.
 from __future__ import annotations
 
 import csv
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,10 +23,10 @@ __all__ = ["RunCurves", "load_run", "plot_runs", "X_AXES"]
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 _DASHES = ("-", "--", "-.", ":", (0, (5, 1, 1, 1)), (0, (3, 1, 1, 1, 1, 1)))
 
-X_AXES = ("step", "examples", "tokens", "bytes", "wall_time_s", "sim_time_s", "updates")
+X_AXES = ("step", "examples", "tokens", "bytes", "wall_time_s", "sim_time_s", "updates", "local_steps")
 _X_LABELS = {"step": "step", "examples": "examples seen", "tokens": "tokens seen",
              "bytes": "bytes sent per node", "wall_time_s": "wall-clock seconds", "sim_time_s": "simulated seconds",
-             "updates": "server updates applied"}
+             "updates": "server updates applied", "local_steps": "total local updates (inner steps, all nodes)"}
 
 
 @dataclass
@@ -36,11 +37,13 @@ class RunCurves:
         label: The run's name in the legend.
         train: Its `train` rows.
         val: Its `val` rows.
+        num_nodes: Its node count (for the local_steps axis of a run without a server), if known.
     """
 
     label: str
     train: list[dict[str, float]]
     val: list[dict[str, float]]
+    num_nodes: int | None = None
 
 
 def _read_rows(path: Path) -> list[dict[str, float]]:
@@ -65,13 +68,15 @@ def load_run(run: Union[str, os.PathLike, RunRecord], label: str | None = None) 
     """
     if isinstance(run, RunRecord):
         name = label or run.config.get("run_name") or run.config.get("strategy", "run")
-        return RunCurves(name, run.train, run.val)
+        return RunCurves(name, run.train, run.val, run.config.get("num_nodes"))
     folder = Path(run)
     if not (folder / "train.csv").exists():
         raise FileNotFoundError(f"{str(folder)!r} is not a run folder: it has no train.csv "
                                 "(CSVLogger writes logs/<run_name>/train.csv)")
     name = label or folder.name  # the name the user gave the folder (config's run_name may be a default)
-    return RunCurves(name, _read_rows(folder / "train.csv"), _read_rows(folder / "val.csv"))
+    config = folder / "config.json"
+    num_nodes = json.loads(config.read_text()).get("num_nodes") if config.exists() else None
+    return RunCurves(name, _read_rows(folder / "train.csv"), _read_rows(folder / "val.csv"), num_nodes)
 
 
 def _series(run: RunCurves, x: str, y: str) -> tuple[list[float], list[float]]:
@@ -88,11 +93,26 @@ def _series(run: RunCurves, x: str, y: str) -> tuple[list[float], list[float]]:
         raise KeyError(f"run {run.label!r} has no column {y!r}; it has {columns}")
     if rows is run.val and x in rows[0]:  # a validation row that says where it was taken (a server's strategies)
         return [r[x] for r in rows], [r[y] for r in rows]
-    if run.train and x not in run.train[0]:
+    if x == "local_steps" and run.train and x not in run.train[0]:
+        by_step = _with_local_steps(run, by_step)
+    if run.train and x not in run.train[0] and x not in by_step.get(int(run.train[0]["step"]), {}):
         raise KeyError(f"run {run.label!r} has no x column {x!r}; choose one of "
                        f"{[a for a in X_AXES if a in run.train[0]]}")
     points = [(by_step[int(r["step"])][x], r[y]) for r in rows if int(r["step"]) in by_step]
     return [p[0] for p in points], [p[1] for p in points]
+
+
+def _with_local_steps(run: RunCurves, by_step: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
+    """The train rows with `local_steps`, the inner steps taken by all nodes so far, for a run whose validation rows
+    do not say (no server): every node up takes every step (nodes_up under failures, else num_nodes)."""
+    if run.num_nodes is None and "nodes_up" not in run.train[0]:
+        raise KeyError(f"run {run.label!r} does not say its node count (config.json's num_nodes), which the "
+                       "local_steps axis of a run without a server counts from")
+    out, total = {0: {**by_step[0], "local_steps": 0.0}}, 0.0
+    for row in run.train:
+        total += row.get("nodes_up", run.num_nodes)
+        out[int(row["step"])] = {**row, "local_steps": total}
+    return out
 
 
 def plot_runs(runs: Sequence[Union[str, os.PathLike, RunRecord, RunCurves]], *, x: str = "step",
@@ -105,7 +125,9 @@ def plot_runs(runs: Sequence[Union[str, os.PathLike, RunRecord, RunCurves]], *, 
 
     Args:
         runs: Run folders, RunRecords or RunCurves.
-        x: The x-axis, one of `X_AXES`: step, examples, tokens, bytes (per node), wall_time_s, sim_time_s.
+        x: The x-axis, one of `X_AXES`: step, examples, tokens, bytes (per node), wall_time_s, sim_time_s,
+            updates (a server's), local_steps (the inner steps of all nodes: as applied by the server, for the
+            server's strategies; every node up at every step, for the others).
         y: A train or val column, e.g. `"global_loss"`, `"loss"`.
         out: The PNG's path.
         labels: One legend label per run.

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import math
+import os
 from collections import deque
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
+
+from exogym.runs.timeline import build_timeline
+from exogym.runs.trace import write_chrome_trace
 
 if TYPE_CHECKING:
     from exogym.runs.loggers import Logger
@@ -339,6 +344,14 @@ class RunRecord:
         return list(server["updates"]) if server else []
 
     @property
+    def links(self) -> dict[str, dict[str, float]]:
+        """Per directed link of the simulated network (`"server down"`, `"port 3 up"`, `"wan 0>1"`, ...: the names of
+        exogym.cluster.network), `busy_s` (simulated seconds it carried at least one transfer) and `bytes` (what the
+        transfers put on it); {} without a network of shared links (`Network(shared_links=False)`) or messages."""
+        links = self.comm_per_node[0].get("links") if self.comm_per_node else None
+        return {name: dict(links[name]) for name in sorted(links)} if links else {}
+
+    @property
     def slowdowns(self) -> list[dict[str, float]]:
         """The transient slowdowns (fit's `slowdowns`) that started while the nodes ran, in time order: node,
         from_s, to_s (simulated seconds) and factor; [] without slowdowns."""
@@ -368,8 +381,33 @@ class RunRecord:
             return None
         return sum(t["compute_s"] for t in times) / (len(times) * times[0]["total_s"])
 
+    @property
+    def timeline(self) -> dict[str, Any] | None:
+        """Where each node's simulated seconds went: lanes of compute, comm, idle, down and slowed spans, the
+        messages and the server's updates (exogym.runs.timeline's format; the run folder's timeline.json); None
+        without a time model."""
+        return build_timeline(self.comm_per_node, slowdowns=self.slowdowns)
+
+    def export_trace(self, path: str | os.PathLike) -> Path:
+        """Write the run's timeline as a Chrome trace event file (Perfetto, chrome://tracing).
+
+        Args:
+            path: The file to write.
+
+        Returns:
+            Its path.
+
+        Raises:
+            ValueError: The run has no timeline (it ran without simulated time: give fit a network=).
+        """
+        timeline = self.timeline
+        if timeline is None:
+            raise ValueError("this run has no timeline: spans are recorded in simulated time, so give fit a network= "
+                             "and run again")
+        return write_chrome_trace(timeline, path)
+
     def summary(self) -> dict[str, Any]:
-        """The headline numbers (what summary.json holds)."""
+        """The headline numbers (what summary.json holds; `timeline` goes to its own file, timeline.json)."""
         last_val = self.val[-1] if self.val else {}
         return {"steps": len(self.train), "final_train_loss": self.train[-1].get("loss") if self.train else None,  # none: every node sat out
                 **{f"final_{k}": v for k, v in last_val.items() if k != "step"},
@@ -380,5 +418,7 @@ class RunRecord:
                 "wall_time_s": self.wall_time_s, "sim_time_s": self.sim_time_s,
                 "sim_time_per_node": self.sim_time_per_node, "goodput": self.goodput,
                 "updates_applied": len(self.updates), "peak_memory_mb": self.peak_memory_mb,
+                **({"links": self.links} if self.links else {}),
                 **({"slowdowns": self.slowdowns} if any("slowdowns" in c for c in self.comm_per_node) else {}),
-                "comm_per_node": self.comm_per_node}
+                "comm_per_node": [{k: v for k, v in c.items() if k != "timeline"} for c in self.comm_per_node],
+                **({"timeline": timeline} if (timeline := self.timeline) is not None else {})}

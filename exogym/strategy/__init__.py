@@ -2,6 +2,7 @@
 
 from exogym.strategy.optim import OptimSpec
 from exogym.strategy.base import Strategy
+from exogym.strategy.server_strategy import ServerStrategy
 from exogym.strategy.ddp import SimpleReduceStrategy
 from exogym.strategy.communicate_optimize_strategy import CommunicateOptimizeStrategy, CommunicationModule
 from exogym.strategy.diloco import DiLoCoCommunicator, DiLoCoStrategy
@@ -16,7 +17,7 @@ from exogym.strategy.fedbuff import FedBuffStrategy
 from exogym.strategy.decoupled_diloco import DecoupledDiLoCoStrategy
 from exogym.strategy.gossip import GossipStrategy
 
-__all__ = ["Strategy", "SimpleReduceStrategy", "OptimSpec",
+__all__ = ["Strategy", "ServerStrategy", "SimpleReduceStrategy", "OptimSpec",
            "CommunicateOptimizeStrategy", "CommunicationModule", "AveragingCommunicator", "SparseCommunicator",
            "DiLoCoCommunicator", "DiLoCoStrategy", "FedAvgStrategy", "SPARTAStrategy", "SPARTADiLoCoStrategy",
            "DeMo", "DeMoStrategy", "DGCStrategy", "TopKSparseCommunicator", "StreamingDiLoCoCommunicator",

@@ -8,7 +8,7 @@ copy to that node's model and tells it the run's facts (exogym.strategy.context.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -43,9 +43,10 @@ class Strategy(metaclass=Adaptable):
     What a node calls, in order: `setup(model, context)` once; per step `skip_compute()`, `zero_grad()`,
     the forward/backward, `current_lr()`, `step()`; `finish()` after the last step. Around them, the state
     protocol: `state_dict()` / `load_state_dict()` (checkpoints, nodes coming up), `global_state()` and
-    `model_sources()` (the global model), `joined()` (a node that came up). A strategy that brings a node
-    coming up to date by itself (from its server, or from what reached it while it was down) defines
-    `rejoin_alone()`, which that node calls instead: nobody else waits for it.
+    `model_sources()` (the global model), `joined()` (a node that came up). A strategy whose nodes run apart
+    (messages, a server) also answers `rejoins_alone` / `rejoin_alone()` (a node coming back brings itself up to
+    date, nobody waiting), `clock_runs_while_down` and `validation_facts()`; a strategy with a server starts from
+    `exogym.strategy.ServerStrategy`, which answers them all.
 
     Args:
         lr_scheduler: None (a constant lr), `"lambda_cosine"` (linear warmup, then constant or cosine decay to
@@ -304,6 +305,60 @@ class Strategy(metaclass=Adaptable):
         model_sources(). The default: the frozen parameters (requires_grad=False, which no strategy changes or
         sends), so the global model holds them bit for bit; the rest is the average of the nodes' models."""
         return frozen_state(self.model) or None
+
+    # ---- what the engine asks a strategy whose nodes run apart (messages, a server) ----------------------------
+    @property
+    def rejoins_alone(self) -> bool:
+        """Whether a node coming back after being down (failures, an elastic pool) brings itself up to date by
+        itself, in `rejoin_alone()`, with nobody else waiting; False: the nodes up hand it their state (a collective
+        every node up takes part in, at the step it comes back). The same on every node. By default: whether the
+        class overrides `rejoin_alone`; override this where it depends on settings (gossip's mode)."""
+        return type(self).rejoin_alone is not Strategy.rejoin_alone
+
+    def rejoin_alone(self) -> None:
+        """On a node coming back, when `rejoins_alone`: take the global state by messages (ask the server for its
+        model; take what arrived while down). Called before the step it comes back at, instead of the hand-over.
+
+        Raises:
+            NotImplementedError: `rejoins_alone` is True but the class does not say how.
+        """
+        raise NotImplementedError(f"{type(self).__name__}.rejoins_alone is True: define rejoin_alone() to bring a "
+                                  "node coming back up to date")
+
+    @property
+    def clock_runs_while_down(self) -> bool:
+        """Whether a node's simulated clock moves on while it is down (it spends its steps idle and comes back at
+        its own time: the asynchronous strategies); False (the default): a node coming back takes the others' time
+        from the collectives that bring it up to date."""
+        return False
+
+    def validation_facts(self) -> dict[str, float]:
+        """What node 0's validation rows add, read when it validates (`exogym plot --x` can use each key): e.g.
+        `sim_time_s`, node 0's clock, and `updates`, the server's updates applied by then (ServerStrategy gives
+        both). Nothing by default (the rows then hold the step)."""
+        return {}
+
+    def check_data(self, node_batches: list[Any], *, processes: int) -> None:
+        """Before any node starts (fit asks, once the data and the processes are known): refuse data the strategy's
+        options cannot use. Accepts everything by default.
+
+        Args:
+            node_batches: Every node's NodeBatches.
+            processes: The processes the run spans.
+        """
+
+    def read_batches(self, batches: Any, from_step: int) -> Iterator[Any]:
+        """The node's batches, one per step, from `from_step` (the engine draws one every step): the node's own
+        shard in order by default; a strategy that chooses each task's data (shard sampling) overrides it.
+
+        Args:
+            batches: The node's NodeBatches.
+            from_step: The first step the node runs.
+
+        Returns:
+            An iterator of batches.
+        """
+        return batches.iterate(from_step=from_step)
 
     def model_sources(self, candidates: list[int], steps_done: int) -> list[int]:
         """Which nodes' average is the rest of the global model (all of `candidates` by default).

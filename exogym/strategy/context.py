@@ -25,6 +25,8 @@ class NodeContext:
     shard_size: examples in this node's training data per epoch (differs across nodes with unequal shards).
     shard_sizes / shard_steps: every node's shard_size, and its steps in one pass over its own shard, by rank
     (FedAvg weights by the first and runs E passes of the second; () where a run does not say).
+    node_speeds: every node's compute speed by rank, relative (a step's seconds are inversely proportional to it: fit's
+    node_speeds x device_flops, or node_speeds alone when compute time is measured); () without simulated time.
     share_parameters: whether the nodes' parameters may be views of one storage (DDP's one replica); False
     where the backend keeps each node's parameters itself (fused execution stacks them).
     keep_once(key, make): state that every node holds identically by construction (DDP's replica, DiLoCo's outer
@@ -40,6 +42,7 @@ class NodeContext:
     shard_size: int = 0
     shard_sizes: tuple[int, ...] = ()
     shard_steps: tuple[int, ...] = ()
+    node_speeds: tuple[float, ...] = ()
     share_parameters: bool = True
     keep_once: KeepOnce = field(default=keep_once_per_node, compare=False, repr=False)
 

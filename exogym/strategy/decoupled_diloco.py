@@ -111,9 +111,16 @@ class DecoupledDiLoCoStrategy(ServerRoundsStrategy):
     syncer merges each fragment's pending contributions once a minimum quorum has arrived and an adaptive grace
     window has passed, weighting each learner by its tokens; failed or slow learners never stall it.
 
-    Paper: Douillard et al., "Decoupled DiLoCo for Resilient Distributed Pre-training", arXiv:2604.21428, 2026
-    (Syncer has the merge rule as implemented; the grace window's adaptation is our reading: a fraction of the
-    time the quorum took to form).
+    Paper: Douillard et al., "Decoupled DiLoCo for Resilient Distributed Pre-training", arXiv:2604.21428, 2026.
+    What follows its text: learners on their own clocks, fragments sent round robin every H/F inner steps, a syncer
+    that merges a fragment once a minimum quorum of learners has sent it and a grace window has passed, the merge
+    weighted by each learner's tokens, a Nesterov outer step per fragment. This project's reading where the paper
+    leaves room (Syncer has the rule as implemented): the grace window's adaptation (grace_factor x the time the
+    quorum took to form, at most max_grace); a merge at once when every learner is pending; a learner that sends
+    a fragment twice before its merge adds up; tokens are inner steps at a fixed batch; a fragment's staleness is
+    the largest of its pending contributions'; each learner gets the fragment back at once, as it stands; the
+    default quorum is half the nodes, rounded up. It hands out no tasks, so the asynchronous Local-SGD framework's
+    task options (dynamic local updates, shard sampling, inner_state) are AsyncDiLoCo's and FedBuff's, not its.
 
     Bytes per update: a learner sends M/F (+32 bytes of meta) and receives M/F every H/F steps: 2 M / H per step,
     DiLoCo's, with a peak of M/F per message.
@@ -142,6 +149,11 @@ class DecoupledDiLoCoStrategy(ServerRoundsStrategy):
                  fragments: int = 1, min_quorum: int | None = None, grace_factor: float = 0.5,
                  max_grace: float = math.inf, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  max_norm: float | None = None, **kwargs: Any):
+        task_options = sorted(k for k in ("dynamic_local_updates", "min_local_steps", "shard_sampling", "shard_seed",
+                                          "inner_state") if k in kwargs)
+        if task_options:  # the syncer hands out fragments, not tasks: these would silently mean nothing
+            raise ValueError(f"DecoupledDiLoCoStrategy has no {', '.join(task_options)} (AsyncDiLoCoStrategy and "
+                             "FedBuffStrategy do): its syncer merges fragments and hands out no tasks")
         super().__init__(optim_spec, H=H, lr=lr, max_norm=max_norm, **kwargs)
         check_int("fragments", fragments, minimum=1)
         if H % fragments:

@@ -22,8 +22,8 @@ class FedBuffServer(FlatServer):
     w(tau) = (1 + tau)^-1/2 (FedBuff's weighting) or 1."""
 
     def __init__(self, theta: torch.Tensor, num_nodes: int, *, H: int, buffer_size: int, server_lr: float,
-                 staleness: str):
-        super().__init__(theta, num_nodes, H, dynamic_local_updates=False)
+                 staleness: str, **options: Any):
+        super().__init__(theta, num_nodes, H, **options)
         self.K, self.lr, self.rule = buffer_size, server_lr, staleness
         self.buffer = torch.zeros_like(self.theta)
         self.buffered: list[tuple[int, int, float]] = []  # (node, staleness, weight) of the updates in the buffer
@@ -60,8 +60,15 @@ class FedBuffStrategy(ServerRoundsStrategy):
     arrivals it moves the global model by server_lr times the buffer's mean and empties it. Fast clients
     contribute more often; nobody waits.
 
-    Paper: Nguyen, Malik, Zhan et al., "Federated Learning with Buffered Asynchronous Aggregation", AISTATS 2022
-    (Algorithm 1; staleness is counted in server updates).
+    Paper: Nguyen, Malik, Zhan et al., "Federated Learning with Buffered Asynchronous Aggregation", AISTATS 2022.
+    What follows its Algorithm 1: Q local steps per client update, the buffer of K staleness-weighted updates, the
+    weight 1/sqrt(1 + staleness) and the server step by server_lr times the buffer's mean. This project's reading
+    where the paper leaves room: staleness counts server updates (buffer flushes) since the client's model was
+    sent; every node is a client that is always training (the paper's concurrency is the node count, with no client
+    sampling); a client gets the global model as it stands at once, its update possibly still waiting in the
+    buffer; a buffer left short of K at the end of the run is not applied; "constant" weighting is an option of ours.
+    The asynchronous Local-SGD framework's task options (`dynamic_local_updates`, `shard_sampling`, `inner_state`;
+    ServerRoundsStrategy) come from Liu et al. 2024, not from FedBuff.
 
     Bytes per update: a node uploads M bytes (the trainable parameters, + 24 bytes of meta) and downloads M (+16)
     per round of H steps; one server update takes K uploads.
@@ -76,7 +83,8 @@ class FedBuffStrategy(ServerRoundsStrategy):
         max_norm: Clip each local step's gradient norm.
         **kwargs: `time_budget_s`: a node sits out its remaining steps once its simulated clock reaches this
             (fast nodes then train more steps than slow ones in the same time; None: every node trains max_steps);
-            and the Strategy's options (`lr_scheduler`, ...).
+            the task options `dynamic_local_updates`, `min_local_steps`, `shard_sampling`, `shard_seed`,
+            `shard_steps`, `inner_state` (ServerRoundsStrategy); and the Strategy's options (`lr_scheduler`, ...).
 
     Raises:
         ValueError: H or buffer_size below 1, server_lr not positive, an unknown staleness rule.
@@ -134,4 +142,4 @@ class FedBuffStrategy(ServerRoundsStrategy):
             The FedBuff server.
         """
         return FedBuffServer(theta, num_nodes, H=self.H, buffer_size=self.buffer_size, server_lr=self.server_lr,
-                             staleness=self.staleness)
+                             staleness=self.staleness, **self.server_options(num_nodes))

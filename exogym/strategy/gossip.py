@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -106,9 +106,13 @@ class GossipStrategy(TimeBudget, Strategy):
         return self.mode == "async" and not self._stopped
 
     @property
-    def rejoin_alone(self) -> Callable[[], None] | None:
-        """Async: a node coming back rejoins alone (see the class docstring); sync: None, the nodes up hand it over."""
-        return self._take_what_arrived if self.mode == "async" else None
+    def rejoins_alone(self) -> bool:
+        """Async: a node coming back rejoins alone (see the class docstring); sync: the nodes up hand it over."""
+        return self.mode == "async"
+
+    def rejoin_alone(self) -> None:
+        """Async: a node coming back takes what reached it while it was down (the class docstring)."""
+        self._take_what_arrived()
 
     def __init__(self, optim_spec: OptimSpec | str | type | None = None, *, topology: str = "ring",
                  mode: str = "sync", H: int = 1, lr: float | None = None, seed: int = 0,

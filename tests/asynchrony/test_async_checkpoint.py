@@ -14,6 +14,9 @@ FIT = dict(progress=False, device="cpu", logger=False, batch_size=8, node_speeds
 STRATEGIES = {
     "async_diloco": lambda: AsyncDiLoCoStrategy(H=3, lr=1e-2, staleness="polynomial", delayed_nesterov=True,
                                                 dynamic_local_updates=True),
+    "async_diloco_framework": lambda: AsyncDiLoCoStrategy(  # a grace window open at the pause
+        H=2, lr=1e-2, delayed_nesterov=True, momentum_activation=0.2, grace_s=0.3, dynamic_local_updates="speeds",
+        inner_state="reset"),
     "fedbuff": lambda: FedBuffStrategy(H=2, buffer_size=2, lr=0.05),
     "decoupled": lambda: DecoupledDiLoCoStrategy(H=4, fragments=2, min_quorum=2, lr=1e-2),
     "gossip_async": lambda: GossipStrategy(topology="ring", mode="async", lr=0.05),
@@ -25,9 +28,16 @@ def _trainer():
     return Trainer(toy.TinyMLP(), toy.make_classification(256), toy.make_classification(64, seed=1))
 
 
-@pytest.mark.parametrize("name", sorted(STRATEGIES))
+SHARD_SAMPLING = {  # one process only (a node reads other nodes' shards): not in STRATEGIES, which run over several
+    "async_diloco_shards": lambda: AsyncDiLoCoStrategy(
+        H=2, lr=1e-2, grace_s=0.3, shard_sampling="undersampled", shard_seed=1, inner_state="reset",
+        lr_scheduler="lambda_cosine", cosine_anneal=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES) + sorted(SHARD_SAMPLING))
 def test_resuming_gives_the_run_that_went_on(name, tmp_path):
-    make = STRATEGIES[name]
+    make = {**STRATEGIES, **SHARD_SAMPLING}[name]
     full_t = _trainer()
     full = full_t.fit(make(), 3, max_steps=10, checkpoint_interval=5, checkpoint_dir=tmp_path / "a", **FIT)
     resumed_t = _trainer()

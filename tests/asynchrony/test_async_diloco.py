@@ -40,8 +40,10 @@ def _fit(steps=4, execution="sequential", **kw):
     return t
 
 
-def _replay(rounds, *, lr=0.7, beta=0.9, delay=1, weight=lambda tau: 1.0):
-    """The server's theta after each update, from the finish times alone (float64)."""
+def _replay(rounds, *, lr=0.7, beta=0.9, delay=1, weight=lambda tau: 1.0, rule="full_steps", c=0.0):
+    """The server's theta after each update, from the finish times alone (float64). rule "paper": Algorithm 3 of
+    Liu et al. 2024 as its text states it, with N = delay and momentum activation c; "full_steps": ExoGym's earlier
+    reading (each g at full size); "buffered": the toy simulator's delayed_sgd (theta still between momentum steps)."""
     theta, m, buf = torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
     version, start = 0, {i: (0, theta.clone()) for i in range(3)}  # node -> (version, theta) it started from
     out = []
@@ -50,11 +52,20 @@ def _replay(rounds, *, lr=0.7, beta=0.9, delay=1, weight=lambda tau: 1.0):
         tau = version - v0
         g = weight(tau) * (th0 - replay.after_inner_steps(th0, H, ETA))
         buf += g
-        if (len(out) + 1) % delay == 0:
-            m = beta * m + buf / delay
+        n = delay
+        if (len(out) + 1) % n == 0:  # the N-th arrival: the momentum step
+            mean = buf / n
+            m = beta * m + mean
             buf = torch.zeros_like(buf)
-            theta = theta - lr * (g + beta * m)
-        else:
+            if rule == "paper":
+                theta = theta - lr * ((1 - c * n + c) * beta * m + g / n)
+            elif rule == "buffered":
+                theta = theta - lr * (mean + beta * m)
+            else:
+                theta = theta - lr * (g + beta * m)
+        elif rule == "paper":
+            theta = theta - lr * (c * beta * m + g / n)
+        elif rule == "full_steps":
             theta = theta - lr * g
         version += 1
         start[node] = (version, theta.clone())
@@ -89,14 +100,34 @@ def test_polynomial_staleness_weighting():
     assert [u["weight"] for u in t.record.updates] == [(1 + tau) ** -0.5 for _, _, tau, _ in expected]
 
 
-def test_delayed_nesterov_steps_the_momentum_every_n_arrivals():
-    t = _fit(delayed_nesterov=True, nesterov_delay=2)
-    _check(t.record, _replay(2, delay=2))
+@pytest.mark.parametrize("c", [0.0, 0.25])
+def test_delayed_nesterov_is_the_papers_algorithm_3_update_by_update(c):
+    # N = 3 over six arrivals: momentum steps at the 3rd and 6th; with c > 0 the momentum of the 3rd acts at the
+    # 4th and 5th (c beta m) and the 6th applies the rest ((1 - cN + c) beta m)
+    t = _fit(delayed_nesterov=True, nesterov_delay=3, momentum_activation=c)
+    expected = _replay(2, delay=3, rule="paper", c=c)
+    _check(t.record, expected)
+    assert [u["momentum_step"] for u in t.record.updates] == [0, 0, 1, 0, 0, 1]
+    other = _replay(2, delay=3, rule="paper", c=0.25 - c)  # the reference tells c = 0 from c = 0.25
+    assert not torch.allclose(other[2][3], expected[2][3], atol=1e-3)
+
+
+def test_delayed_nesterov_by_default_delays_by_num_nodes_and_differs_from_the_earlier_reading():
+    t = _fit(delayed_nesterov=True)
+    _check(t.record, _replay(2, delay=3, rule="paper"))
+    assert not torch.allclose(_replay(2, delay=3, rule="paper")[1][3], _replay(2, delay=3)[1][3], atol=1e-3)
+
+
+@pytest.mark.parametrize("variant", ["full_steps", "buffered"])
+def test_the_named_delayed_variants(variant):
+    t = _fit(delayed_nesterov=variant, nesterov_delay=2)
+    _check(t.record, _replay(2, delay=2, rule=variant))
     assert [u["momentum_step"] for u in t.record.updates] == [0, 1, 0, 1, 0, 1]
 
 
-def test_delayed_nesterov_with_delay_one_is_nesterov():
-    a = _fit(delayed_nesterov=True, nesterov_delay=1)
+@pytest.mark.parametrize("variant", [True, "full_steps"])
+def test_delayed_nesterov_with_delay_one_is_nesterov(variant):
+    a = _fit(delayed_nesterov=variant, nesterov_delay=1)
     first = [x.clone() for x in toy.REGISTRY["theta"]]
     _fit()
     assert all(torch.equal(x, y) for x, y in zip(first, toy.REGISTRY["theta"]))
@@ -121,8 +152,24 @@ def test_same_seed_same_bits_and_the_same_under_fused_execution():
 @pytest.mark.parametrize("kw, message", [
     (dict(H=0), "H"), (dict(staleness="linear"), "staleness must be one of"),
     (dict(outer_momentum=1.0), r"outer_momentum must be in \[0, 1\)"),
-    (dict(nesterov_delay=2), "only means something with delayed_nesterov=True"),
-    (dict(delayed_nesterov=True, outer_momentum=0.0), "needs outer_momentum > 0")])
+    (dict(nesterov_delay=2), "only means something with delayed_nesterov"),
+    (dict(delayed_nesterov=True, outer_momentum=0.0), "needs outer_momentum > 0"),
+    (dict(delayed_nesterov="paper"), "must be True"), (dict(delayed_nesterov=1), "must be True"),
+    (dict(momentum_activation=0.1), "only means something with delayed_nesterov=True"),
+    (dict(delayed_nesterov="buffered", momentum_activation=0.1), "only means something"),
+    (dict(delayed_nesterov=True, nesterov_delay=4, momentum_activation=0.3), r"at most 1/N = 1/4"),
+    (dict(delayed_nesterov=True, momentum_activation=-0.1), "momentum_activation"),
+    (dict(grace_s=-1.0), "grace_s"), (dict(grace_s=math.inf), "grace_s"),
+    (dict(dynamic_local_updates="measured"), "dynamic_local_updates must be"),
+    (dict(min_local_steps=2), "only means something with dynamic_local_updates"),
+    (dict(dynamic_local_updates="speeds", H=4, min_local_steps=5), "more than H=4"),
+    (dict(shard_sampling="random"), "shard_sampling must be"),
+    (dict(shard_seed=1), "only means something with shard_sampling"),
+    (dict(shard_steps=100), "only means something with shard_sampling"),
+    (dict(shard_sampling="least_visited", shard_steps=0), "shard_steps"),
+    (dict(shard_sampling="least_visited", lr_scheduler=torch.optim.lr_scheduler.StepLR,
+          lr_scheduler_kwargs={"step_size": 2}), "per shard"),
+    (dict(inner_state="fresh"), "inner_state must be")])
 def test_arguments_are_checked(kw, message):
     with pytest.raises((ValueError, TypeError), match=message):
         AsyncDiLoCoStrategy(**kw)
@@ -131,6 +178,15 @@ def test_arguments_are_checked(kw, message):
 def test_the_boundary_values_are_accepted():
     AsyncDiLoCoStrategy(H=1, outer_momentum=0.0, staleness="polynomial", staleness_power=0.0)
     AsyncDiLoCoStrategy(delayed_nesterov=True, nesterov_delay=1)
+    AsyncDiLoCoStrategy(delayed_nesterov=True, nesterov_delay=4, momentum_activation=0.25, grace_s=0.0)
+    AsyncDiLoCoStrategy(dynamic_local_updates="speeds", H=4, min_local_steps=4, shard_sampling="undersampled",
+                        shard_seed=0, inner_state="reset", lr_scheduler="lambda_cosine", cosine_anneal=True)
+
+
+def test_momentum_activation_above_one_over_num_nodes_is_refused_before_any_node_starts():
+    with pytest.raises(ValueError, match=r"at most 1/N = 1/3 \(N = nesterov_delay, by default num_nodes=3\)"):
+        Trainer(replay.Pull(), replay.data()).fit(
+            AsyncDiLoCoStrategy(H=2, delayed_nesterov=True, momentum_activation=0.4), 3, max_steps=2, **FIT)
 
 
 def test_a_node_down_never_stalls_the_server_and_comes_back_with_the_current_global_model():

@@ -13,7 +13,7 @@ import torch
 import toy
 from exogym import Trainer
 from exogym.comm import SERVER, MessageError, Server
-from exogym.strategy import AsyncDiLoCoStrategy, Strategy
+from exogym.strategy import AsyncDiLoCoStrategy, FedBuffStrategy, Strategy
 from exogym.strategy import communicate as comm
 
 # The strategies and settings of the one-process checkpoint tests. On five nodes the blocks are (3, 2) and (2, 2, 1):
@@ -153,3 +153,61 @@ def test_a_process_that_dies_or_stops_while_the_hub_waits_is_named(how):
         assert "process 1 (nodes 2-2)'s process exited (code 3)" in text, text
     else:  # the hub (node 0's process) waited for its status, and named it once its heartbeat stopped
         assert "process 1 (node 2) stopped responding" in text, text
+
+
+class Wide(toy.TinyMLP):
+    """An MLP whose matmuls round differently on one torch thread and on two (here the 10x32 @ 32x256 product of the
+    last layer's gradient), and which refuses to compute on another thread count than two (so that the test
+    shows the threads on a machine whose BLAS rounds alike)."""
+
+    def __init__(self):
+        super().__init__(dim=64, hidden=256, classes=10)
+
+    def forward(self, batch):
+        if torch.get_num_threads() != 2:
+            raise RuntimeError(f"computing on {torch.get_num_threads()} torch threads, not the caller's 2")
+        return super().forward(batch)
+
+
+@pytest.mark.spawns
+@pytest.mark.parametrize("make", [lambda: AsyncDiLoCoStrategy(H=5, outer_lr=0.7),
+                                  lambda: FedBuffStrategy(H=2, buffer_size=2, lr=0.05)], ids=["async_diloco", "fedbuff"])
+def test_two_processes_compute_with_the_callers_threads_and_give_one_process_bits(make):
+    """Each process computes with the caller's torch threads (a kernel's rounding may depend on them), so a
+    model whose matmuls do gives one process's bits; it differed by 2e-7 when the processes split the threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runs = []
+        for processes in (1, 2):
+            t = Trainer(Wide(), toy.make_classification(512, dim=64, classes=10))
+            model = t.fit(make(), 4, max_steps=20, processes=processes, progress=False, device="cpu", logger=False,
+                          batch_size=32)
+            runs.append(([p.detach().clone() for p in model.parameters()], t.record.updates))
+    finally:
+        torch.set_num_threads(threads)
+    (one, one_updates), (two, two_updates) = runs
+    assert one_updates == two_updates and len(one_updates) > 4
+    assert all(torch.equal(a, b) for a, b in zip(one, two)), max((a - b).abs().max().item() for a, b in zip(one, two))
+
+
+def test_every_process_waiting_is_no_deadlock_while_a_link_packet_is_in_flight():
+    """Issue 46 (3): 1,024 nodes over two processes ended now and then in a 'deadlock across processes' while the
+    hub took in process 1's 512 read_server questions and its status (each process waited with its progress
+    unchanged for a second, the packets still on their way on a loaded machine). A deadlock now also needs every
+    packet sent to have been taken in."""
+    from torch.distributed import HashStore
+
+    from exogym.backends.sim import exchange as ex
+
+    store, owner = HashStore(), [0, 0, 1, 1]
+    hub, proxy = ex.Exchange(owner, 0, store, "run"), ex.Exchange(owner, 1, store, "run")
+    try:
+        proxy.report_stall("  node 2: waits in read_server at 0 s", 2, ({0: 3}, {0: 0}))  # 3 packets sent
+        assert hub.report_stall("  not waiting: nodes [0, 1]", 0, ({1: 0}, {1: 2})) is None  # 2 of them taken in
+        proxy.report_stall("  node 2: waits in read_server at 0 s", 2, ({0: 3}, {0: 0}))
+        everyone = hub.report_stall("  not waiting: nodes [0, 1]", 0, ({1: 0}, {1: 3}))  # all in: a deadlock
+        assert everyone is not None and "node 2: waits in read_server" in everyone
+    finally:
+        hub.close()
+        proxy.close()

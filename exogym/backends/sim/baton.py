@@ -1,6 +1,6 @@
 """The baton: K nodes as cooperative threads (greenlets) of the caller's thread, one running at a time.
 
-A node runs until it enters a collective, then hands the baton back to the hub (the caller's
+A node runs until it enters a collective, then hands the baton back to the scheduler (the caller's
 greenlet), which starts the next runnable node. When the last member of a group arrives, the
 collective is computed once (by that node, in rank order) and every member becomes runnable
 again, queued in rank order.
@@ -22,13 +22,16 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import greenlet
 
 from exogym.backends.sim.watchdog import Watchdog, WatchdogInterrupt
 from exogym.cluster.network import SERVER
 from exogym.comm.transport import CollectiveError, MessageError
+
+if TYPE_CHECKING:
+    from exogym.backends.sim.protocols import Crossings, Messages
 
 __all__ = ["Baton", "CollectiveCall", "Pending"]
 
@@ -74,7 +77,7 @@ class Baton:
 
     def __init__(self, num_nodes: int, *, on_resume: Callable[[int], None], on_pause: Callable[[int], None],
                  node_timeout: float | None = None, step_of: Callable[[int], int | None] = lambda rank: None,
-                 local: Sequence[int] | None = None, exchange: Any = None,
+                 local: Sequence[int] | None = None, exchange: "Crossings | None" = None,
                  on_stuck: Callable[[BaseException], None] | None = None):
         self.num_nodes = num_nodes
         self.local = list(range(num_nodes)) if local is None else list(local)
@@ -82,8 +85,8 @@ class Baton:
         self.node_timeout, self._step_of = node_timeout, step_of  # the watchdog's limit; a node's current step
         self._on_stuck = on_stuck  # the watchdog calls it before ending the process when a node stays stuck
         self._dog: Watchdog | None = None
-        self._turn: int | str | None = None  # the node that ran last, or what the hub did since: an interrupt's note
-        self.running: int | None = None  # the node holding the baton (None: the hub)
+        self._turn: int | str | None = None  # the node that ran last, or what the scheduler did since: an interrupt's note
+        self.running: int | None = None  # the node holding the baton (None: the scheduler)
         self.arrivals = 0  # collectives entered so far, by any node: progress, for the watchdog
         self.turns, self.all_turns = [0] * num_nodes, 0  # turns given to each node and in all: progress (SpinWatch)
         self._on_resume, self._on_pause = on_resume, on_pause  # swap per-node state (RNG, grad mode)
@@ -98,8 +101,8 @@ class Baton:
         self._across: dict[tuple, Pending] = {}  # collectives gone to other processes, by key
         self.crossings_started: dict[tuple[int, ...], int] = {}  # group -> collectives on it sent across so far
         self._finished: set[int] = set()
-        self._hub: greenlet.greenlet | None = None
-        self.post: Any = None  # point-to-point messages on the simulated clock (exogym.backends.sim.postoffice)
+        self._scheduler: greenlet.greenlet | None = None
+        self.post: "Messages | None" = None  # point-to-point messages on the simulated clock (set by the backend)
         self._receiving: dict[int, str] = {}  # rank -> the message it waits for
 
     def run(self, node_fns: list[Callable[[], Any]]) -> list[Any]:
@@ -147,7 +150,7 @@ class Baton:
     def _progress(self) -> tuple:
         """What the watchdog samples (from its thread): who runs, how many collectives so far, its step, and the
         nodes of the batched step that runs (fused execution; None: a node's own turn): the first of them stands
-        for the batch. While the hub runs the server's handler: SERVER and (the server's class, the message it
+        for the batch. While the scheduler runs the server's handler: SERVER and (the server's class, the message it
         handles)."""
         rank, batched = self.running, self._batched
         if rank is None and batched:
@@ -159,7 +162,7 @@ class Baton:
 
     def _run(self, node_fns: list[Callable[[], Any]]) -> list[Any]:
         results: dict[int, Any] = {}
-        self._hub = greenlet.getcurrent()
+        self._scheduler = greenlet.getcurrent()
 
         def body(rank: int, fn: Callable[[], Any]) -> None:
             results[rank] = fn()
@@ -224,7 +227,7 @@ class Baton:
         # is left to wait for)
         while not self._ready and (self._exchange.busy or post is not None and post.busy()):
             if post is not None:
-                post.settle()  # a proxy tells the hub it has nothing to run (exogym.backends.sim.postlink)
+                post.report_idle()  # a proxy tells the hub it has nothing to run (exogym.backends.sim.postlink)
                 if post.due():  # the hub: the run is quiescent, the next event happens
                     break
             self._exchange.wait(timeout=0.25)  # completed crossings make their waiting members ready
@@ -234,7 +237,8 @@ class Baton:
             if time.monotonic() - since >= _STALL_S:
                 stalled = True
                 progress = self.arrivals + self._exchange.completed + (0 if post is None else post.progress)
-                everyone = self._exchange.report_stall(self._describe_waiting(), progress)
+                everyone = self._exchange.report_stall(self._describe_waiting(), progress,
+                                                       None if post is None else post.packets())
                 if everyone is not None:
                     raise CollectiveError("deadlock across processes: every unfinished node waits in a collective "
                                           "that cannot complete:\n" + everyone)
@@ -250,11 +254,11 @@ class Baton:
                     f"{list(p.group)}:\n" + self._describe(p))
 
     def _yield(self, rank: int) -> None:
-        """Let the hub run the next ready node; returns when this node is resumed."""
+        """Let the scheduler run the next ready node; returns when this node is resumed."""
         if self._ready and self._ready[0] == rank:
             self._ready.popleft()  # next in line anyway: keep running, no switch
             return
-        self._hub.switch()
+        self._scheduler.switch()
 
     def rendezvous(self, rank: int, group: tuple[int, ...], call: CollectiveCall,
                    complete: Callable[[list[CollectiveCall]], None],
@@ -357,7 +361,7 @@ class Baton:
 
     def sleep(self, rank: int) -> None:
         """Hand the baton back until the post office wakes `rank` (its observation's turn in simulated time)."""
-        self._hub.switch()
+        self._scheduler.switch()
 
     def wake(self, rank: int) -> None:
         self._ready.append(rank)
@@ -365,7 +369,7 @@ class Baton:
     def await_message(self, rank: int, what: str) -> None:
         """Block `rank` until a message it can take arrives (wake_receiver)."""
         self._receiving[rank] = what
-        self._hub.switch()
+        self._scheduler.switch()
 
     def wake_receiver(self, rank: int) -> None:
         del self._receiving[rank]
@@ -378,7 +382,7 @@ class Baton:
         blocked or parked too."""
         self._on_compute = compute
         self._parked.append(rank)
-        self._hub.switch()
+        self._scheduler.switch()
 
     def wait(self, rank: int, pending: Pending) -> None:
         """Block node `rank` until `pending` has completed (returns at once if it has)."""
@@ -386,7 +390,7 @@ class Baton:
             return
         pending.waiters.add(rank)
         self._blocked[rank] = pending.key
-        self._hub.switch()  # resumed by the hub once the last member has completed the collective
+        self._scheduler.switch()  # resumed by the scheduler once the last member has completed the collective
 
     def _describe(self, p: Pending) -> str:
         return "\n".join(f"  node {r} (step {c.step}): {c.describe()} #{p.seq} on group {list(p.group)}"

@@ -15,8 +15,9 @@ like one waiting on a local collective; the process's other nodes keep running a
 to third processes (islands straddling processes in a ring included). The leader replies as soon as the last
 part arrives, whatever its own nodes are doing. So a collective completes once every member has called it, as in
 one process; and if some never will, every process ends up waiting with nothing to run: each then says so in
-the run's store, and once all of them have said so twice, a second apart, with nothing changed, every process
-raises a CollectiveError naming what each node waits for.
+the run's store, and once all of them have said so twice, a second apart, with nothing changed and no packet of the
+message link in flight (`in_flight`: exogym.backends.sim.postlink), every process raises a CollectiveError naming
+what each node waits for.
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ import torch.distributed as dist
 
 from exogym.backends.sim.baton import CollectiveCall, Pending
 from exogym.backends.sim.collective_parts import OPS
+from exogym.backends.sim.protocols import Packets
 from exogym.backends.peer_watch import PeerWatch
 from exogym.comm.transport import CollectiveError
 
-__all__ = ["Exchange", "Crossing"]
+__all__ = ["Exchange", "Crossing", "in_flight"]
 
 _CONFIRM_S = 1.0  # and a deadlock is declared when every process has told so twice, this far apart
 
@@ -269,23 +271,34 @@ class Exchange:
         x.finish(x.calls, start)
 
     # ---- deadlock ---------------------------------------------------------------------------------------------
-    def report_stall(self, description: str, progress: int) -> str | None:
-        """This process has nothing to run; None while others still may, else every process's description."""
-        self.store.set(f"{self.run_key}/stall/{self.me}", pickle.dumps((progress, description)))
+    def report_stall(self, description: str, progress: int, packets: "Packets | None" = None) -> str | None:
+        """This process has nothing to run; None while others still may, else every process's description.
+
+        Args:
+            description: what this process's nodes wait for, one line each.
+            progress: events this process has seen happen so far (collectives entered and completed, answers).
+            packets: the message link's packets this process sent to each process and took in from each
+                (exogym.backends.sim.postlink.Link.counts); None without a link.
+
+        Returns:
+            None, or (a deadlock: every process has said so twice, `_CONFIRM_S` apart, with nothing changed and no
+            packet of the link in flight) every process's description.
+        """
+        self.store.set(f"{self.run_key}/stall/{self.me}", pickle.dumps((progress, description, packets)))
         first = self._stalls()
-        if first is None:
+        if first is None or in_flight(first):
             return None
         time.sleep(_CONFIRM_S)
         second = self._stalls()
         if second != first:
             return None
-        return "\n".join(f"process {p}:\n{desc}" for p, (_, desc) in sorted(second.items()) if desc)
+        return "\n".join(f"process {p}:\n{desc}" for p, (_, desc, _) in sorted(second.items()) if desc)
 
     def report_running(self) -> None:
         self.store.set(f"{self.run_key}/stall/{self.me}", pickle.dumps(None))
 
     def report_finished(self) -> None:
-        self.store.set(f"{self.run_key}/stall/{self.me}", pickle.dumps((-1, "")))
+        self.store.set(f"{self.run_key}/stall/{self.me}", pickle.dumps((-1, "", None)))
         self.peers.finished()
 
     def check_peers(self) -> None:
@@ -296,9 +309,24 @@ class Exchange:
         """The run stopped in this process: its heartbeat stops."""
         self.peers.close()
 
-    def _stalls(self) -> dict[int, tuple[int, str]] | None:
+    def _stalls(self) -> dict[int, tuple[int, str, "Packets | None"]] | None:
         keys = [f"{self.run_key}/stall/{p}" for p in range(self.processes)]
         if not self.store.check(keys):
             return None
         states = {p: pickle.loads(self.store.get(k)) for p, k in enumerate(keys)}
         return None if any(s is None for s in states.values()) else states
+
+
+def in_flight(stalls: dict[int, tuple[int, str, Packets | None]]) -> bool:
+    """Whether a packet of the message link is on its way: some process sent another more packets than that one has
+    taken in. Such a packet (an answer, a status, a question) wakes its receiver or lets the hub go on, however
+    long it takes to arrive on a loaded machine, so every process waiting is no deadlock yet. A process that
+    finished (no counts) took in every packet sent to it before its goodbye."""
+    for p, (_, _, packets) in stalls.items():
+        if packets is None:
+            continue
+        for q, sent in packets[0].items():
+            theirs = stalls.get(q, (0, "", None))[2]
+            if theirs is not None and theirs[1].get(p, 0) != sent:
+                return True
+    return False

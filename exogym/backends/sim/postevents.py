@@ -1,6 +1,10 @@
 """The event heap of the sim's messages: what happens next in simulated time.
 
 Events, in one heap ordered by (simulated time, kind, rank, sequence, the order they were pushed):
+- on a network with shared links (exogym.cluster.flows), a message's last byte leaving (kind FINISH: the flow that
+  ends first; stale once another flow started or ended, when the next one is pushed) and a message starting (kind START, at its
+  sent_at, ordered likewise): a flow ends before another starts at the same time, and both before anything arrives
+  then, so a transfer alone on its links finishes as the formula says and nothing arrives out of its order;
 - a message arriving (kind ARRIVE): at sent_at + the network's transfer time, ordered among equal times by the
   sender's rank (the server's, -1, first) and the sender's own count (the heap numbers each sender's messages as
   they come in: `Message.seq`);
@@ -22,9 +26,10 @@ from typing import Any
 from exogym.cluster.network import SERVER
 from exogym.comm.messages import Message
 
-__all__ = ["ARRIVE", "OBSERVE", "EventHeap", "Timer", "arrival", "message_plain", "message_from_plain"]
+__all__ = ["FINISH", "START", "ARRIVE", "OBSERVE", "EventHeap", "Timer", "arrival", "message_plain",
+           "message_from_plain"]
 
-ARRIVE, OBSERVE = 0, 1
+FINISH, START, ARRIVE, OBSERVE = -2, -1, 0, 1
 
 
 @dataclass(frozen=True)
@@ -45,10 +50,24 @@ class EventHeap:
     def __bool__(self) -> bool:
         return bool(self._events)
 
-    def arrive(self, message: Message) -> None:
-        """A message on the wire, its arrival time set: in, numbered as its sender's next."""
+    def _number(self, message: Message) -> None:
         message.seq = self._sent.get(message.src, 0)
         self._sent[message.src] = message.seq + 1
+
+    def start(self, message: Message) -> None:
+        """A message starts on the wire at its sent_at (shared links): in, numbered as its sender's next."""
+        self._number(message)
+        heapq.heappush(self._events, (message.sent_at, START, message.src, message.seq, next(self._order), message))
+
+    def finish(self, at: float, key: tuple[int, int], version: int) -> None:
+        """The flow of message `key` (src, seq) sends its last byte at `at`, unless the flows moved past `version`."""
+        heapq.heappush(self._events, (at, FINISH, key[0], key[1], next(self._order), (key, version)))
+
+    def arrive(self, message: Message, numbered: bool = False) -> None:
+        """A message on the wire, its arrival time set: in, numbered as its sender's next (unless it was when it
+        started)."""
+        if not numbered:
+            self._number(message)
         heapq.heappush(self._events, (message.arrives_at, ARRIVE, message.src, message.seq, next(self._order),
                                       message))
 
@@ -77,12 +96,17 @@ class EventHeap:
             RuntimeError: a node waits to observe (the checkpoint was not taken at a pause).
         """
         events = []
-        for _, kind, _, _, order, item in self._events:
+        for at, kind, _, _, order, item in self._events:
             if kind == OBSERVE:
                 raise RuntimeError(f"node {item} waits to observe at a checkpoint: the checkpoint was not taken "
                                    "while every node waited in its collective")
-            events.append({"wake": item.at, "order": order} if isinstance(item, Timer)
-                          else {"message": message_plain(item), "order": order})
+            if isinstance(item, Timer):
+                events.append({"wake": item.at, "order": order})
+            elif kind == FINISH:
+                events.append({"finish": at, "key": list(item[0]), "version": item[1], "order": order})
+            else:
+                events.append({"message": message_plain(item), "order": order, **({"start": True} if kind == START
+                                                                                   else {})})
         return {"events": events, "order": next(self._order) - 1, "sent": dict(self._sent)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -91,6 +115,12 @@ class EventHeap:
         for e in state["events"]:
             if "wake" in e:
                 self._events.append((e["wake"], ARRIVE, SERVER, -1, e["order"], Timer(e["wake"])))
+            elif "finish" in e:
+                key = tuple(e["key"])
+                self._events.append((e["finish"], FINISH, key[0], key[1], e["order"], (key, e["version"])))
+            elif e.get("start"):
+                m = message_from_plain(e["message"])
+                self._events.append((m.sent_at, START, m.src, m.seq, e["order"], m))
             else:
                 m = message_from_plain(e["message"])
                 self._events.append((m.arrives_at, ARRIVE, m.src, m.seq, e["order"], m))

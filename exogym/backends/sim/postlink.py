@@ -8,7 +8,9 @@ exchange's):
   node wants to observe at its clock: take a message, every message that has arrived, or the server's state for
   `read_server`), `status` (the process has nothing to run: how many answers it has taken in, and which collectives
   across processes it has started and has open), and at its end a last status marked finished;
-- the hub to a proxy: `answer` (what a node asked for; it runs again) and `bye` (after its last status).
+- the hub to a proxy: `answer` (what a node asked for; it runs again), `arrived` (shared links: a message the proxy
+  posted has its arrival time, once its flow ended; counted as an answer, since it may run a node waiting on its
+  send) and `bye` (after its last status).
 
 Why nothing arrives out of order: every packet of one process to the hub goes on one (sender, receiver, tag) pair,
 which torch.distributed delivers in the order sent, and the hub handles a process's packets in that order. So when
@@ -24,6 +26,19 @@ every holder to have started it. If a holder's last status shows it open, the ru
 holder's status shows it not started; that holder then started it after its status, so it ran after its status, so
 it was woken after its status, by an earlier completion or answer: following the causes back in time must end at a
 process that woke with nothing to wake it, which cannot be.
+
+`read_server` is an observation like a `recv`: a node of another process asks (`ask`, op "read") at its clock and
+waits, so its process cannot post anything that node would do next until the hub answers; the hub answers at the
+ask's turn in the heap, when every earlier event has happened and the run is quiescent, with the server's state as it
+stands then. So the reader sees what it sees in one process, and a read never lets the hub run ahead of it.
+
+Packets travel in batches: what queued up for a peer while the last batch was on its way goes as one transfer, in
+order. Each side counts the packets it sent to each peer and those it took in from each (`Link.counts`); the deadlock
+check across processes (exogym.backends.sim.exchange) declares a deadlock only when every process waits with
+nothing to run, nothing changed for a second, and no packet is in flight (every count sent equals the receiver's
+count taken in): a packet on its way is a question, an answer or a status that wakes its receiver or lets the hub go
+on, however slowly a loaded machine delivers it. (Without the counts, AsyncDiLoCo on 1,024 nodes over two processes
+ended about 2 runs in 12 in a false deadlock while the hub took in process 1's 512 read_server questions.)
 """
 
 from __future__ import annotations
@@ -32,10 +47,14 @@ import pickle
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from exogym.backends.sim.exchange import Exchange
+    from exogym.backends.sim.protocols import HeapOwner
 
 __all__ = ["Link", "Hub", "Status", "Ask"]
 
@@ -78,9 +97,12 @@ class Link:
     PeerLostError naming it (exogym.backends.peer_watch), raised on the process's thread; one that stops is named by
     the heartbeats the process checks while it waits."""
 
-    def __init__(self, exchange: Any, peers: list[int], on_packet: Callable[[int, tuple], None]):
+    def __init__(self, exchange: "Exchange", peers: list[int], on_packet: Callable[[int, tuple], None]):
         self.exchange, self.on_packet = exchange, on_packet
         self._outbox: dict[int, queue.Queue] = {p: queue.Queue() for p in peers}
+        # Packets sent to each peer and taken in from each (on the process's own thread): the deadlock check
+        # across processes holds off while one is in flight (exogym.backends.sim.exchange.in_flight).
+        self.sent, self.taken = {p: 0 for p in peers}, {p: 0 for p in peers}
         self._threads = [threading.Thread(target=self._receive, args=(p,), name=f"exogym-postlink-in-{p}", daemon=True)
                          for p in peers]
         self._senders = [threading.Thread(target=self._send, args=(p,), name=f"exogym-postlink-out-{p}", daemon=True)
@@ -90,11 +112,31 @@ class Link:
 
     def send(self, dst: int, *packet: Any) -> None:
         """Queue a packet for `dst` (pickled now: what it holds may change once this returns)."""
+        self.sent[dst] += 1
         self._outbox[dst].put(pickle.dumps(packet, protocol=pickle.HIGHEST_PROTOCOL))
 
+    def counts(self) -> tuple[dict[int, int], dict[int, int]]:
+        """(packets sent to each peer, packets taken in from each), as of now."""
+        return dict(self.sent), dict(self.taken)
+
+    def _take(self, src: int, packet: tuple) -> None:
+        self.taken[src] += 1
+        self.on_packet(src, packet)
+
     def _send(self, dst: int) -> None:
+        # What queued up while the last batch was on its way goes as one transfer (a header, then the packets'
+        # bytes), in order: 512 questions of one process's nodes cost one round of gloo sends, not 512.
         try:
-            while (data := self._outbox[dst].get()) is not None:
+            box, last = self._outbox[dst], False
+            while not last:
+                batch = [box.get()]
+                while batch[-1] is not None and not box.empty():
+                    batch.append(box.get_nowait())
+                last = batch[-1] is None
+                batch = [b for b in batch if b is not None]
+                if not batch:
+                    continue
+                data = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
                 dist.send(torch.tensor([len(data)], dtype=torch.int64), dst, tag=_HEADER_TAG)
                 dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, tag=_BODY_TAG)
         except BaseException as e:  # noqa: BLE001 - raised on the process's own thread
@@ -109,10 +151,11 @@ class Link:
                 dist.recv(header, src, tag=_HEADER_TAG)
                 body = torch.empty(int(header), dtype=torch.uint8)
                 dist.recv(body, src, tag=_BODY_TAG)
-                packet = pickle.loads(body.numpy().tobytes())
-                self.exchange.notify(lambda p=packet: self.on_packet(src, p))
-                if packet[0] in ("bye", "status") and (packet[0] == "bye" or packet[1].finished):
-                    return  # the peer's last packet
+                for data in pickle.loads(body.numpy().tobytes()):
+                    packet = pickle.loads(data)
+                    self.exchange.notify(lambda p=packet: self._take(src, p))
+                    if packet[0] in ("bye", "status") and (packet[0] == "bye" or packet[1].finished):
+                        return  # the peer's last packet
         except BaseException as e:  # noqa: BLE001 - raised on the process's own thread
             def lost(error: BaseException = e) -> None:
                 raise self.exchange.peers.lost(src, error) from error
@@ -130,7 +173,7 @@ class Hub:
     """The hub's side of the link: the other processes' statuses and the answers sent to them, and whether the run
     is quiescent (module docstring). `post` is the hub's post office (exogym.backends.sim.postoffice.PostOffice)."""
 
-    def __init__(self, post: Any, exchange: Any, owner: list[int], me: int):
+    def __init__(self, post: "HeapOwner", exchange: "Exchange", owner: list[int], me: int):
         self.post, self.owner, self.me = post, list(owner), me
         self.remotes = sorted(set(self.owner) - {me})
         self.status: dict[int, Status] = {}
@@ -154,13 +197,21 @@ class Hub:
         self.answered[process] += 1
         self.link.send(process, "answer", rank, payload)
 
+    def arrived(self, token: tuple[int, int], at: float) -> None:
+        """Shared links: the message process `token[0]` posted as its `token[1]`-th arrives at `at`."""
+        process, number = token
+        if (s := self.status.get(process)) is not None and s.finished:
+            return  # its nodes are done: none waits on the send, and after its goodbye nothing is received there
+        self.answered[process] += 1
+        self.link.send(process, "arrived", number, at)
+
     def unfinished(self) -> bool:
         return any(not (s := self.status.get(p)) or not s.finished for p in self.remotes)
 
     def _on_packet(self, src: int, packet: tuple) -> None:
         kind = packet[0]
         if kind == "post":
-            self.post.push(packet[1])
+            self.post.push(packet[1], (src, packet[2]) if len(packet) > 2 else None)
         elif kind == "ask":
             self.post.ask(packet[1])
         elif kind == "status":

@@ -16,6 +16,12 @@ interleaving that would break it without the heap: node 1 (clock 9) sends at 9 a
 the updates out of order. With the heap, node 1's message waits at 10 while node 0 runs, and node 0's
 arrives first.
 
+On a network with shared links (exogym.cluster.flows) a message is a flow: it starts at its sent_at (a START
+event, in time order like the rest, so no flow starts before one already started), shares its links with the
+flows in flight, and arrives its route's latency after its last byte leaves (a FINISH event: one in the heap, for
+the flow whose last byte leaves first; a flow starting or ending makes it stale and pushes the next one). A sender waiting on its send
+(`send`, an `isend`'s wait) sleeps until its message's FINISH, when its arrival time is known.
+
 Ties are broken by fixed keys (rank, then the sender's count), so the same seed gives the same bits however
 the host schedules. Collectives and messages in one run: a node blocked in a collective is no event; the
 messages it sends after leaving carry its clock from then on.
@@ -30,12 +36,15 @@ processes cannot deliver a message out of order, so the run gives the bits one p
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Callable
 
 from exogym.backends.sim.mailboxes import Mailboxes
-from exogym.backends.sim.postevents import OBSERVE, EventHeap, Timer, arrival
+from exogym.backends.sim.postevents import FINISH, OBSERVE, START, EventHeap, Timer, arrival, message_from_plain, \
+    message_plain
 from exogym.backends.sim.postlink import Ask
 from exogym.backends.sim.serverhost import ServerHost, server_state
+from exogym.cluster.flows import FlowModel
 from exogym.cluster.network import SERVER
 from exogym.comm.messages import Message, Server
 from exogym.comm.transport import MessageError
@@ -62,6 +71,14 @@ class PostOffice:
         self._events = EventHeap()
         self._boxes = Mailboxes(num_nodes)
         self._host = ServerHost()
+        # shared links: the messages' flows, the messages on the wire by (src, seq), the senders waiting on one, and
+        # which were posted by another process (process, its token: told their arrival when their flow ends)
+        shared = self.network is not None and self.network.shared_links
+        self._flows: FlowModel | None = FlowModel() if shared else None
+        self._wire: dict[tuple[int, int], Message] = {}
+        self._sending: dict[tuple[int, int], int] = {}
+        self._posted_by: dict[tuple[int, int], tuple[int, int]] = {}
+        self._arrows: dict[tuple[int, int], tuple[list[float], int]] = {}  # the timeline's arrivals to fill in
 
     @property
     def server(self) -> Server | None:
@@ -98,7 +115,7 @@ class PostOffice:
                                + "\n".join(self.describe_waiting()))
         return False
 
-    def settle(self) -> None:
+    def report_idle(self) -> None:
         """The baton has nothing to run (a proxy reports it to the hub; nothing to do here)."""
 
     def finish(self) -> None:
@@ -106,11 +123,19 @@ class PostOffice:
         if self.hub is not None:
             self.hub.close()
 
+    def packets(self) -> tuple[dict[int, int], dict[int, int]] | None:
+        """The link's packets sent and taken in, per process (None: the run is one process's)."""
+        return None if self.hub is None else self.hub.link.counts()
+
     def next_event(self) -> None:
         """Let the earliest event happen (the hub calls it when no node is ready)."""
         kind, item = self._events.pop()
         self.progress += 1
-        if kind == OBSERVE:
+        if kind == FINISH:
+            self._finish(*item)
+        elif kind == START:
+            self._start(item)
+        elif kind == OBSERVE:
             if isinstance(item, Ask):
                 self._answer(item)
             else:
@@ -130,16 +155,77 @@ class PostOffice:
                                "strategy, so that the process holding node 0 keeps the run's one event heap")
 
     def post(self, message: Message) -> None:
-        """Put a message on the wire at message.sent_at; it arrives after the network's transfer time."""
+        """Put a message on the wire at message.sent_at; it arrives after the network's transfer time (shared links:
+        once its flow ends; its arrives_at is nan until then)."""
         self._check()
-        message.arrives_at = arrival(self.network, message)
+        if self._flows is None:
+            message.arrives_at = arrival(self.network, message)
         self.push(message)
+        if message.src == SERVER and self.server is not None:  # its sent_log logs it next (exogym.comm.messages)
+            arrives = self.server.sent_log.messages["arrives"]
+            self.arrow(message, arrives, len(arrives))
 
-    def push(self, message: Message) -> None:
-        """A message on the wire, its arrival time set (by the sender's process): into the heap, numbered as its
-        sender's next."""
+    def arrow(self, message: Message, arrives: list[float], index: int) -> None:
+        """The timeline logs `message` at `arrives[index]`: with shared links, its arrival is put there when its flow
+        ends (until then the log holds nan)."""
+        if self._flows is not None:
+            self._arrows[(message.src, message.seq)] = (arrives, index)
+
+    def push(self, message: Message, token: tuple[int, int] | None = None) -> None:
+        """A message on the wire (its arrival time set by the sender's process, without shared links): into the
+        heap, numbered as its sender's next. `token`: (process, its number there) of a message another process
+        posted, told its arrival when its flow ends."""
         self.active = True
-        self._events.arrive(message)
+        if self._flows is None:
+            self._events.arrive(message)
+            return
+        message.arrives_at = math.nan
+        self._events.start(message)
+        if token is not None:
+            self._posted_by[(message.src, message.seq)] = token
+
+    def sent(self, rank: int, message: Message) -> None:
+        """Node `rank` waits on its send: with shared links, until its flow ends and its arrival time is known."""
+        if not math.isnan(message.arrives_at):
+            return
+        self._sending[(message.src, message.seq)] = rank
+        self.baton.await_message(rank, f"its send of {message.nbytes} bytes to "
+                                       f"{'the server' if message.dst == SERVER else f'node {message.dst}'}, on the wire")
+
+    def link_usage(self) -> dict[str, dict[str, float]] | None:
+        """Each link's busy seconds and bytes (live: complete once every flow has ended), or None without shared
+        links."""
+        return None if self._flows is None else self._flows.links
+
+    def _start(self, message: Message) -> None:
+        key = (message.src, message.seq)
+        self._wire[key] = message
+        self._flows.start(key, self.network.message_route(message.nbytes, message.src, message.dst), message.sent_at)
+        self._schedule()
+
+    def _schedule(self) -> None:
+        """The FINISH event of the flow whose last byte leaves first, as the flows stand now."""
+        flow = self._flows.next_finish()
+        if flow is not None:
+            self._events.finish(flow.finish, flow.key, self._flows.version)
+
+    def _finish(self, key: tuple[int, int], version: int) -> None:
+        if version != self._flows.version:
+            return  # a flow started or ended since: the FINISH event pushed then is the one
+        flow = self._flows.finish(key)
+        message = self._wire.pop(key)
+        message.arrives_at = flow.arrival
+        self._events.arrive(message, numbered=True)
+        self._schedule()
+        arrow = self._arrows.pop(key, None)
+        if arrow is not None:
+            arrow[0][arrow[1]] = message.arrives_at
+        rank = self._sending.pop(key, None)
+        if rank is not None:
+            self.baton.wake_receiver(rank)
+        token = self._posted_by.pop(key, None)
+        if token is not None:
+            self.hub.arrived(token, message.arrives_at)
 
     def wake_server(self, at: float) -> None:
         """A server timer (Server.wake_at)."""
@@ -231,8 +317,11 @@ class PostOffice:
 
     def state_dict(self) -> dict[str, Any]:
         """Messages in flight, mailboxes, the senders' counts and the server: plain data and tensors."""
-        return {**self._events.state_dict(), "handled": self._host.handled, "mail": self._boxes.state_dict(),
-                "server": self._host.state_dict()}
+        state = {**self._events.state_dict(), "handled": self._host.handled, "mail": self._boxes.state_dict(),
+                 "server": self._host.state_dict()}
+        if self._flows is not None:
+            state["flows"] = {**self._flows.state_dict(), "wire": [message_plain(m) for m in self._wire.values()]}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what state_dict returned; once (the backend reads it before any node runs, when it can: node 0's
@@ -245,6 +334,9 @@ class PostOffice:
             return
         self._loaded = True
         self._events.load_state_dict(state)
+        if self._flows is not None and "flows" in state:
+            self._flows.load_state_dict(state["flows"])
+            self._wire = {(m.src, m.seq): m for m in map(message_from_plain, state["flows"]["wire"])}
         self._host.handled = state["handled"]
         self._boxes.load_state_dict(state["mail"])
         self.active = True

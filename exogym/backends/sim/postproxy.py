@@ -21,6 +21,7 @@ from exogym.comm.messages import Message, Server, attach_server
 
 if TYPE_CHECKING:
     from exogym.backends.sim.baton import Baton
+    from exogym.backends.sim.exchange import Exchange
     from exogym.cluster.simtime import TimeModel
 
 __all__ = ["PostProxy"]
@@ -29,7 +30,7 @@ __all__ = ["PostProxy"]
 class PostProxy:
     """The messages of this process's nodes, by way of the hub in process `hub` (same calls as PostOffice)."""
 
-    def __init__(self, baton: "Baton", num_nodes: int, time_model: "TimeModel | None", exchange: Any, hub: int):
+    def __init__(self, baton: "Baton", num_nodes: int, time_model: "TimeModel | None", exchange: "Exchange", hub: int):
         self.baton, self.num_nodes, self.hub_process, self.exchange = baton, num_nodes, hub, exchange
         self.network = time_model.network if time_model is not None else None
         self.server: Server | None = None  # the server's shadow here, once a node declared it (it runs with the hub)
@@ -37,6 +38,13 @@ class PostProxy:
         self.active = False  # a message was posted or a server declared: checkpoints pause the clocks
         self.progress = 0  # answers taken in (the deadlock check across processes)
         self._answers: dict[int, Any] = {}  # rank -> what the hub answered it, until it runs
+        # shared links: the messages posted whose arrival the hub has not told yet, by number, and who waits on one
+        self._shared = self.network is not None and self.network.shared_links
+        self._on_wire: dict[int, Message] = {}
+        self._token_of: dict[int, int] = {}  # id(message) -> its number, while on the wire
+        self._sending: dict[int, int] = {}
+        self._arrows: dict[int, tuple[list[float], int]] = {}  # the timeline's arrivals to fill in, by number
+        self._posted = 0
         self._awaiting: set[int] = set()
         self._reported: Status | None = None
         self._bye = False
@@ -50,7 +58,7 @@ class PostProxy:
     def due(self) -> bool:
         return False  # the hub's heap decides
 
-    def settle(self) -> None:
+    def report_idle(self) -> None:
         """Nothing to run here: tell the hub, once per change (after every packet sent before, in order)."""
         status = Status(self.progress, dict(self.baton.crossings_started), frozenset(self.baton.open_crossings))
         if status != self._reported:
@@ -66,9 +74,27 @@ class PostProxy:
             self.exchange.check_peers()
         self.link.join()
 
+    def packets(self) -> tuple[dict[int, int], dict[int, int]]:
+        """The link's packets sent to the hub and taken in from it."""
+        return self.link.counts()
+
     def _on_packet(self, src: int, packet: tuple) -> None:
         if packet[0] == "bye":
             self._bye = True
+            return
+        if packet[0] == "arrived":  # a message's flow ended at the hub: its arrival time
+            _, token, at = packet
+            self.progress += 1
+            message = self._on_wire.pop(token)
+            del self._token_of[id(message)]
+            message.arrives_at = at
+            arrow = self._arrows.pop(token, None)
+            if arrow is not None:
+                arrow[0][arrow[1]] = at
+            rank = self._sending.pop(token, None)
+            if rank is not None:
+                self._awaiting.discard(rank)
+                self.baton.wake_receiver(rank)
             return
         _, rank, payload = packet  # "answer"
         self.progress += 1
@@ -78,9 +104,35 @@ class PostProxy:
 
     # ---- what the nodes' transports call ------------------------------------------------------------
     def post(self, message: Message) -> None:
-        message.arrives_at = arrival(self.network, message)
         self.active = True
-        self.link.send(self.hub_process, "post", message)
+        if not self._shared:
+            message.arrives_at = arrival(self.network, message)
+            self.link.send(self.hub_process, "post", message)
+            return
+        self._posted += 1  # shared links: the hub runs its flow and tells its arrival under this number
+        self._on_wire[self._posted] = message
+        self._token_of[id(message)] = self._posted
+        self.link.send(self.hub_process, "post", message, self._posted)
+
+    def arrow(self, message: Message, arrives: list[float], index: int) -> None:
+        """The timeline logs `message` at `arrives[index]`: with shared links, its arrival is put there when the hub
+        tells it (a process whose nodes have all finished is told no more: those arrows are left out)."""
+        token = self._token_of.get(id(message))
+        if token is not None:
+            self._arrows[token] = (arrives, index)
+
+    def sent(self, rank: int, message: Message) -> None:
+        """Node `rank` waits on its send: with shared links, until the hub tells its arrival."""
+        token = self._token_of.get(id(message))
+        if token is None:
+            return
+        self._sending[token] = rank
+        self._awaiting.add(rank)
+        self.baton.await_message(rank, f"its send of {message.nbytes} bytes, on the wire (told by the hub)")
+
+    def link_usage(self) -> None:
+        """The hub keeps the links' use (node 0's log)."""
+        return None
 
     def _ask(self, rank: int, at: float, op: str, src: int | None, tag: int | None, what: str, known: int = 0) -> Any:
         self.baton.arrivals += 1  # progress, for the watchdog

@@ -3,39 +3,54 @@ clock as the message's arrival says."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 
 from exogym.cluster.network import SERVER
 from exogym.comm.messages import Message
 
+if TYPE_CHECKING:
+    from exogym.backends.sim.baton import Baton
+    from exogym.cluster.simtime import NodeClock
+    from exogym.comm.transport import CommStats
+
 __all__ = ["SimSendWork", "SimRecvWork"]
 
 
-class SimSendWork:
-    """isend's handle: wait() brings the sender's clock to the message's arrival (the transfer is communication)."""
+class Receiver(Protocol):
+    """The node an irecv belongs to (its transport): what waiting on the handle reads and moves."""
 
-    def __init__(self, clock: Any, message: Message):
-        self._clock, self._message, self._done = clock, message, False
+    rank: int
+    step: int | None
+    clock: "NodeClock"
+    stats: "CommStats"
+    baton: "Baton"
+
+
+class SimSendWork:
+    """isend's handle: wait() brings the sender's clock to the message's arrival (the transfer is communication,
+    waiting for a shared link included). `until_sent()` returns once the arrival is known (shared links: when the
+    message's flow ends)."""
+
+    def __init__(self, clock: "NodeClock", message: Message, until_sent: Callable[[], None]):
+        self._clock, self._message, self._until_sent, self._done = clock, message, until_sent, False
 
     def is_completed(self) -> bool:
         return self._done
 
     def wait(self, timeout: Any = None) -> bool:
         if not self._done:
+            self._until_sent()
             self._done = True
-            extra = self._message.arrives_at - self._clock.now
-            if extra > 0:
-                self._clock.comm_s += extra
-                self._clock.now = self._message.arrives_at
+            self._clock.transfer_until(self._message.arrives_at)
         return True
 
 
 class SimRecvWork:
     """irecv's handle: wait() takes the message (in arrival order) and returns it."""
 
-    def __init__(self, transport: Any, src: int | None, tag: int | None, into: torch.Tensor | None):
+    def __init__(self, transport: "Receiver", src: int | None, tag: int | None, into: torch.Tensor | None):
         self._t, self._src, self._tag, self._into = transport, src, tag, into
         self._message: Message | None = None
 
@@ -50,9 +65,7 @@ class SimRecvWork:
         m = post.receive(t.rank, t.clock.now, self._src, self._tag, lambda: (
             f"recv from {who}" + ("" if self._tag is None else f" with tag {self._tag}")
             + f" at step {t.step}, since {t.clock.now:.6g} s"))
-        if m.arrives_at > t.clock.now:  # waited for it: idle
-            t.clock.wait_s += m.arrives_at - t.clock.now
-            t.clock.now = m.arrives_at
+        t.clock.catch_up(m.arrives_at)  # waited for it: idle
         t.stats.bytes_received += m.nbytes
         if self._into is not None:
             self._into.copy_(m.tensor)

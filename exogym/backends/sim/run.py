@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Sequence
 
 import torch
 
-from exogym.backends.hosting import SERVER, Hosting, Peers, ProcessBackend, process_group_timeout
+from exogym.backends.hosting import SERVER_ROLE, Hosting, Peers, ProcessBackend, process_group_timeout
 from exogym.backends.sim.baton import Baton
 from exogym.backends.sim.exchange import Exchange
 from exogym.backends.sim.fused.engine import FusedEngine
@@ -24,6 +24,7 @@ from exogym.engine.node import keep_completed_rows
 from exogym.engine.rng import NumpyBaton
 
 if TYPE_CHECKING:
+    from exogym.backends.sim.protocols import Messages
     from exogym.engine.plan import RunPlan, RunSinks
 
 __all__ = ["run_sim", "run_hosted", "SIM", "KeepOnceStore"]
@@ -62,7 +63,7 @@ class _NodeModes:
             torch.set_autocast_dtype(d, dtype)
 
 
-def _post_office(plan: "RunPlan", baton: Baton, exchange: Exchange | None, hub: int | None) -> Any:
+def _post_office(plan: "RunPlan", baton: Baton, exchange: Exchange | None, hub: int | None) -> "Messages":
     """The nodes' post office: the one event heap and the server (one process, or the hub: the process hosting the
     server role), or a proxy forwarding to the hub (exogym.backends.sim.postlink)."""
     k, time_model = plan.num_nodes, plan.cfg.time_model
@@ -160,7 +161,7 @@ def run_hosted(plan: "RunPlan", sinks: "RunSinks", hosting: Hosting, peers: Peer
         return run_sim(plan, sinks)
     exchange = Exchange(hosting.owner, hosting.process, peers.store, peers.run_key, peer_timeout=plan.peer_timeout)
     try:
-        return run_sim(plan, sinks, local=hosting.nodes, exchange=exchange, hub=hosting.role_process(SERVER))
+        return run_sim(plan, sinks, local=hosting.nodes, exchange=exchange, hub=hosting.role_process(SERVER_ROLE))
     finally:
         exchange.close()
 

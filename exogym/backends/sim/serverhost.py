@@ -10,8 +10,8 @@ from typing import Any, Callable
 import torch
 
 from exogym.backends.server_state import load_server, server_state
+from exogym.comm.messages import Message, Server, ServerPost, attach_server
 from exogym.runs.checkpoint_checks import check_server_state
-from exogym.comm.messages import Message, Server, attach_server
 from exogym.comm.transport import MessageError
 
 __all__ = ["ServerHost", "server_state", "load_server"]
@@ -26,7 +26,7 @@ class ServerHost:
         self.handling: tuple[str, str] | None = None  # (the server's class, what) while a handler runs: the watchdog's
         self._saved: dict[str, Any] | None = None  # a checkpoint's server state, until the server is made
 
-    def serve(self, make: Callable[[], Server], post: Any) -> Server:
+    def serve(self, make: Callable[[], Server], post: ServerPost) -> Server:
         """The server, made by `make()` at the first call and tied to `post` (its messages and timers go there)."""
         if self.server is None:
             self.server = attach_server(make, post)
@@ -71,7 +71,9 @@ class ServerHost:
     # ---- checkpoints ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any] | None:
         """The server's state (None without a server)."""
-        return None if self.server is None else server_state(self.server)
+        if self.server is None:
+            return None
+        return {**server_state(self.server), "sent": self.server.sent_log.to_plain()["messages"]}  # the timeline's
 
     def load_state_dict(self, saved: dict[str, Any] | None) -> None:
         """Restore what state_dict returned; a server not yet made takes it when it is made."""

@@ -281,8 +281,13 @@ class SimTransport(TransportBase):
     # ---- point-to-point messages and the server (exogym.backends.sim.postoffice) -------------------
     def send_message(self, message: Message, *, blocking: bool) -> SimSendWork | None:
         message.sent_at = self.clock.now
-        self.baton.post.post(message)
-        work = SimSendWork(self.clock, message)
+        post = self.baton.post
+        post.post(message)
+        if self.clock.spans is not None:  # the timeline's arrow, from send to arrival (shared links: once known)
+            arrives = self.clock.spans.messages["arrives"]
+            post.arrow(message, arrives, len(arrives))
+            self.clock.spans.sent(message.dst, message.sent_at, message.arrives_at, message.nbytes)
+        work = SimSendWork(self.clock, message, lambda: post.sent(self.rank, message))
         if blocking:
             work.wait()
             return None
@@ -342,6 +347,10 @@ class SimTransport(TransportBase):
     def served(self) -> Server | None:
         """The run's server, if a strategy declared one (its record goes with node 0's log)."""
         return self.baton.post.server
+
+    def link_usage(self) -> dict[str, dict[str, float]] | None:
+        """Each link's busy seconds and bytes (shared links; None otherwise; node 0's log keeps it)."""
+        return self.baton.post.link_usage()
 
 
 
