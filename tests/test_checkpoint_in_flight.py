@@ -23,6 +23,7 @@ import torch
 
 import toy
 from exogym import Trainer
+from exogym.cluster.network import Network
 from exogym.runs.checkpoint import CheckpointError, load_checkpoint, read_manifest
 from exogym.strategy import AsyncDiLoCoStrategy, GossipStrategy
 
@@ -32,7 +33,9 @@ MAKE = {"gossip": lambda: GossipStrategy(topology="ring", mode="async", lr=0.05)
 
 
 def _fit(name, **kw):
-    return Trainer(toy.TinyMLP(), toy.make_classification(256)).fit(MAKE[name](), 3, max_steps=8, **FIT, **kw)
+    fit = {**FIT, "network": Network(bandwidth="inf", latency=0.5)} if name == "gossip" else FIT  # no shared links:
+    return Trainer(toy.TinyMLP(), toy.make_classification(256)).fit(MAKE[name](), 3, max_steps=8, **fit, **kw)
+    # the gossip run's messages in flight have their arrival times
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +67,14 @@ def _load(folder: Path):
     return load_checkpoint(folder, read_manifest(folder), devices=[torch.device("cpu")] * 3)
 
 
+def _arriving(plain):
+    """The first event that is a message with its arrival time (not one starting on shared links)."""
+    events = plain["strategy"]["messages"]["events"]
+    return next(i for i, e in enumerate(events) if "message" in e and not e.get("start"))
+
+
 def _event(plain):
-    return plain["strategy"]["messages"]["events"][0]["message"]
+    return plain["strategy"]["messages"]["events"][_arriving(plain)]["message"]
 
 
 @pytest.mark.parametrize("field, change", [
@@ -82,6 +91,8 @@ def _event(plain):
         "python-rng-cut", "numpy-rng-cut", "negative-clock"])
 def test_a_changed_field_is_a_checkpoint_error_naming_it(checkpoints, tmp_path, field, change):
     folder = _copy(checkpoints["gossip"], tmp_path / "c", change=change)
+    index = _arriving(torch.load(folder / "node0.pt", weights_only=True))
+    field = field.replace("events[0]", f"events[{index}]")
     with pytest.raises(CheckpointError, match=rf"node0\.pt'?: {field.replace('[', '.').replace(']', '.')}"):
         _load(folder)
 

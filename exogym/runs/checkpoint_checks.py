@@ -26,6 +26,8 @@ __all__ = ["CheckpointError", "check_node_state", "check_messages_state", "check
 class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete, corrupted, or from a different run configuration."""
 
+_ROW_KEYS = ("step", "lr", "bytes", "wall_time_s")  # what every training row holds (exogym.runs.record)
+_CLOCK_SECONDS = ("now", "compute_s", "comm_s", "wait_s", "slowed_s")  # a node clock's times (NodeClock)
 _MT_WORDS = 624  # the Mersenne Twister's state: 624 words and a position (Python's random, numpy's RandomState)
 
 
@@ -74,8 +76,9 @@ def check_node_state(plain: Mapping[str, Any], num_nodes: int, file: Path) -> No
         CheckpointError: A field that cannot be this run's, named.
     """
     def clock() -> None:
-        for name, value in plain["clock"].items():
-            _time(f"clock.{name}", value)
+        for name in _CLOCK_SECONDS:
+            if name in plain["clock"]:
+                _time(f"clock.{name}", plain["clock"][name])
 
     def counts() -> None:
         for name in ("bytes_sent", "payload_bytes", "bytes_received"):
@@ -86,8 +89,15 @@ def check_node_state(plain: Mapping[str, Any], num_nodes: int, file: Path) -> No
         if isinstance(strategy, Mapping) and strategy.get("messages") is not None:
             check_messages_state(strategy["messages"], num_nodes)
 
+    def rows() -> None:  # the rows a resumed run writes back and merges into its record
+        for i, row in enumerate(plain["log"]["rows"]):
+            missing = [k for k in _ROW_KEYS if k not in row]
+            if missing or not all(isinstance(k, str) and isinstance(v, (int, float)) for k, v in row.items()):
+                _fail(f"log.rows[{i}]", f"a row of numbers with {list(_ROW_KEYS)} expected, got {_short(row)}")
+            _int(f"log.rows[{i}].step", int(row["step"]) if row["step"] == int(row["step"]) else row["step"], 1)
+
     parts = (("step", lambda: _int("step", plain["step"])), ("rng", lambda: _check_rng(plain["rng"])),
-             ("clock", clock), ("comm_stats", counts), ("messages", messages))
+             ("clock", clock), ("comm_stats", counts), ("log", rows), ("messages", messages))
     for name, check in parts:
         try:
             check()
@@ -141,8 +151,15 @@ def check_messages_state(state: Mapping[str, Any], num_nodes: int) -> None:
         seen.add(o)
         if "wake" in event:
             _time(f"{where}.wake", event["wake"])
-        else:
-            _check_message(f"{where}.message", event["message"], num_nodes)
+        elif "finish" in event:  # a transfer on shared links ends (exogym.cluster.flows)
+            _time(f"{where}.finish", event["finish"])
+            if not isinstance(event["key"], (list, tuple)) or len(event["key"]) != 2:
+                _fail(f"{where}.key", f"(sender, count) expected, got {_short(event['key'])}")
+            _party(f"{where}.key[0]", event["key"][0], num_nodes)
+            _int(f"{where}.key[1]", event["key"][1])
+            _int(f"{where}.version", event["version"])
+        else:  # a message on the wire; one starting on shared links has no arrival time yet (nan)
+            _check_message(f"{where}.message", event["message"], num_nodes, on_the_wire=bool(event.get("start")))
     for src, count in state["sent"].items():
         _party(f"messages.sent (sender {_short(src)})", src, num_nodes)
         _int(f"messages.sent[{src}]", count)
@@ -170,7 +187,7 @@ def _party(field: str, who: Any, num_nodes: int) -> int:
     return who
 
 
-def _check_message(where: str, m: Mapping[str, Any], num_nodes: int) -> None:
+def _check_message(where: str, m: Mapping[str, Any], num_nodes: int, on_the_wire: bool = False) -> None:
     src, dst = _party(f"{where}.src", m["src"], num_nodes), _party(f"{where}.dst", m["dst"], num_nodes)
     if src == dst:
         _fail(f"{where}.dst", f"a message from {src} to itself")
@@ -180,7 +197,11 @@ def _check_message(where: str, m: Mapping[str, Any], num_nodes: int) -> None:
     if not isinstance(m["meta"], Mapping) or not all(
             isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in m["meta"].items()):
         _fail(f"{where}.meta", f"str -> number expected, got {_short(m['meta'])}")
-    sent, arrives = _time(f"{where}.sent_at", m["sent_at"]), _time(f"{where}.arrives_at", m["arrives_at"])
+    sent = _time(f"{where}.sent_at", m["sent_at"])
+    if on_the_wire and isinstance(m["arrives_at"], float) and math.isnan(m["arrives_at"]):
+        arrives = sent  # its arrival is known once its flow ends
+    else:
+        arrives = _time(f"{where}.arrives_at", m["arrives_at"])
     if arrives < sent:
         _fail(f"{where}.arrives_at", f"it arrives at {arrives!r} s, before it was sent at {sent!r} s")
     _int(f"{where}.seq", m["seq"])
