@@ -5,17 +5,17 @@
 Every H steps a node sends its parameters to the server, which pulls the global model towards them
 (theta <- theta + alpha (x - theta), asynchronous EASGD's server step) and sends theta back; the node moves
 halfway to it. A ServerStrategy: the model fit returns is the server's, validation rows carry the server's
-updates (`exogym plot --x updates`). docs/asynchronous.md shows the class; tests/asynchrony/test_custom_strategy.py
-runs it.
+updates (`exogym plot --x updates`). docs/asynchronous.md shows this file from its imports on;
+tests/asynchrony/test_custom_strategy.py runs it.
 """
 
+# --8<-- [start:custom]
 import torch
 
 from exogym.comm import SERVER, Server, recv, send
 from exogym.strategy import OptimSpec, ServerStrategy
 
 
-# --8<-- [start:custom]
 class ElasticServer(Server):
     def __init__(self, theta: torch.Tensor, alpha: float):
         super().__init__()
@@ -49,7 +49,6 @@ class AsyncElasticAveraging(ServerStrategy):
             theta = recv(src=SERVER).tensor              # arrives after the round trip
             torch.nn.utils.vector_to_parameters((x + theta) / 2, self.model.parameters())
         super().step()
-# --8<-- [end:custom]
 
 
 if __name__ == "__main__":
@@ -65,3 +64,4 @@ if __name__ == "__main__":
     trainer.fit(AsyncElasticAveraging(H=10), 4, max_steps=100, batch_size=32, node_speeds=[1.0, 0.8, 0.5, 0.25],
                 network="home", val_size=256, logger=False)
     print(len(trainer.record.updates), "updates; final validation loss", trainer.record.val[-1]["global_loss"])
+# --8<-- [end:custom]

@@ -21,3 +21,30 @@ import pytest  # noqa: E402
 def _run_in_tmp_dir(tmp_path, monkeypatch):
     """fit() writes logs/<run_name>/ into the working directory by default: keep it out of the repo."""
     monkeypatch.chdir(tmp_path)
+
+
+
+class _StartsAProcess(RuntimeError):
+    pass
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test not marked `spawns` may not start a process, in its body or in any fixture it sets up (a module's
+    fixture too): the fast tier (-m "not spawns") is what it says. One that does fails, naming the mark to add."""
+    if item.get_closest_marker("spawns") is not None:
+        yield
+        return
+    import multiprocessing.process
+    import subprocess
+
+    def refuse(*args, **kwargs):
+        raise _StartsAProcess(f"{item.nodeid} starts a process: mark it @pytest.mark.spawns (the fast tier, "
+                              "-m 'not spawns', leaves those out)")
+
+    saved = subprocess.Popen._execute_child, multiprocessing.process.BaseProcess.start
+    subprocess.Popen._execute_child, multiprocessing.process.BaseProcess.start = refuse, refuse
+    try:
+        yield
+    finally:
+        subprocess.Popen._execute_child, multiprocessing.process.BaseProcess.start = saved

@@ -42,15 +42,12 @@ def test_the_readme_is_read_in_five_minutes():
     assert len(lines) <= MAX_README_LINES, f"README.md has {len(lines)} lines; keep it to {MAX_README_LINES}"
 
 
-def test_the_readme_quick_start_runs_as_pasted(tmp_path):
+def test_the_readme_quick_start_is_a_newcomers_first_block():
+    # It runs as pasted with every other block of the README: tests/test_docs_snippets.py.
     code = _first_python_block(README.read_text())
     lines = code.rstrip("\n").splitlines()
     assert 15 <= len(lines) <= 25, f"the quick start is {len(lines)} lines; a newcomer's first block is 15-25"
     assert "Trainer(" in code and ".fit(" in code, "the quick start must build a Trainer and call fit"
-    (tmp_path / "quickstart.py").write_text(code)
-    done = subprocess.run([sys.executable, "quickstart.py"], cwd=tmp_path, env=_env(), capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, f"the README's quick start failed:\n{done.stdout}\n{done.stderr}"
 
 
 _HAS_MKDOCS = importlib.util.find_spec("mkdocs") is not None and importlib.util.find_spec("mkdocstrings") is not None
@@ -70,6 +67,7 @@ def site(tmp_path_factory) -> Path:
 
 
 @_needs_mkdocs
+@pytest.mark.spawns  # the site is built by mkdocs in a process
 def test_the_documentation_site_builds_strictly(site):
     for page in ("index.html", "guide/index.html", "design/index.html", "api/trainer/index.html"):
         assert (site / page).is_file(), page
@@ -129,6 +127,7 @@ class _DocContents(HTMLParser):
 
 
 @_needs_mkdocs
+@pytest.mark.spawns  # the site is built by mkdocs in a process
 def test_api_pages_hold_no_raw_html_from_docstrings(site):
     pages = sorted((site / "api").glob("*/index.html"))
     assert len(pages) == len(list(API_PAGES.glob("*.md"))), [p.parent.name for p in pages]
@@ -140,17 +139,21 @@ def test_api_pages_hold_no_raw_html_from_docstrings(site):
     assert not problems, "the API reference shows what a docstring did not mean:\n" + "\n".join(problems)
 
 
+def _signatures(site: Path) -> list[tuple[str, str]]:
+    """Every rendered signature of the API pages as text: (page, signature)."""
+    return [(page.parent.name, html.unescape(re.sub(r"<[^>]+>", "", signature)))
+            for page in sorted((site / "api").glob("*/index.html"))
+            for signature in re.findall(r'doc-signature[^>]*><pre>(.*?)</pre>', page.read_text(), re.S)]
+
+
 @_needs_mkdocs
 @pytest.mark.skipif(importlib.util.find_spec("ruff") is None and importlib.util.find_spec("black") is None,
                     reason='mkdocstrings wraps signatures with ruff or black: pip install -e ".[docs]"')
+@pytest.mark.spawns  # the site is built by mkdocs in a process
 def test_long_signatures_wrap(site):
     # fit's 41 keywords once made one 1,445-character line; mkdocs.yml's line_length is 88.
-    long_lines = []
-    for page in sorted((site / "api").glob("*/index.html")):
-        for signature in re.findall(r'doc-signature[^>]*><pre>(.*?)</pre>', page.read_text(), re.S):
-            text = html.unescape(re.sub(r"<[^>]+>", "", signature))
-            long_lines += [f"api/{page.parent.name}: {line[:60]}... ({len(line)} characters)"
-                           for line in text.splitlines() if len(line) > 100]
+    long_lines = [f"api/{page}: {line[:60]}... ({len(line)} characters)" for page, text in _signatures(site)
+                  for line in text.splitlines() if len(line) > 100]
     assert not long_lines, "signatures that do not wrap:\n" + "\n".join(long_lines)
 
 
@@ -279,6 +282,7 @@ def _docstring_problems(griffe, label, obj) -> list[str]:
     return problems
 
 
+@pytest.mark.spawns
 def test_every_public_argument_has_an_args_entry():
     griffe, objects, _ = _api_objects()
     assert len(objects) > 50, [label for label, _ in objects]  # the walk found the API, not an empty list
@@ -287,9 +291,29 @@ def test_every_public_argument_has_an_args_entry():
                           f"summary line, then Args:/Returns:/Raises: sections):\n" + "\n".join(problems))
 
 
+@pytest.mark.spawns
 def test_every_export_of_a_documented_module_is_on_an_api_page():
     """A class or function added to the `__all__` of a module the API pages document (exogym, exogym.strategy,
     exogym.runs.loggers, ...) appears in the reference, not only in the code."""
     _, _, missing = _api_objects()
     assert not missing, "exported but not in the API reference (add a `::: path` line to the page):\n" + "\n".join(
         f"{path}: docs/api/{page}" for path, page in missing)
+
+
+@_needs_mkdocs
+@pytest.mark.spawns  # the site is built by mkdocs in a process
+def test_signatures_show_default_values_not_constant_names(site):
+    # fit's node_timeout=DEFAULT_NODE_TIMEOUT rendered as a clipped `DEFAULT_NODE_TI...`: a reader needs the value.
+    names = [f"api/{page}: {m}" for page, text in _signatures(site)
+             for m in re.findall(r"\w+\s*=\s*[A-Z][A-Z0-9]*_[A-Z0-9_]+\b", text)]  # (op=SUM is its value)
+    assert not names, "defaults shown as constant names:\n" + "\n".join(names)
+
+
+def test_fits_default_timeouts_are_the_backends():
+    import inspect
+
+    from exogym import Trainer
+    from exogym.backends.errors import DEFAULT_NODE_TIMEOUT
+    from exogym.backends.peer_watch import DEFAULT_PEER_TIMEOUT
+    shown = inspect.signature(inspect.unwrap(Trainer.fit)).parameters
+    assert (shown["node_timeout"].default, shown["peer_timeout"].default) == (DEFAULT_NODE_TIMEOUT, DEFAULT_PEER_TIMEOUT)

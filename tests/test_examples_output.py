@@ -97,6 +97,7 @@ def test_update_docs_with_other_settings_is_refused_before_training(name, capsys
         example.parse_args([f"--{attr}", "x", "--update-docs"])
 
 
+@pytest.mark.spawns
 def test_the_refusal_comes_from_the_command_line_before_any_data_is_loaded(tmp_path):
     # The real script, as a newcomer runs it: exit status 2, a clear message, nothing written anywhere.
     done = subprocess.run([sys.executable, str(ROOT / "examples" / "mnist.py"), "--steps", "5", "--update-docs"],

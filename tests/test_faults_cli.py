@@ -102,7 +102,7 @@ HOSTILE = [
     (["run", "--device", ""], "--device: must not be empty"),
     (RUN + ["--device", "tpu"], "invalid device 'tpu'"),
     (RUN + ["--optim", "adamx"], "unknown optimizer name 'adamx'"),
-    (RUN + ["--optim", ""], "unknown optimizer name ''"),
+    (RUN + ["--optim", ""], "argument --optim: must not be empty"),
     (["run", "--task", "nope"], "--task: invalid choice: 'nope'"),
     (["run", "--strategy", "nope"], "--strategy: invalid choice: 'nope'"),
     (["run", "--active-nodes", "sometimes"], "--active-nodes: invalid choice"),
@@ -213,6 +213,7 @@ def test_errors_of_a_started_run_and_internal_errors_are_status_1(capsys, monkey
         main(["--debug"] + RUN)
 
 
+@pytest.mark.spawns
 def test_ctrl_c_on_a_real_run_exits_130_with_one_line(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen([sys.executable, "-m", "exogym.cli", "run", "--steps", "1000000", "--nodes", "2",

@@ -51,6 +51,7 @@ def uninterrupted(tmp_path_factory) -> list[dict[str, str]]:
     return table(where / "logs" / "r")
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("kind, step", DRAWS, ids=[f"{k}-at-step-{s}" for k, s in DRAWS])
 def test_a_run_stopped_at_a_random_step_loses_nothing_it_completed(kind, step, tmp_path, uninterrupted):
     out = subprocess.run([sys.executable, str(SCRIPT), kind, str(step)], cwd=tmp_path, capture_output=True, text=True,
@@ -87,6 +88,7 @@ def test_a_run_stopped_at_a_random_step_loses_nothing_it_completed(kind, step, t
 DISK_KB = random.Random("disk").randint(100, 260)  # a whole run needs about 300 KB at its peak: it fills mid-run
 
 
+@pytest.mark.spawns
 def test_a_run_whose_disk_fills_up_at_a_random_point_loses_nothing_it_completed(tmp_path, uninterrupted, monkeypatch):
     why = small_disk_unavailable()
     if why is not None:
@@ -177,6 +179,7 @@ def uninterrupted_over(tmp_path_factory, uninterrupted):
     return rows
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("launch, kind, step", PROCESS_DRAWS, ids=[f"{l}-{k}-at-step-{s}" for l, k, s in PROCESS_DRAWS])
 def test_a_process_lost_at_a_random_step_loses_nothing_the_run_completed(launch, kind, step, tmp_path,
                                                                         uninterrupted_over):

@@ -31,6 +31,7 @@ def steps_in(run: Path) -> list[int]:
         return [int(r["step"]) for r in csv.DictReader(f)]
 
 
+@pytest.mark.spawns
 def test_exogyms_errors_keep_their_type_across_processes_with_the_node_named():
     trainer = Trainer(TinyMLP(), FailOnNode(rank=1, index=16 * 4, fail="diskfull"))
     with pytest.raises(DiskFullError, match="no space left") as info:
@@ -39,6 +40,7 @@ def test_exogyms_errors_keep_their_type_across_processes_with_the_node_named():
     assert any("node 1" in note for note in info.value.__notes__)
 
 
+@pytest.mark.spawns
 def test_peak_memory_covers_every_process_and_each_one():
     trainer = Trainer(TinyMLP(), FailOnNode(rank=1, index=-1))
     trainer.fit(DiLoCoStrategy(OptimSpec(torch.optim.SGD, lr=0.1), H=3), 2, max_steps=3, batch_size=16,
@@ -67,6 +69,7 @@ fault_run.fit()
 """
 
 
+@pytest.mark.spawns
 def test_under_torchrun_a_checkpoint_folder_not_every_rank_sees_is_refused_before_training(tmp_path):
     script = tmp_path / "two_disks.py"
     script.write_text(_TWO_DISKS.format(tests=str(TESTS)))
@@ -134,6 +137,7 @@ def test_two_machines_under_torchrun_keep_every_row_and_refuse_a_checkpoint_fold
     assert not [p for f in folders for p in f.rglob("node_*")]
 
 
+@pytest.mark.spawns
 def test_under_torchrun_the_torch_backend_names_the_rank_that_went_away_not_its_own_node(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     out = subprocess.run(fault_run.command("SIGKILL", 6, "torchrun-torch"), cwd=tmp_path, env=env,
@@ -144,6 +148,7 @@ def test_under_torchrun_the_torch_backend_names_the_rank_that_went_away_not_its_
     assert summary["error"].startswith("PeerLostError: process 1 (node 1) went away"), summary["error"]
 
 
+@pytest.mark.spawns
 def test_a_caller_killed_at_a_checkpoint_resumes_writing_the_rows_its_folder_misses(tmp_path):
     # Node 1 SIGKILLs the caller as it reads step 13's batch: checkpoint 12 is written, and its rows were just sent
     # to the caller, which may die before writing them (issue 38 saw train.csv at 150 with checkpoint 160 in 3 of

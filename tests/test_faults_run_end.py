@@ -110,6 +110,7 @@ def test_a_nan_made_by_every_nodes_forward_pass_is_not_blamed_on_an_update():
     assert all(math.isfinite(trainer.record.node_loss[r][5]) for r in range(2))
 
 
+@pytest.mark.spawns
 def test_a_nan_in_one_process_of_several_is_named_too():
     data = NanOnNode(rank=2)
     trainer = Trainer(TinyMLP(), data, data)
@@ -120,6 +121,7 @@ def test_a_nan_in_one_process_of_several_is_named_too():
     assert len(trainer.record.train) >= 9
 
 
+@pytest.mark.spawns
 def test_a_nan_on_the_torch_backend_is_named_from_every_node_process():
     data = NanOnNode(rank=1)
     trainer = Trainer(TinyMLP(), data, data)
@@ -166,6 +168,7 @@ def test_a_run_that_raises_part_way_keeps_every_completed_row():
     assert summary["status"] == "failed" and "example 96" in summary["error"] and summary["steps"] == 6
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("backend, processes", [("sim", 2), ("torch", 1)])
 def test_a_failure_in_one_process_keeps_the_rows_the_other_processes_completed(backend, processes):
     # Node 3 cannot read its step-7 batch. DiLoCo's nodes meet every 5 steps, so the nodes in other processes are
@@ -206,6 +209,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("sig, nodes, processes", [("SIGTERM", 1, 1), ("SIGINT", 1, 1), ("SIGTERM", 4, 2)])
 def test_a_signal_interrupts_the_run_which_says_so_and_names_its_newest_checkpoint(sig, nodes, processes,
                                                                                     tmp_path):
@@ -247,6 +251,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.spawns
 def test_a_node_stuck_in_native_code_ends_the_process_with_the_run_folder_saying_so(tmp_path):
     # No signal reaches it, so the watchdog names it on stderr (its stack down to the Python line that called into
     # native code), records the failure through fit's on_stuck (and the rows of steps 1-6), and ends the process

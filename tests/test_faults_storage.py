@@ -58,6 +58,7 @@ def small_disk(tmp_path_factory):
     return run_on_small_disk(tmp_path_factory.mktemp("disk") / "mnt", 768)
 
 
+@pytest.mark.spawns
 def test_too_little_space_at_the_start_is_refused_before_anything_is_written(small_disk):
     report, _ = small_disk
     for seen in (report["probe"], report["tiny_fit"]):
@@ -72,6 +73,7 @@ def test_too_little_space_at_the_start_is_refused_before_anything_is_written(sma
     assert report["names_free"] == [2, 2]  # both names trained 2 rows once space was freed
 
 
+@pytest.mark.spawns
 def test_a_disk_filled_by_checkpoints_fails_naming_the_file_and_keeps_the_newest_complete_one(small_disk):
     report, _ = small_disk
     failed = report["ck_fit"]
@@ -89,6 +91,7 @@ def test_a_disk_filled_by_checkpoints_fails_naming_the_file_and_keeps_the_newest
     assert report["ck_summary"]["status"] == "failed" and "DiskFullError: disk full:" in report["ck_summary"]["error"]
 
 
+@pytest.mark.spawns
 def test_torch_saves_own_failure_on_a_full_disk_is_a_disk_full_error_and_leaves_no_partial_folder(small_disk):
     report, _ = small_disk
     # 300 one-float tensors: 1.2 KB of tensors, which the check before the write lets through, in a file of
@@ -100,6 +103,7 @@ def test_torch_saves_own_failure_on_a_full_disk_is_a_disk_full_error_and_leaves_
     assert report["raw_left"] == []
 
 
+@pytest.mark.spawns
 def test_a_checkpoint_folder_short_of_one_checkpoint_is_refused_before_any_node_starts(small_disk):
     report, _ = small_disk
     assert re.fullmatch(r"not enough disk space for one checkpoint: checkpoint_dir '.*ck2' needs at least 602.0 KB "
@@ -110,6 +114,7 @@ def test_a_checkpoint_folder_short_of_one_checkpoint_is_refused_before_any_node_
     assert report["space_fit_forwards"] == 0 and report["space_left"] is False
 
 
+@pytest.mark.spawns
 def test_a_full_log_disk_leaves_whole_rows_and_a_failed_marker_and_finish_does_not_raise(small_disk):
     report, stderr = small_disk
     assert report["rows_fit"]["type"] == "DiskFullError"
@@ -121,6 +126,7 @@ def test_a_full_log_disk_leaves_whole_rows_and_a_failed_marker_and_finish_does_n
     assert "exogym: the run's summary was not written: disk full: the run's summary 'logs/rows/summary.json'" in stderr
 
 
+@pytest.mark.spawns
 def test_a_failed_append_is_cut_back_and_a_release_needs_no_free_block(small_disk):
     report, _ = small_disk
     assert report["append"]["type"] == "DiskFullError" and report["append"]["needed"] == 20_004
@@ -216,6 +222,7 @@ _FIRST = textwrap.dedent("""
 """)
 
 
+@pytest.mark.spawns
 def test_a_second_run_is_refused_while_the_first_writes_into_the_checkpoint_folder(tmp_path):
     ck = tmp_path / "ck"
     first = subprocess.Popen([sys.executable, "-c", _FIRST, str(TESTS), str(ck)], cwd=tmp_path,
@@ -256,6 +263,7 @@ def test_another_runs_checkpoints_name_it_and_only_overwrite_replaces_them():
     assert _names("ck") == ["step_000000002"] and read_manifest(Path("ck/step_000000002"))["run_name"] == "second"
 
 
+@pytest.mark.spawns
 def test_unfinished_checkpoints_are_removed_only_by_the_run_that_left_them():
     ck = Path("ck")
     (ck / "step_000000099.partial").mkdir(parents=True)  # another run's, there before this one

@@ -75,6 +75,7 @@ WAITS = {  # each would wait a minute or forever
 }
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("name", list(WAITS))
 def test_a_node_waiting_in_an_interruptible_call_is_stopped_and_named(name):
     wait = WAITS[name]()
@@ -233,6 +234,7 @@ def _start_stuck(tmp_path):
 # with_the_run_folder_saying_so. Without it, the process is left to its caller:
 
 
+@pytest.mark.spawns
 def test_without_on_stuck_the_process_is_named_on_stderr_and_left_to_its_caller(tmp_path):
     proc = _start_stuck(tmp_path)
     try:
@@ -293,6 +295,7 @@ def test_a_node_waiting_in_an_event_is_stopped_within_its_timeout():
     assert time.monotonic() - started < 30
 
 
+@pytest.mark.spawns
 def test_a_simulating_process_stuck_in_native_code_is_named_by_the_caller():
     started = time.monotonic()
     with pytest.raises(NodeTimeoutError) as info:

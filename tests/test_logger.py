@@ -95,6 +95,7 @@ def test_tensorboard_event_files():
     assert list(Path("tb/run").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.spawns
 def test_wandb_offline_run_folder():
     pytest.importorskip("wandb", reason="the wandb extra is not installed")
     lg = WandbLogger(project="exogym-test", run_name="offline", mode="offline", dir=".")

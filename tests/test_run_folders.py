@@ -174,6 +174,7 @@ _RACER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.spawns
 def test_processes_racing_for_the_same_names_never_share_a_folder(tmp_path):
     root, racers = tmp_path / "logs", 3
     procs = [subprocess.Popen([sys.executable, "-c", _RACER, str(i), str(root)], stdout=subprocess.PIPE, text=True)

@@ -186,12 +186,14 @@ def test_bad_windows_are_refused_before_any_node_starts(slowdowns, message, tmp_
     assert not (tmp_path / "logs").exists()
 
 
+@pytest.mark.spawns
 def test_the_same_slowdowns_over_two_processes():
     one, _ = _diloco()
     two, _ = _diloco(processes=2)
     assert two.slowdowns == one.slowdowns and two.sim_time_per_node == one.sim_time_per_node
 
 
+@pytest.mark.spawns
 def test_on_the_torch_backend_a_synchronous_strategy_meets_the_same_slowdowns_at_the_same_simulated_times():
     # The torch backend settles each collective's clocks by the sim's rule (exogym.backends.torch.transport), and
     # each node stretches its own compute by the same seeded schedule: same windows, same simulated times.

@@ -42,6 +42,7 @@ def _get(url: str, deadline: float) -> bytes:
             time.sleep(0.2)
 
 
+@pytest.mark.spawns
 def test_the_dashboard_serves_the_sweeps_study_and_its_loss_vs_bytes_front(tmp_path):
     result = sweep(tradeoff, grid(H=[1, 2, 5], outer_lr=[0.3, 0.5]), out=tmp_path / "s", objective="held_out",
                    extra_metrics=["held_out"], progress=False)

@@ -51,6 +51,7 @@ def test_a_million_cell_grid_starts_at_once_and_holds_only_its_queue(tmp_path):
     assert [r["status"] for r in rows[:4]] == ["completed"] * 3 + ["interrupted"]
 
 
+@pytest.mark.spawns
 def test_every_configuration_runs_once_with_two_workers_and_small_ranges(tmp_path, monkeypatch):
     monkeypatch.setattr(grid_queue, "CHUNK", 2)  # kept on the study: the worker processes queue ranges of 2
     space = grid(H=[1, 2, 3, 4], outer_lr=[0.3, 0.7]) + grid(H=[2, 3, 5], outer_lr=[0.7])  # shares 2 of its 3

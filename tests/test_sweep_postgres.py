@@ -54,6 +54,7 @@ def _trials(url: str, name: str) -> list:
     return study.get_trials(deepcopy=False)
 
 
+@pytest.mark.spawns
 def test_two_workers_from_two_folders_share_one_study_each_trial_once(server, tmp_path):
     grid_args = ["--H", "2", "3", "4", "5", "6", "7", "--steps", "20", "--storage", server.url,
                  "--study-name", "shared", "--out", "s"]
@@ -77,6 +78,7 @@ def test_two_workers_from_two_folders_share_one_study_each_trial_once(server, tm
         assert sorted(r["H"] for r in rows) == [2, 3, 4, 5, 6, 7] and all(r["status"] == "completed" for r in rows)
 
 
+@pytest.mark.spawns
 def test_the_database_stopped_mid_sweep_and_started_again_loses_nothing_and_reruns_nothing(server, tmp_path):
     proc = _cli(tmp_path, "--H", "2", "3", "4", "5", "6", "--steps", "60", "--storage", server.url, "--out", "s")
     runs = tmp_path / "s" / "runs"
@@ -109,6 +111,7 @@ def test_the_database_stopped_mid_sweep_and_started_again_loses_nothing_and_reru
             assert [int(line.split(",")[0]) for line in list(f)[1:]] == list(range(1, 61))
 
 
+@pytest.mark.spawns
 def test_a_storage_that_cannot_work_is_one_line_and_leaves_no_folder(server, tmp_path):
     out = tmp_path / "s"
     for storage, error, match in [
@@ -122,6 +125,7 @@ def test_a_storage_that_cannot_work_is_one_line_and_leaves_no_folder(server, tmp
     assert rows[0]["status"] == "completed"
 
 
+@pytest.mark.spawns
 def test_a_first_trial_queued_twice_on_a_database_runs_once(server, tmp_path, monkeypatch):
     # As tests/test_sweep_grid.py, on PostgreSQL: the maker and a machine resuming while it sets up each queue the
     # first trial; the later one is pruned when taken, and each configuration runs once.

@@ -46,6 +46,7 @@ def _start(out: Path, *args: str) -> subprocess.Popen:
                             start_new_session=True)
 
 
+@pytest.mark.spawns
 def test_a_worker_killed_mid_run_is_replaced_and_its_configuration_reruns_from_its_checkpoint(tmp_path):
     out = tmp_path / "s"
     proc = _start(out)
@@ -64,6 +65,7 @@ def test_a_worker_killed_mid_run_is_replaced_and_its_configuration_reruns_from_i
             assert [int(line.split(",")[0]) for line in list(f)[1:]] == list(range(1, 31))
 
 
+@pytest.mark.spawns
 def test_a_sweep_killed_outright_resumes_bit_identically_with_its_own_workers(tmp_path):
     # The reference: the same sweep left alone, in this process (one worker, the one thread the killed sweep's
     # workers have too: conftest sets OMP_NUM_THREADS=1 for the processes tests start).
@@ -84,6 +86,7 @@ def test_a_sweep_killed_outright_resumes_bit_identically_with_its_own_workers(tm
             if p.parent.name in finished} == finished  # finished runs were not run again
 
 
+@pytest.mark.spawns
 def test_a_script_without_the_main_guard_gets_one_line_naming_the_fix(tmp_path):
     script = tmp_path / "no_guard.py"
     script.write_text("from exogym.sweep import grid, sweep\nfrom sweep_runs import tiny\n"

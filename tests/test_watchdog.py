@@ -1,13 +1,16 @@
 """The sim's watchdog: a node that keeps the baton past node_timeout is named with its step and stack, and the
 run stops; long steps below the timeout are left alone."""
 
+import os
 import time
 
 import pytest
+import torch
 
 import toy
 from exogym import Trainer
 from exogym.backends.errors import DEFAULT_NODE_TIMEOUT, NodeTimeoutError
+from exogym.backends.sim.watchdog import importing_torch
 from exogym.strategy import SimpleReduceStrategy
 
 
@@ -109,3 +112,27 @@ def test_node_timeout_is_validated_and_none_disables_it():
         _fit(SimpleReduceStrategy(), max_steps=1, node_timeout=float("inf"))
     _fit(SimpleReduceStrategy(), max_steps=1, node_timeout=None)
     assert DEFAULT_NODE_TIMEOUT == 600.0
+
+
+# Code that runs as the body of a torch module would (what a lazy `import torch._dynamo` runs): a module-level frame
+# of a file in torch's folder. Nothing is written there; compile() only names the file.
+_TORCH_MODULE_BODY = compile("import time\ntime.sleep(SECONDS)\nimport sys\nFRAME = sys._getframe()",
+                             os.path.join(os.path.dirname(torch.__file__), "_exogym_test_module.py"), "exec")
+
+
+class ImportsTorchSlowly(SimpleReduceStrategy):
+    """Node 0's first step imports a torch module that takes longer than node_timeout (torch._dynamo under load)."""
+
+    def step(self):
+        if self.rank == 0 and self.local_step == 0:
+            exec(_TORCH_MODULE_BODY, {"SECONDS": 2.5})
+        super().step()
+
+
+def test_time_spent_importing_torchs_own_modules_is_not_the_nodes():
+    # Before, node 0 was stopped: "node 0 ran for 1.0 s in step 1 without finishing it ... node_timeout=1 s", inside torch's import.
+    _fit(ImportsTorchSlowly("sgd", lr=0.1), max_steps=2, node_timeout=1.0)
+    body = {"SECONDS": 0}
+    exec(_TORCH_MODULE_BODY, body)
+    assert importing_torch(body["FRAME"]) and not importing_torch(None)
+    assert not importing_torch(__import__("sys")._getframe())  # a test's own frames: not torch's

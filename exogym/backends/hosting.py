@@ -8,17 +8,20 @@ launcher (`exogym.launch`), which is the one layer that knows how many processes
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
+from exogym.engine.execution import FusedFallbackWarning
+
 if TYPE_CHECKING:
     from exogym.engine.plan import RunPlan, RunSinks
 
 __all__ = ["Hosting", "Peers", "ProcessBackend", "blocks", "block_of", "process_group_timeout",
-           "PROCESS_GROUP_TIMEOUT", "SERVER_ROLE"]
+           "PROCESS_GROUP_TIMEOUT", "SERVER_ROLE", "sequential_execution"]
 
 # The role of a participant that is not a node: a strategy's server (global state, and code reacting to each
 # arriving message). It runs in the process that holds node 0; no launcher needs to know more than that.
@@ -146,6 +149,11 @@ class ProcessBackend:
         group_timeout: the process group's timeout for a plan.
         passthrough: failures a process reports that reach the caller as themselves, as one process raises them.
         processes_take_gpus: process p of a local launch runs its CUDA nodes on GPU p (mod the GPUs).
+        choose_execution: which execution (fit's execution=: "sequential", "fused" or "auto") the backend's nodes
+            run, decided before any node starts: choose_execution(execution, model=..., first_batch=...,
+            num_nodes=..., devices=..., minibatch_size=..., autocast=..., seed=..., resume_from=...,
+            optim_spec=..., one_replica=...) -> ("sequential" | "fused", why); None: every node runs on its own
+            (sequential_execution).
     """
 
     name: str
@@ -155,3 +163,24 @@ class ProcessBackend:
     group_timeout: Callable[["RunPlan"], timedelta]
     passthrough: tuple[type, ...] = ()
     processes_take_gpus: bool = False
+    choose_execution: Callable[..., tuple[str, str]] | None = None
+
+    def execution(self, execution: str, **probe: Any) -> tuple[str, str]:
+        """The execution this backend's nodes run for fit's execution= (what choose_execution decides, or
+        sequential_execution's answer), and why."""
+        if self.choose_execution is None:
+            return sequential_execution(execution, backend=self.name)
+        return self.choose_execution(execution, **probe)
+
+
+def sequential_execution(execution: str, *, backend: str, **_: Any) -> tuple[str, str]:
+    """The execution of a backend that runs each node on its own: sequential; "fused" is refused, "auto" falls back
+    with a FusedFallbackWarning (the sim backend alone batches nodes, exogym.backends.sim.fused.choose)."""
+    if execution == "sequential":
+        return "sequential", "requested"
+    reason = f"fused execution batches the nodes of one process (backend='sim'), got backend={backend!r}"
+    if execution == "fused":
+        raise ValueError(f"execution='fused' cannot run here: {reason}; use execution='sequential' "
+                         "(or 'auto', which falls back to it)")
+    warnings.warn(f"execution='auto' runs the nodes sequentially: {reason}", FusedFallbackWarning, stacklevel=3)
+    return "sequential", reason

@@ -15,15 +15,14 @@ import argparse
 import signal
 import sys
 from pathlib import Path
-from typing import Callable, NoReturn, Sequence
+from typing import NoReturn, Sequence
 
-from exogym._validation import MAX_SEED
+from exogym.cli.options import OPTIONS, add_options, cluster_arguments, text
+from exogym.cli.strategies import STRATEGY_BUILDERS, options_read
+from exogym.cli.tasks import get_task
 from exogym.launch.signals import interrupt_signal
 from exogym.runs.folder import check_run_name
 from exogym.runs.plot import X_AXES
-from exogym.strategy import Strategy
-from exogym.strategy.optim import OptimSpec
-from exogym.cli.tasks import TASKS, get_task
 
 __all__ = ["main", "STRATEGY_BUILDERS", "UsageError"]
 
@@ -38,147 +37,12 @@ class UsageError(Exception):
 EXIT_USAGE, EXIT_FAILED = 2, 1
 
 
-def _inner(args: argparse.Namespace) -> OptimSpec:
-    return OptimSpec.from_string(args.optim, lr=args.lr)
-
-
-def _common(args: argparse.Namespace) -> dict:
-    out = {"max_norm": args.max_norm}
-    if args.warmup_steps:
-        out.update(warmup_steps=args.warmup_steps, cosine_anneal=args.cosine)
-    return out
-
-
-def _ddp(args: argparse.Namespace) -> Strategy:
-    from exogym.strategy import SimpleReduceStrategy
-    return SimpleReduceStrategy(_inner(args), **_common(args))
-
-
-def _diloco(args: argparse.Namespace) -> Strategy:
-    from exogym.strategy import DiLoCoStrategy
-    return DiLoCoStrategy(_inner(args), H=args.H, outer_lr=args.outer_lr, **_common(args))
-
-
-def _sparta(args: argparse.Namespace) -> Strategy:
-    from exogym.strategy import SPARTAStrategy
-    return SPARTAStrategy(_inner(args), p_sparta=args.p_sparta, **_common(args))
-
-
-def _fedavg(args: argparse.Namespace) -> Strategy:
-    from exogym.strategy import FedAvgStrategy
-    return FedAvgStrategy(_inner(args), H=args.H, island_size=args.island_size, **_common(args))
-
-
-def _demo(args: argparse.Namespace) -> Strategy:
-    from exogym.strategy import DeMoStrategy
-    return DeMoStrategy(lr=args.lr, compression_topk=args.topk, **_common(args))
-
-
-# name -> builder(args): one name per strategy; each builder reads only the options that strategy has.
-STRATEGY_BUILDERS: dict[str, Callable[[argparse.Namespace], Strategy]] = {
-    "ddp": _ddp, "diloco": _diloco, "sparta": _sparta, "fedavg": _fedavg, "demo": _demo}
-
-
-def _int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        if maximum is not None and value > maximum:
-            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")
-        return value
-    return parse
-
-
-def _number(*, positive: bool = False, below_one: bool = False) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-        if value in (float("inf"), float("-inf")):  # 1e999 too: a float that large is inf
-            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-        if value != value or (positive and value <= 0) or (not positive and value < 0):
-            raise argparse.ArgumentTypeError(f"must be {'> 0' if positive else '>= 0'}, got {text}")
-        if below_one and value > 1:
-            raise argparse.ArgumentTypeError(f"must be at most 1, got {text}")
-        return value
-    return parse
-
-
-def _failure_rate(text: str) -> float:
-    """A per-step failure probability a run can use: at 1 every node fails at every step, so none trains."""
-    value = _number(below_one=True)(text)
-    if value == 1:
-        raise argparse.ArgumentTypeError(f"must be below 1 (at 1 every node fails at every step), got {text}")
-    return value
-
-
-def _factor(text: str) -> float:
-    """A slowdown factor: how many times longer compute takes, at least 1 (1: no slowdown)."""
-    value = _number(positive=True)(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 (a factor of 2 halves the node's speed), got {text}")
-    return value
-
-
-def _text(text: str) -> str:
-    """A name or path that must not be empty ("" would silently mean the current folder or the default device)."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError(f"must not be empty, got {text!r}")
-    return text
-
-
-def _add_training_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--task", default="synthetic", choices=sorted(TASKS),
-                   help="; ".join(f"{t.name}: {t.description}" for t in TASKS.values()))
-    p.add_argument("--nodes", type=_int_at_least(1), default=4, help="number of simulated nodes")
-    p.add_argument("--steps", type=_int_at_least(1), default=200, help="optimizer steps per run")
-    p.add_argument("--batch-size", type=_int_at_least(1), default=32, help="batch per node")
-    p.add_argument("--optim", default="adamw", help="inner optimizer name (adamw, sgd, adam, ...)")
-    p.add_argument("--lr", type=_number(positive=True), default=1e-3, help="inner learning rate")
-    p.add_argument("--max-norm", type=_number(positive=True), default=None,
-                   help="clip gradients to this norm (default: none, no clipping)")
-    p.add_argument("--warmup-steps", type=_int_at_least(0), default=0, help="linear LR warmup steps")
-    p.add_argument("--H", type=_int_at_least(1), default=20, help="diloco, fedavg: local steps per round")
-    p.add_argument("--outer-lr", type=_number(positive=True), default=0.7, help="diloco: Nesterov outer learning rate")
-    p.add_argument("--p-sparta", type=_number(positive=True, below_one=True), default=0.005,
-                   help="sparta: fraction of the parameters averaged per step")
-    p.add_argument("--island-size", type=_int_at_least(1), default=None,
-                   help="fedavg: average within random islands of this size (default: none, all nodes)")
-    p.add_argument("--topk", type=_int_at_least(1), default=32, help="demo: DCT components sent per chunk")
-    p.add_argument("--cosine", action="store_true", help="cosine-anneal the LR after warmup")
-    p.add_argument("--active-nodes", default=None, choices=["doubling", "halving", "ramp_up", "ramp_down"],
-                   help="an elastic compute pool, the DiLoCo paper's schedules (default: none, every node every step)")
-    p.add_argument("--failure-rate", type=_failure_rate, default=0.0,
-                   help="each node fails with this probability per step (seeded by --seed)")
-    p.add_argument("--downtime", type=_int_at_least(1), default=20, help="steps a failed node stays down")
-    p.add_argument("--slowdown-rate", type=_number(), default=0.0,
-                   help="transient slowdowns per node per simulated second, drawn from --seed (default 0: none; turns "
-                        "simulated time on, steps costed at 1e12 FLOP/s per node)")
-    p.add_argument("--slowdown-factor", type=_factor, default=2.0,
-                   help="how many times longer a slowed node's compute takes")
-    p.add_argument("--slowdown-duration", type=_number(positive=True), default=10.0,
-                   help="how long a slowdown lasts, in simulated seconds")
-    p.add_argument("--val-interval", type=_int_at_least(1), default=None,
-                   help="validate every this many steps (default: steps/20, so a curve has 21 points from step 0)")
-    p.add_argument("--val-size", type=_int_at_least(1), default=512, help="validation examples")
-    p.add_argument("--seed", type=_int_at_least(0, MAX_SEED), default=0, help="seed of data order, nodes and failures")
-    p.add_argument("--device", type=_text, default=None, help="cpu, cuda, cuda:1, mps (default: the best available)")
-    p.add_argument("--log-dir", type=_text, default="logs", help="where run folders go")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace run folders that already hold a run (without it, an existing folder stops the command)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-
-
 def _fit(args: argparse.Namespace, strategy_name: str, run_name: str | None):
-    from exogym import RandomFailures, RandomSlowdowns, Trainer
+    from exogym import Trainer
     from exogym.runs.loggers import CSVLogger
 
     strategy = STRATEGY_BUILDERS[strategy_name](args)  # before the data: a bad setting fails at once
+    cluster = cluster_arguments(args)
     try:
         model, train, val = get_task(args.task).build()
     except RuntimeError as e:  # the loaders' own messages: data not there, no network, a bad hash; each says the fix
@@ -188,17 +52,30 @@ def _fit(args: argparse.Namespace, strategy_name: str, run_name: str | None):
                          f"{args.task} task; use --val-size {len(val)} or less")
     logger = CSVLogger(args.log_dir, run_name)
     trainer = Trainer(model, train, val)
-    failures = RandomFailures(args.failure_rate, args.downtime, args.seed) if args.failure_rate else None
-    slowdowns = (RandomSlowdowns(args.slowdown_rate, args.slowdown_factor, args.slowdown_duration, args.seed)
-                 if args.slowdown_rate else None)
     val_interval = args.val_interval or max(1, args.steps // 20)
     if not args.quiet:
         print(f"exogym {args.command}: {strategy_name}" + (f" -> {Path(args.log_dir) / run_name}" if run_name else ""),
               flush=True)
     trainer.fit(strategy, args.nodes, max_steps=args.steps, batch_size=args.batch_size, val_interval=val_interval,
                 val_size=args.val_size, seed=args.seed, device=args.device, logger=logger, progress=not args.quiet,
-                active_nodes=args.active_nodes, failures=failures, slowdowns=slowdowns, overwrite=args.overwrite)
+                overwrite=args.overwrite, **cluster)
     return trainer.record, logger.run_dir
+
+
+# What `exogym compare` runs when --strategies is left out: one of each family, seconds each on the synthetic task.
+COMPARED = ("ddp", "diloco", "sparta", "fedavg", "demo")
+
+
+def _check_read(args: argparse.Namespace, strategies: list[str]) -> None:
+    """An option given (not at its default) that none of the command's strategies reads is an error: it would
+    change nothing."""
+    read = set().union(*(options_read(STRATEGY_BUILDERS[s], vars(args)) for s in strategies))  # their errors first
+    every = set().union(*(options_read(b, vars(args), strict=False) for b in STRATEGY_BUILDERS.values()))
+    defaults = {o.flag[2:].replace("-", "_"): o.default for o in OPTIONS}
+    unread = [f"--{d.replace('_', '-')}" for d in sorted(every - read) if getattr(args, d) != defaults.get(d)]
+    if unread:
+        raise UsageError(f"{', '.join(unread)}: not an option of {' or '.join(strategies)}, so it would change "
+                         "nothing; drop it, or run a strategy that takes it (exogym run --help lists which)")
 
 
 def _table(rows: list[tuple[str, object]]) -> str:
@@ -215,6 +92,7 @@ def _table(rows: list[tuple[str, object]]) -> str:
 def cmd_run(args: argparse.Namespace) -> int:
     if args.run_name is not None:  # "" too: it is not a name, and never means the default
         check_run_name(args.run_name)
+    _check_read(args, [args.strategy])
     record, run_dir = _fit(args, args.strategy, args.run_name)
     print("\n" + _table([(args.strategy, record)]))
     print(f"\nrun folder: {run_dir}")
@@ -233,6 +111,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             check_run_name(run_name)
         except ValueError as e:
             raise UsageError(f"--prefix {args.prefix!r} makes the run name {run_name!r}: {e}") from None
+    _check_read(args, names)
     for name in names:  # every strategy's settings, also against --nodes, before the first run starts
         STRATEGY_BUILDERS[name](args).check_nodes(args.nodes)
     out = Path(args.out)
@@ -283,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--strategy", default="ddp", choices=sorted(STRATEGY_BUILDERS), help="the strategy")
     run.add_argument("--run-name", default=None,
                      help="run folder name; an existing folder is never replaced (default: strategy, nodes and time)")
-    _add_training_options(run)
+    add_options(run)
     run.set_defaults(func=cmd_run)
 
     compare = sub.add_parser("compare", help="train several strategies on one task, then a table and plots",
@@ -291,12 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
                              description="Train several strategies with the same settings; print a table and save\n"
                                          "loss-vs-steps and loss-vs-bytes plots. Run folders are\n"
                                          "<log-dir>/<prefix><strategy>; an existing one is never replaced.")
-    compare.add_argument("--strategies", nargs="+", default=list(STRATEGY_BUILDERS), choices=list(STRATEGY_BUILDERS),
+    compare.add_argument("--strategies", nargs="+", default=list(COMPARED), choices=list(STRATEGY_BUILDERS),
                          help="the strategies to run, in order")
-    compare.add_argument("--out", type=_text, default="comparison.png",
+    compare.add_argument("--out", type=text, default="comparison.png",
                          help="plot file (and <name>_vs_bytes.png beside it)")
     compare.add_argument("--prefix", default="", help="prefix of the run folder names (default: none)")
-    _add_training_options(compare)
+    add_options(compare)
     compare.set_defaults(func=cmd_compare)
 
     plot = sub.add_parser("plot", help="plot run folders against each other", formatter_class=_HelpFormatter,
@@ -305,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("runs", nargs="+", help="run folders (logs/<run_name>)")
     plot.add_argument("--x", default="step", choices=list(X_AXES), help="the x axis")
     plot.add_argument("--y", default="global_loss", help="a column of train.csv or val.csv")
-    plot.add_argument("--out", type=_text, default="plot.png", help="the PNG to write")
+    plot.add_argument("--out", type=text, default="plot.png", help="the PNG to write")
     plot.set_defaults(func=cmd_plot)
 
     from exogym.cli.data import add_data_command
@@ -315,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_ui_commands(sub, formatter_class=_HelpFormatter)
 
     from exogym.cli.sweep import add_sweep_command  # its own module; it is given the options and builders here
-    add_sweep_command(sub, formatter_class=_HelpFormatter, training_options=_add_training_options,
+    add_sweep_command(sub, formatter_class=_HelpFormatter, training_options=add_options,
                       builders=STRATEGY_BUILDERS)
     return parser
 

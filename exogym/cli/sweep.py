@@ -22,12 +22,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from exogym._validation import MAX_SEED, check_int
-from exogym.cluster.network import PRESETS
 from exogym.fit.nodes import check_node_memory
 from exogym.sweep.objective import metric_name, parse_bytes
 from exogym.sweep.space import Choice, Float, Int, Space, space
 from exogym.sweep.storage import StorageUnavailable, SweepStopped
 from exogym.sweep.sweep import SEARCHES, read_definition, sweep
+from exogym.cli.options import cluster_arguments
+from exogym.cli.strategies import options_read
 from exogym.cli.tasks import TASKS, get_task
 
 __all__ = ["add_sweep_command", "TaskRun"]
@@ -35,8 +36,8 @@ __all__ = ["add_sweep_command", "TaskRun"]
 # Options of `exogym run` that are not parameters of a sweep: what to run, where, and how it prints.
 _NOT_SWEPT = {"help", "task", "seed", "device", "log_dir", "overwrite", "quiet", "run_name", "strategy"}
 # May accompany --resume: how this process takes part, not what the sweep is.
-_RESUME_OPTIONS = {"workers", "retry_failed", "trials", "quiet", "resume", "command", "func", "debug", "action",
-                   "port", "host", "storage_patience"}
+_RESUME_OPTIONS = {"workers", "retry_failed", "trials", "quiet", "resume", "command", "func", "debug",
+                   "sweep_command", "storage_patience"}
 
 
 @dataclass
@@ -49,19 +50,15 @@ class TaskRun:
     builders: dict[str, Callable[[argparse.Namespace], Any]] = field(repr=False)
 
     def __call__(self, config: dict[str, Any], run: Any) -> Any:
-        from exogym import RandomFailures, RandomSlowdowns, Trainer
+        from exogym import Trainer
 
         args = argparse.Namespace(**{**self.fixed, **config})
         strategy = self.builders[args.strategy](args)
         model, train, val = _task_data(self.task)
-        failures = RandomFailures(args.failure_rate, args.downtime, args.seed) if args.failure_rate else None
-        slowdowns = (RandomSlowdowns(args.slowdown_rate, args.slowdown_factor, args.slowdown_duration, args.seed)
-                     if args.slowdown_rate else None)
         trainer = Trainer(model, train, val)
         trainer.fit(strategy, args.nodes, max_steps=args.steps, batch_size=args.batch_size,
                     val_interval=args.val_interval or max(1, args.steps // 20), val_size=args.val_size, seed=args.seed,
-                    device=args.device, active_nodes=args.active_nodes, failures=failures, network=args.network,
-                    slowdowns=slowdowns, **run.fit_kwargs)
+                    device=args.device, **cluster_arguments(args), **run.fit_kwargs)
         return trainer.record
 
 
@@ -76,25 +73,6 @@ def _task_data(task: str) -> Any:
         except RuntimeError as e:  # the loaders' own messages say the fix
             raise ValueError(f"could not load the {task} data: {e}") from e
     return _TASK_DATA[task]
-
-
-class _Reads(argparse.Namespace):
-    """A namespace that notes which options a strategy builder reads."""
-
-    def __init__(self, values: dict[str, Any]):
-        super().__init__(**values)
-        object.__setattr__(self, "_read", set())
-
-    def __getattribute__(self, name: str) -> Any:
-        if not name.startswith("_"):
-            object.__getattribute__(self, "_read").add(name)
-        return object.__getattribute__(self, name)
-
-
-def _options_read(builder: Callable[[argparse.Namespace], Any], values: dict[str, Any]) -> set[str]:
-    ns = _Reads(values)
-    builder(ns)
-    return set(object.__getattribute__(ns, "_read"))
 
 
 def _sweepable(training_options: Callable[[argparse.ArgumentParser], None]) -> list[argparse.Action]:
@@ -117,9 +95,6 @@ def add_sweep_command(sub: Any, *, formatter_class: type, training_options: Call
         default = f" (default: {action.default})" if action.default is not None else ""
         p.add_argument(*action.option_strings, dest=action.dest, nargs="+", default=None, metavar="V",
                        help=f"{action.help}; {how}{default}")
-    p.add_argument("--network", nargs="+", default=None, choices=sorted(PRESETS),
-                   help="simulated network (gives each run simulated time: the frontier's second panel); several "
-                        "values are swept (default: none, no simulated time)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0], help="seeds every configuration runs with (averaged)")
     p.add_argument("--search", default="grid", choices=SEARCHES,
                    help="grid: every combination; random, tpe: Optuna's samplers for --trials configurations "
@@ -137,10 +112,6 @@ def add_sweep_command(sub: Any, *, formatter_class: type, training_options: Call
                                                      "(default: none, no limit)")
     p.add_argument("--max-sim-time", type=float, default=None, help="a configuration taking longer (simulated s) is "
                                                                     "infeasible (needs --network) (default: none)")
-    p.add_argument("action", nargs="*", metavar="dashboard FOLDER|URL",
-                   help="exogym sweep dashboard FOLDER|URL [--port P]: serve the sweep's study with optuna-dashboard")
-    p.add_argument("--port", type=int, default=8080, help="with dashboard: the port to serve on")
-    p.add_argument("--host", default="127.0.0.1", help="with dashboard: the address to serve on")
     p.add_argument("--workers", type=int, default=None,
                    help="configurations run at once, each in its own process (default: 1; on --resume the sweep's own)")
     p.add_argument("--checkpoint-interval", type=int, default=None,
@@ -161,6 +132,23 @@ def add_sweep_command(sub: Any, *, formatter_class: type, training_options: Call
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                    help="show the full traceback of any error (as exogym --debug sweep)")
     p.set_defaults(func=lambda args: cmd_sweep(args, p, training_options, builders))
+    commands = p.add_subparsers(dest="sweep_command", metavar="dashboard", parser_class=type(p),
+                                description="`exogym sweep dashboard FOLDER|URL` serves a sweep's study; without it, "
+                                            "`exogym sweep` starts or resumes a sweep")
+    dashboard = commands.add_parser("dashboard", help="serve a sweep's study with optuna-dashboard",
+                                    formatter_class=formatter_class,
+                                    description="Serve the Optuna study of a sweep (its folder, or its --storage URL) "
+                                                "with optuna-dashboard (pip install 'exogym[sweep]').")
+    dashboard.add_argument("source", metavar="FOLDER|URL", help="the sweep folder, or its storage URL")
+    dashboard.add_argument("--port", type=int, default=8080, help="the port to serve on")
+    dashboard.add_argument("--host", default="127.0.0.1", help="the address to serve on")
+    dashboard.set_defaults(func=cmd_dashboard)
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    """`exogym sweep dashboard FOLDER|URL`: serve the sweep's study until Ctrl-C."""
+    from exogym.sweep.dashboard import serve
+    return serve(args.source, host=args.host, port=args.port)
 
 
 def _values(action: argparse.Action, texts: Sequence[str]) -> Any:
@@ -182,6 +170,8 @@ def _values(action: argparse.Action, texts: Sequence[str]) -> Any:
         if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "log") or action.type is None:
             raise ValueError(f"{flag}: a range is low:high or low:high:log for a number option, got {texts[0]!r}")
         low, high = one(parts[0]), one(parts[1])
+        if not all(isinstance(v, (int, float)) for v in (low, high)):
+            raise ValueError(f"{flag}: a range is low:high or low:high:log for a number option, got {texts[0]!r}")
         kind = Int if isinstance(low, int) and isinstance(high, int) else Float
         return kind(low, high, log=len(parts) == 3)
     values = [one(t) for t in texts]
@@ -199,15 +189,12 @@ def _build(args: argparse.Namespace, training_options: Callable, builders: dict)
             value = _values(action, texts)
             (swept.__setitem__(dest, value) if isinstance(value, (Int, Float, Choice)) else
              fixed.__setitem__(dest, value))
-    fixed["network"] = args.network[0] if args.network and len(args.network) == 1 else None
-    if args.network and len(args.network) > 1:
-        swept["network"] = Choice(tuple(args.network))
     strategies = list(dict.fromkeys(args.strategies))
     if len(strategies) != len(args.strategies):
         raise ValueError(f"--strategies names one strategy twice ({' '.join(args.strategies)}); name each once")
     # Which options each strategy reads (its builder, called once); the others are not parameters of its runs.
-    strategy_options = {s: _options_read(builders[s], {**fixed, "strategy": s}) for s in strategies}
-    every_strategy_option = set().union(*(_options_read(b, {**fixed}) for b in builders.values()))
+    strategy_options = {s: options_read(builders[s], {**fixed, "strategy": s}) for s in strategies}
+    every_strategy_option = set().union(*(options_read(b, {**fixed}, strict=False) for b in builders.values()))
     unread = [n for n in swept if n in every_strategy_option and not any(n in o for o in strategy_options.values())]
     if unread:
         names = ", ".join(actions[n].option_strings[0] for n in unread)
@@ -224,8 +211,7 @@ def _build(args: argparse.Namespace, training_options: Callable, builders: dict)
     for part in parts:
         one = space(**part, seed=args.seeds)
         joined = one if joined is None else joined + one
-    flags = {n: actions[n].option_strings[0] for n in swept if n in actions} | {"strategy": "--strategies",
-                                                                                "network": "--network"}
+    flags = {n: actions[n].option_strings[0] for n in swept if n in actions} | {"strategy": "--strategies"}
     return TaskRun(args.task, fixed, dict(builders)), joined, flags
 
 
@@ -240,8 +226,6 @@ def _command(args: argparse.Namespace, run: TaskRun, flags: dict[str, str], swep
         value = run.fixed.get(action.dest)
         if action.dest not in swept and value != action.default and value is not None:
             parts += [action.option_strings[0], str(value)]
-    if run.fixed.get("network") and "network" not in swept:
-        parts += ["--network", run.fixed["network"]]
     return parts
 
 
@@ -265,11 +249,6 @@ def _check_model_metric(task: str, objective: str) -> None:
 
 def cmd_sweep(args: argparse.Namespace, parser: argparse.ArgumentParser, training_options: Callable,
               builders: dict) -> int:
-    if args.action:
-        if args.action[0] != "dashboard" or len(args.action) != 2:
-            raise ValueError(f"exogym sweep takes options, or `dashboard FOLDER|URL`; got {' '.join(args.action)!r}")
-        from exogym.sweep.dashboard import serve
-        return serve(args.action[1], host=args.host, port=args.port)
     if args.resume is not None:
         given = [k for k, v in vars(args).items() if k not in _RESUME_OPTIONS and v != parser.get_default(k)]
         if given:

@@ -13,7 +13,15 @@ from typing import Any, Protocol
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["Execution", "SequentialExecution", "StepResult"]
+__all__ = ["Execution", "SequentialExecution", "StepResult", "EXECUTIONS", "FusedFallbackWarning"]
+
+# fit's execution=: what the configuration checks before anything else; a backend decides which one runs
+# (ProcessBackend.choose_execution).
+EXECUTIONS = ("sequential", "fused", "auto")
+
+
+class FusedFallbackWarning(UserWarning):
+    """execution="auto" runs the nodes sequentially (the message says why)."""
 
 StepResult = tuple[tuple[torch.Tensor, dict[str, torch.Tensor]], float, "float | None"]
 

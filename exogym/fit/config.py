@@ -16,11 +16,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 from exogym._validation import MAX_SEED, check_int, check_number
 from exogym.backends.peer_watch import BEAT_S, MIN_PEER_TIMEOUT
-from exogym.backends.sim.fused.choose import EXECUTIONS
 from exogym.cluster.membership import RandomFailures
 from exogym.cluster.network import Network
 from exogym.cluster.slowdowns import RandomSlowdowns
 from exogym.engine.devices import DeviceLike
+from exogym.engine.execution import EXECUTIONS
 from exogym.runs.loggers import Logger
 from exogym.strategy.base import Strategy
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from exogym.engine.plan import RunSinks
+from exogym.engine.plan import RunPlan, RunSinks
 from exogym.engine.rng import GlobalRNGState
 from exogym.cluster.simtime import TimeModel
 from exogym.fit.loggers import claim_run_folders
@@ -39,12 +39,16 @@ class RunLifecycle:
 
     Attributes:
         claim: the run folder(s) claimed (None: nothing is written into a run folder, or not the main process).
+        config: the record's config: the plan's, with the run's name once the run opened.
+        run: the plan the processes run: the plan's, with its checkpoints once the run opened.
         record: the run's record, once it ended (None before, or when it failed before its nodes ran).
         ending: how it ended, once it did.
     """
 
     def __init__(self, plan: FitPlan):
         self.plan = plan
+        self.config: dict[str, Any] = dict(plan.config)
+        self.run: RunPlan = plan.run
         self.claim: RunClaim | None = None
         self.bar: RunProgress | None = None
         self.sinks: RunSinks | None = None
@@ -71,28 +75,27 @@ class RunLifecycle:
                                            checkpoint_dir=p.checkpoint_dir)
         run_name = self.claim.name if self.claim is not None else \
             resumed.run_name or p.run_name or default_run_name(p.config)
-        p.config["run_name"] = run_name
+        self.config = {**p.config, "run_name": run_name}
         try:
             checkpoints = None
             if p.checkpoints is not None:
                 spec = p.checkpoints
                 root = spec.root if spec.root is not None else Path("logs") / run_name / "checkpoints"
                 checkpoints = CheckpointPlan(check_writable(root, "checkpoint_dir"), spec.interval, spec.keep,
-                                             p.config, resumed.run_id, p.fingerprint)
+                                             self.config, resumed.run_id, p.fingerprint)
                 if p.is_main:  # the process claiming the run folders holds the checkpoint folder for the run
                     check_checkpoint_space(checkpoints.root, p.run.model, p.run.num_nodes)
                     self.claim = checkpoints.check_owner(overwrite=p.overwrite, claim=self.claim)
             self.bar = RunProgress(p.run.cfg.max_steps, initial=resumed.step) if p.show_progress else None
-            live = LiveLog(p.logger, p.launcher.live_nodes(p.run.num_nodes), global_batch=p.config["global_batch"],
+            live = LiveLog(p.logger, p.launcher.live_nodes(p.run.num_nodes), global_batch=self.config["global_batch"],
                            log_interval=p.log_interval, last_step=p.run.cfg.max_steps, progress=self.bar)
             if resumed.states is not None:
                 live.add_resumed([state.log for state in resumed.states])  # the run's steps before its checkpoint
-            p.run = dataclasses.replace(p.run, checkpoints=checkpoints)
+            self.run = dataclasses.replace(p.run, checkpoints=checkpoints)
             # A node stuck in native code: the run folder says so, then the process exits.
             self.sinks = RunSinks(live, on_stuck=self.fail)
-            p.config["processes"] = p.processes
             if p.logger is not None:
-                p.logger.start(p.config)
+                p.logger.start(self.config)
                 if resumed.states is not None:  # rows between the last written one and the checkpoint: written
                     live.fill_resumed(getattr(p.logger, "loggers", [p.logger]))
         except BaseException:
@@ -122,7 +125,7 @@ class RunLifecycle:
         caller_rng = GlobalRNGState.capture()  # the caller's random streams are theirs: put them back after
         try:
             self.plan.memory_cap.apply()
-            return self.plan.launcher.launch(self.plan.run, self.sinks)
+            return self.plan.launcher.launch(self.run, self.sinks)
         except BaseException as e:
             error = trace_non_finite(e, self.sinks.live.partial_logs())
             self.fail(error)  # what the nodes trained, also on the exception
@@ -142,7 +145,7 @@ class RunLifecycle:
         """The run completed: its record (to the loggers and the run folder), and the global model as a new
         module."""
         logs, final_state = [log for log, _ in results], results[0][1]
-        config = self.plan.config
+        config = self.config
         self.record = RunRecord.from_nodes(logs, config=config, global_batch=config["global_batch"],
                                            wall_time_s=time.perf_counter() - self.started,
                                            peak_memory_mb=self._peak_memory(logs))
@@ -165,11 +168,10 @@ class RunLifecycle:
             with contextlib.suppress(Exception):  # e.g. a full disk under the logger: the record keeps the row
                 self.sinks.live.log_newest_row()
             logs = self.sinks.live.partial_logs()
-            record = RunRecord.from_nodes(logs, config=self.plan.config,
-                                          global_batch=self.plan.config["global_batch"],
+            record = RunRecord.from_nodes(logs, config=self.config, global_batch=self.config["global_batch"],
                                           wall_time_s=time.perf_counter() - self.started,
                                           peak_memory_mb=self._peak_memory(logs))
-        checkpoints = self.plan.run.checkpoints
+        checkpoints = self.run.checkpoints
         self.record = record
         self._end(Ending.of(error, checkpoints.root if checkpoints is not None else None), record)
         return record

@@ -8,13 +8,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from types import MappingProxyType
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from exogym._validation import check_number
 from exogym.backends.hosting import SERVER_ROLE
-from exogym.backends.sim.fused.choose import choose_execution
 from exogym.cluster.network import Network
 from exogym.cluster.simtime import TimeModel
 from exogym.cluster.slowdowns import build_slowdowns
@@ -49,15 +49,18 @@ class CheckpointSpec:
     keep: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class FitPlan:
     """What a fit call will do, checked and built before anything is claimed, started or printed
-    (exogym.fit.lifecycle.RunLifecycle does those).
+    (exogym.fit.lifecycle.RunLifecycle does those), and never changed after: the run's name where a default one
+    is claimed, and the checkpoints' folder under it, are the lifecycle's (known once the folder is claimed).
 
     Attributes:
-        run: the plan the launcher's processes run (its checkpoints are set once the run folder is claimed).
+        run: the plan the launcher's processes run (without checkpoints: the lifecycle adds them once the run
+            folder is claimed).
         launcher: who runs it.
-        config: the record's config (run_name and processes are added as the run opens).
+        config: the record's config, every setting but the run's name (the lifecycle adds it as the run opens:
+            a default name is the one claimed).
         logger: the run's loggers (None: none, or not the main process).
         run_name: the run's explicit name (None: a default name is claimed).
         resumed: where the run starts.
@@ -70,14 +73,13 @@ class FitPlan:
         memory_cap: the device memory caps applied while the run runs.
         time_model: the simulated time's model, for the run's announcement.
         log_interval: every log_interval-th step's row goes to the loggers.
-        processes: what the record's config says of the processes.
         is_main: this process holds the run folders and the loggers.
         show_progress: the announcement and the progress bar are shown.
     """
 
     run: RunPlan
     launcher: Launcher
-    config: dict[str, Any]
+    config: Mapping[str, Any]
     logger: Logger | None
     run_name: str | None
     resumed: ResumePoint
@@ -90,7 +92,6 @@ class FitPlan:
     memory_cap: MemoryCap
     time_model: TimeModel | None
     log_interval: int
-    processes: int
     is_main: bool
     show_progress: bool
 
@@ -160,14 +161,17 @@ def build_plan(c: FitConfig, *, model: torch.nn.Module, train_dataset: DatasetOr
                     steps_per_epoch=data.steps_per_epoch, membership=data.membership,
                     shard_sizes=tuple(nb.shard_size for nb in data.node_batches),
                     shard_steps=tuple(nb.steps_per_epoch for nb in data.node_batches))
-    execution, execution_why = choose_execution(
+    # The backend says which execution its nodes run (the sim may batch them: its probe runs here).
+    execution, execution_why = launcher.backend.execution(
         s.execution, model=model, first_batch=lambda: next(data.node_batches[0].iterate(from_step=0)),
-        num_nodes=c.num_nodes, devices=node_devices, backend=ln.backend, minibatch_size=s.minibatch,
+        num_nodes=c.num_nodes, devices=node_devices, minibatch_size=s.minibatch,
         autocast=s.autocast, seed=s.seed, resume_from=k.resume_from,
         optim_spec=getattr(c.strategy, "optim_spec", None), one_replica=one_replica)
+    processes = launcher.processes if ln.backend == "sim" else ln.processes
     config = run_config(c, model=model, data=data, time_model=time_model, devices=node_devices, loader=loader,
                         execution=(execution, execution_why))
     fingerprint = run_fingerprint(config, model, [nb.shard_size for nb in data.node_batches])
+    config["processes"] = processes  # where the run runs, not what it computes: outside the fingerprint
     resumed = resume_point(k.resume_from, fingerprint, node_devices, run_name=run_name, extend=k.extend_run,
                            max_steps=data.total_steps)
     if resumed.record is not None:
@@ -179,12 +183,12 @@ def build_plan(c: FitConfig, *, model: torch.nn.Module, train_dataset: DatasetOr
     run = RunPlan(model=model, strategy=c.strategy, node_batches=data.node_batches, val_batches=data.val_batches,
                   devices=node_devices, cfg=cfg, seed=s.seed, resume=resumed.states, node_timeout=ln.node_timeout,
                   peer_timeout=ln.peer_timeout, execution=execution)
-    return FitPlan(run=run, launcher=launcher, config=config, logger=logger, run_name=run_name, resumed=resumed,
+    return FitPlan(run=run, launcher=launcher, config=MappingProxyType(config), logger=logger, run_name=run_name, resumed=resumed,
                    fingerprint=fingerprint, checkpoints=checkpoints, checkpoint_dir=k.checkpoint_dir,
                    default_checkpoints=k.checkpoint_dir is None and k.checkpoint_interval is not None,
                    overwrite=c.logging.overwrite, devices=node_devices, memory_cap=memory_cap, time_model=time_model,
                    log_interval=c.logging.log_interval,
-                   processes=launcher.processes if ln.backend == "sim" else ln.processes, is_main=is_main,
+                   is_main=is_main,
                    show_progress=c.logging.progress and is_main)
 
 

@@ -10,8 +10,6 @@ import torch
 
 from exogym._validation import check_int
 from exogym.adapters import adaptable
-from exogym.backends.errors import DEFAULT_NODE_TIMEOUT
-from exogym.backends.peer_watch import DEFAULT_PEER_TIMEOUT
 from exogym.cluster.membership import RandomFailures
 from exogym.cluster.slowdowns import RandomSlowdowns
 from exogym.cluster.network import Network
@@ -87,7 +85,7 @@ class Trainer:
             failures: Sequence[tuple[int, int, int | None]] | RandomFailures | None = None,
             active_nodes: str | Sequence[tuple[int, int]] | Callable[[int], int] | None = None,
             slowdowns: Sequence[tuple[int, float, float, float]] | RandomSlowdowns | None = None,
-            node_timeout: float | None = DEFAULT_NODE_TIMEOUT, peer_timeout: float | None = DEFAULT_PEER_TIMEOUT,
+            node_timeout: float | None = 600.0, peer_timeout: float | None = 30.0,  # values, as the reference shows them
             dataloader_kwargs: dict[str, Any] | None = None,
             max_memory_usage: float | None = None, port: int | None = None,
             extra_config: dict[str, Any] | None = None, execution: str = "sequential",

@@ -16,9 +16,11 @@ from exogym.strategy.async_diloco import AsyncDiLoCoStrategy
 from exogym.strategy.fedbuff import FedBuffStrategy
 from exogym.strategy.decoupled_diloco import DecoupledDiLoCoStrategy
 from exogym.strategy.gossip import GossipStrategy
+from exogym.strategy.server_rounds import ServerRoundsStrategy
 
 __all__ = ["Strategy", "ServerStrategy", "SimpleReduceStrategy", "OptimSpec",
            "CommunicateOptimizeStrategy", "CommunicationModule", "AveragingCommunicator", "SparseCommunicator",
            "DiLoCoCommunicator", "DiLoCoStrategy", "FedAvgStrategy", "SPARTAStrategy", "SPARTADiLoCoStrategy",
            "DeMo", "DeMoStrategy", "DGCStrategy", "TopKSparseCommunicator", "StreamingDiLoCoCommunicator",
-           "StreamingDiLoCoStrategy", "AsyncDiLoCoStrategy", "FedBuffStrategy", "DecoupledDiLoCoStrategy", "GossipStrategy"]
+           "StreamingDiLoCoStrategy", "AsyncDiLoCoStrategy", "FedBuffStrategy", "DecoupledDiLoCoStrategy", "GossipStrategy",
+           "ServerRoundsStrategy"]

@@ -134,8 +134,11 @@ class AsyncDiLoCoStrategy(ServerRoundsStrategy):
             (0: every node is answered at once; the toy simulator used 0.5).
         dynamic_local_updates: False; True (learned from measured speeds); "speeds" (eq. 6 from fit's node_speeds).
         max_norm: Clip each inner step's gradient norm.
-        **kwargs: `min_local_steps`, `shard_sampling`, `shard_seed`, `inner_state`, `time_budget_s`
-            (ServerRoundsStrategy) and the Strategy's options (`lr_scheduler`, ...).
+        time_budget_s: A node sits out its remaining steps once its clock (simulated seconds, or the run's
+            seconds without a time model) reaches this (fast nodes then train more steps than slow ones in the same
+            time; None: every node trains max_steps).
+        **kwargs: `min_local_steps`, `shard_sampling`, `shard_seed`, `inner_state` (ServerRoundsStrategy) and the
+            Strategy's options (`lr_scheduler`, ...).
 
     Raises:
         ValueError: An argument out of range (H < 1, outer_lr <= 0, outer_momentum outside [0, 1), an unknown
@@ -148,9 +151,10 @@ class AsyncDiLoCoStrategy(ServerRoundsStrategy):
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, staleness: str = "constant",
                  staleness_power: float = 0.5, delayed_nesterov: bool | str = False, nesterov_delay: int | None = None,
                  momentum_activation: float = 0.0, grace_s: float = 0.0,
-                 dynamic_local_updates: bool | str = False, max_norm: float | None = None, **kwargs: Any):
-        super().__init__(optim_spec, H=H, lr=lr, dynamic_local_updates=dynamic_local_updates, max_norm=max_norm,
-                         **kwargs)
+                 dynamic_local_updates: bool | str = False, time_budget_s: float | None = None,
+                 max_norm: float | None = None, **kwargs: Any):
+        super().__init__(optim_spec, H=H, lr=lr, dynamic_local_updates=dynamic_local_updates,
+                         time_budget_s=time_budget_s, max_norm=max_norm, **kwargs)
         check_number("outer_lr", outer_lr, positive=True, finite=True)
         check_number("outer_momentum", outer_momentum, minimum=0.0)
         if outer_momentum >= 1:

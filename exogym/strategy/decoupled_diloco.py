@@ -136,9 +136,10 @@ class DecoupledDiLoCoStrategy(ServerRoundsStrategy):
         outer_lr: The syncer's Nesterov outer step's learning rate.
         outer_momentum: The syncer's Nesterov outer step's momentum.
         max_norm: Clip each inner step's gradient norm.
-        **kwargs: `time_budget_s`: a node sits out its remaining steps once its simulated clock reaches this
-            (fast nodes then train more steps than slow ones in the same time; None: every node trains max_steps);
-            and the Strategy's options (`lr_scheduler`, ...).
+        time_budget_s: A node sits out its remaining steps once its clock (simulated seconds, or the run's
+            seconds without a time model) reaches this (fast nodes then train more steps than slow ones in the same
+            time; None: every node trains max_steps).
+        **kwargs: The Strategy's options (`lr_scheduler`, ...).
 
     Raises:
         ValueError: H, fragments or min_quorum below 1, H not a multiple of fragments, a negative grace, a
@@ -148,13 +149,13 @@ class DecoupledDiLoCoStrategy(ServerRoundsStrategy):
     def __init__(self, optim_spec: OptimSpec | str | type | None = None, *, H: int = 100, lr: float | None = None,
                  fragments: int = 1, min_quorum: int | None = None, grace_factor: float = 0.5,
                  max_grace: float = math.inf, outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 max_norm: float | None = None, **kwargs: Any):
+                 time_budget_s: float | None = None, max_norm: float | None = None, **kwargs: Any):
         task_options = sorted(k for k in ("dynamic_local_updates", "min_local_steps", "shard_sampling", "shard_seed",
                                           "inner_state") if k in kwargs)
         if task_options:  # the syncer hands out fragments, not tasks: these would silently mean nothing
             raise ValueError(f"DecoupledDiLoCoStrategy has no {', '.join(task_options)} (AsyncDiLoCoStrategy and "
                              "FedBuffStrategy do): its syncer merges fragments and hands out no tasks")
-        super().__init__(optim_spec, H=H, lr=lr, max_norm=max_norm, **kwargs)
+        super().__init__(optim_spec, H=H, lr=lr, time_budget_s=time_budget_s, max_norm=max_norm, **kwargs)
         check_int("fragments", fragments, minimum=1)
         if H % fragments:
             raise ValueError(f"H must be a multiple of fragments (each fragment syncs every H/F steps); got H={H}, "

@@ -81,9 +81,10 @@ class FedBuffStrategy(ServerRoundsStrategy):
         server_lr: The server's step on the buffer's mean (1.0: FedAvg's averaging).
         staleness: `"sqrt"` (w = (1 + tau)^-1/2, the paper's) or `"constant"`.
         max_norm: Clip each local step's gradient norm.
-        **kwargs: `time_budget_s`: a node sits out its remaining steps once its simulated clock reaches this
-            (fast nodes then train more steps than slow ones in the same time; None: every node trains max_steps);
-            the task options `dynamic_local_updates`, `min_local_steps`, `shard_sampling`, `shard_seed`,
+        time_budget_s: A node sits out its remaining steps once its clock (simulated seconds, or the run's
+            seconds without a time model) reaches this (fast nodes then train more steps than slow ones in the same
+            time; None: every node trains max_steps).
+        **kwargs: The task options `dynamic_local_updates`, `min_local_steps`, `shard_sampling`, `shard_seed`,
             `shard_steps`, `inner_state` (ServerRoundsStrategy); and the Strategy's options (`lr_scheduler`, ...).
 
     Raises:
@@ -94,8 +95,8 @@ class FedBuffStrategy(ServerRoundsStrategy):
 
     def __init__(self, optim_spec: OptimSpec | str | type | None = None, *, H: int = 10, lr: float | None = None,
                  buffer_size: int = 2, server_lr: float = 1.0, staleness: str = "sqrt",
-                 max_norm: float | None = None, **kwargs: Any):
-        super().__init__(optim_spec, H=H, lr=lr, max_norm=max_norm, **kwargs)
+                 time_budget_s: float | None = None, max_norm: float | None = None, **kwargs: Any):
+        super().__init__(optim_spec, H=H, lr=lr, time_budget_s=time_budget_s, max_norm=max_norm, **kwargs)
         check_int("buffer_size", buffer_size, minimum=1)
         check_number("server_lr", server_lr, positive=True, finite=True)
         if staleness not in ("sqrt", "constant"):

@@ -163,8 +163,11 @@ class TimeBudget:
 
 
 class ServerRoundsStrategy(TimeBudget, ServerStrategy):
-    """Base of AsyncDiLoCoStrategy and FedBuffStrategy: the node's inner loop and its exchange with the server
-    (module docstring). Subclasses give `make_server(theta, num_nodes)` (building it with `server_options`).
+    """The base of the strategies that train against a server in rounds (AsyncDiLoCoStrategy, FedBuffStrategy,
+    DecoupledDiLoCoStrategy): each node runs H inner steps, sends its pseudo-gradient to the server and takes back
+    the model the server answers with, on its own clock (exogym.strategy.server_rounds). A subclass gives
+    `make_server(theta, num_nodes)` (building it with `server_options`), the server that holds the global model and
+    applies what arrives.
 
     Args:
         optim_spec: The inner optimizer: an OptimSpec, a name such as `"adamw"`, or an optimizer class
@@ -250,6 +253,15 @@ class ServerRoundsStrategy(TimeBudget, ServerStrategy):
         self.optim_spec = spec
 
     def make_server(self, theta: torch.Tensor, num_nodes: int) -> FlatServer:
+        """The run's server, made once where it runs.
+
+        Args:
+            theta: The global model's parameters as one flat tensor (the server keeps its own copy).
+            num_nodes: The run's nodes.
+
+        Returns:
+            The server (a FlatServer subclass: its `receive` applies what a node sends and answers it).
+        """
         raise NotImplementedError
 
     def server_options(self, num_nodes: int) -> dict[str, Any]:
@@ -294,7 +306,14 @@ class ServerRoundsStrategy(TimeBudget, ServerStrategy):
         node_batches[0].of_shard(0)  # refuses data that is each node's own
 
     def first_steps(self, rank: int) -> int:
-        """Node `rank`'s first task's inner steps: H, or eq. 6's under dynamic_local_updates="speeds"."""
+        """Node `rank`'s first task's inner steps: H, or eq. 6's under dynamic_local_updates="speeds".
+
+        Args:
+            rank: The node.
+
+        Returns:
+            Its first task's inner steps.
+        """
         steps = self._speed_steps(self.num_nodes)
         return self.H if steps is None else steps[rank]
 

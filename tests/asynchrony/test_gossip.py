@@ -154,6 +154,7 @@ def _five(mode, processes, failures):
     return [p.detach().clone() for p in model.parameters()], (r.val, r.node_loss, r.bytes_per_node, r.sim_time_per_node)
 
 
+@pytest.mark.spawns
 def test_gossip_under_failures_over_two_processes():
     # Node 3 (in the second process, with node 4) is down for steps 3-6, node 1 from step 5 on. Async gossip talks
     # only by messages: the same bits. Sync gossip's comeback is a mean over the nodes that stayed up (a strategy's

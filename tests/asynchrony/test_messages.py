@@ -155,6 +155,7 @@ def test_under_fused_execution_the_event_order_is_the_same_and_the_numbers_agree
 
 @pytest.mark.parametrize("make", [lambda: AsyncDiLoCoStrategy(H=2), lambda: FedBuffStrategy(H=2),
                                   lambda: GossipStrategy(H=2)], ids=["async_diloco", "fedbuff", "gossip"])
+@pytest.mark.spawns
 def test_message_strategies_over_several_processes_run_as_in_one_process(make):
     # Once refused up front; now the process holding node 0 keeps the run's one event heap and the others forward to
     # it (exogym.backends.sim.postlink): the same losses and bytes (tests/asynchrony/test_messages_processes.py has

@@ -12,6 +12,7 @@ import torch
 
 import toy
 from exogym import Trainer
+from exogym.backends.peer_watch import MIN_PEER_TIMEOUT
 from exogym.comm import SERVER, MessageError, Server
 from exogym.strategy import AsyncDiLoCoStrategy, FedBuffStrategy, Strategy
 from exogym.strategy import communicate as comm
@@ -40,6 +41,7 @@ def _same(a, b):
         assert a[key] == b[key], key
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_one_two_and_three_processes_give_the_same_bits(name):
     one = _run(STRATEGIES[name], 1, nodes=5)
@@ -50,11 +52,13 @@ def test_one_two_and_three_processes_give_the_same_bits(name):
         _same(one, many)
 
 
+@pytest.mark.spawns
 def test_fused_execution_over_two_processes_gives_what_it_gives_in_one():
     fused = STRATEGIES["async_diloco"]
     _same(_run(fused, 1, execution="fused"), _run(fused, 2, execution="fused"))
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("name,every", [("async_diloco", 5), ("decoupled", 6), ("gossip_async", 5)])
 def test_a_checkpoint_with_messages_in_flight_resumes_over_two_processes_bit_identically(name, every, tmp_path):
     make, cut = STRATEGIES[name], f"step_{every:09d}"
@@ -106,12 +110,14 @@ def _talk(strategy, processes=2):
                                                             processes=processes, progress=False, logger=False)
 
 
+@pytest.mark.spawns
 def test_a_recv_no_send_will_match_across_processes_is_an_error_naming_the_node():
     with pytest.raises(MessageError, match="deadlock") as info:
         _talk(Talks(wait_for_node_0=True))
     assert "node 1: waits in recv from node 0 with tag 7 at step 1" in str(info.value)
 
 
+@pytest.mark.spawns
 def test_a_server_that_raises_across_processes_is_an_error_naming_the_message():
     with pytest.raises(MessageError, match=r"raised while handling message #0 from node \d to the server \(tag 9"):
         _talk(Talks(tag=9))
@@ -121,6 +127,7 @@ class Undeclared(Talks):
     sends_messages = False
 
 
+@pytest.mark.spawns
 def test_a_strategy_that_sends_without_declaring_it_is_told_to_across_processes():
     with pytest.raises(MessageError, match="set the class attribute sends_messages = True"):
         _talk(Undeclared())
@@ -142,11 +149,13 @@ class StopsOnNode2(AsyncDiLoCoStrategy):
         super().step()
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("how", ["dies", "stops"])
 def test_a_process_that_dies_or_stops_while_the_hub_waits_is_named(how):
     started = time.monotonic()
     with pytest.raises(Exception) as info:
-        _run(lambda: StopsOnNode2(how, H=2, lr=1e-2), 2, steps=8, node_timeout=3)
+        # peer_timeout at its least (5 s): the stopped process is named by its silence, not after the default 30 s
+        _run(lambda: StopsOnNode2(how, H=2, lr=1e-2), 2, steps=8, node_timeout=3, peer_timeout=MIN_PEER_TIMEOUT)
     text = str(info.value)
     assert time.monotonic() - started < 60, text
     if how == "dies":

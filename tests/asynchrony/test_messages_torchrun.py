@@ -94,6 +94,7 @@ def sim_job(tmp_path_factory):
     return _torchrun(tmp_path_factory.mktemp("torchrun"), "sim")
 
 
+@pytest.mark.spawns
 def test_under_torchrun_the_sim_backend_with_messages_matches_one_process_bit_for_bit(sim_job):
     results = sim_job
     t = Trainer(toy.TinyMLP(), toy.make_classification(256), toy.make_classification(64, seed=1))
@@ -106,6 +107,7 @@ def test_under_torchrun_the_sim_backend_with_messages_matches_one_process_bit_fo
         assert r["bytes"] == t.record.bytes_per_node and r["times"] == t.record.sim_time_per_node
 
 
+@pytest.mark.spawns
 def test_under_torchrun_one_job_runs_fit_after_fit_on_either_backend(sim_job):
     # Each fit makes a process group of its own. torch.distributed names the default group "0" again once
     # destroy_process_group has run, so each fit's rendezvous has a prefix of its own in the job's store: on the
@@ -119,6 +121,7 @@ def test_under_torchrun_one_job_runs_fit_after_fit_on_either_backend(sim_job):
         assert all(torch.equal(a, b) for a, b in zip(r["again"], r["params"]))  # the first fit's bits again
 
 
+@pytest.mark.spawns
 def test_under_torchrun_the_torch_backend_sends_real_messages_and_the_fast_nodes_apply_more_updates(tmp_path):
     results = _torchrun(tmp_path, "torch")
     per_node = [results[0]["updates"].count(n) for n in range(3)]

@@ -39,6 +39,7 @@ def test_with_node_0_down_at_the_end_the_global_model_is_the_servers():
     assert torch.equal(flat, toy.REGISTRY["server"].theta)
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("name", ["async_diloco", "fedbuff"])
 def test_node_0_down_at_the_end_gives_the_same_bits_over_one_two_and_three_processes(name):
     one = _run(STRATEGIES[name], 1, nodes=5, failures=DOWN_AT_THE_END)
@@ -95,6 +96,7 @@ def _reads(processes):
     return t.record.updates
 
 
+@pytest.mark.spawns
 def test_nodes_in_other_processes_read_the_server_as_in_one_process():
     one = _reads(1)
     for processes in (2, 3):  # nodes 3 and 4 in the second process (blocks (3, 2)); 2 and 3 (blocks (2, 2, 1))
@@ -109,6 +111,7 @@ class Stateless(CountingServer):
     state_dict, load_state_dict = Server.state_dict, Server.load_state_dict
 
 
+@pytest.mark.spawns
 def test_a_server_without_a_state_read_from_another_process_is_an_error_naming_what_to_define():
     t = Trainer(toy.TinyMLP(), toy.make_classification(64))
     with pytest.raises(Exception, match=r"read_server on node 2: .*Stateless must define state_dict\(\) and "

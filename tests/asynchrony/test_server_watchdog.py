@@ -75,6 +75,7 @@ def test_a_server_stuck_in_its_handler_ends_the_sim_run_as_stuck_naming_it(tmp_p
     assert summary["steps"] >= 1  # what the nodes completed is kept
 
 
+@pytest.mark.spawns
 def test_a_server_stuck_in_its_handler_ends_the_torch_run_as_stuck_naming_it():
     start = time.monotonic()
     with pytest.raises(ServerTimeoutError) as info:
@@ -115,6 +116,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.spawns
 def test_a_server_stuck_under_torchrun_is_named_by_its_rank_and_no_rank_hangs(tmp_path):
     # Three processes, the server on a thread of rank 0's: rank 0 names the server and the message once its handler
     # has run node_timeout (2 s); ranks 1 and 2, waiting for its answer, give up node_timeout and a grace (5 s)

@@ -1,6 +1,7 @@
 """The asynchronous strategies on the torch backend: real messages between processes, the server on a thread of
 rank 0's process. A node slowed by real sleeps applies fewer updates than the fast ones in the same time."""
 
+import pytest
 import time
 
 import torch
@@ -19,6 +20,7 @@ class SlowNodeTwo(AsyncDiLoCoStrategy):
         super().step()
 
 
+@pytest.mark.spawns
 def test_on_the_torch_backend_the_fast_nodes_apply_more_updates():
     t = Trainer(toy.TinyMLP(), toy.make_classification(512), toy.make_classification(64, seed=1))
     model = t.fit(SlowNodeTwo(torch.optim.SGD, H=2, lr=0.05, time_budget_s=1.0), 3, max_steps=400, batch_size=8,
@@ -38,6 +40,7 @@ class LongRounds(AsyncDiLoCoStrategy):
         super().step()
 
 
+@pytest.mark.spawns
 def test_a_round_longer_than_node_timeout_is_no_timeout():
     # node_timeout bounds a step, not a round: a node hears nothing between its pseudo-gradient and the server's
     # answer for a whole round. The receiver thread once waited for the next message with the process group's

@@ -63,6 +63,7 @@ class ReadsTheVersion(Strategy):
         super().step()
 
 
+@pytest.mark.spawns
 def test_a_node_other_than_0_reads_the_server_monotonically_and_sees_its_own_updates():
     t = Trainer(toy.TinyMLP(), toy.make_classification(64))
     t.fit(ReadsTheVersion(), 3, max_steps=12, **FIT)
@@ -96,6 +97,7 @@ class FastNodeTwo(AsyncDiLoCoStrategy):
         return state
 
 
+@pytest.mark.spawns
 def test_a_node_other_than_0_reads_the_servers_model_as_its_global_state(tmp_path):
     out = tmp_path / "node2.pt"
     model = Trainer(toy.TinyMLP(), toy.make_classification(256)).fit(FastNodeTwo(str(out)), 3, max_steps=8,
@@ -114,6 +116,7 @@ class Stateless(VersionServer):
     state_dict, load_state_dict = Server.state_dict, Server.load_state_dict
 
 
+@pytest.mark.spawns
 def test_a_server_without_a_state_read_from_another_rank_is_an_error_naming_what_to_define():
     with pytest.raises(Exception, match=r"read_server on node 2: .*Stateless must define state_dict\(\) and "
                                         r"load_state_dict\(\)"):
@@ -132,6 +135,7 @@ class StuckInItsState(VersionServer):
         return super().state_dict()
 
 
+@pytest.mark.spawns
 def test_a_read_of_a_stuck_server_ends_the_run_naming_the_server_never_a_hang():
     start = time.monotonic()
     with pytest.raises(ServerTimeoutError) as info:
@@ -143,6 +147,7 @@ def test_a_read_of_a_stuck_server_ends_the_run_naming_the_server_never_a_hang():
     assert time.monotonic() - start < 60
 
 
+@pytest.mark.spawns
 def test_asynchronous_gossip_runs_on_the_torch_backend():
     # Found on the way: a poll that took some messages and left others compared Messages with ==, whose tensors
     # made it an error ("Boolean value of Tensor with more than one value is ambiguous"), so push-sum gossip failed
@@ -171,6 +176,7 @@ class TakesTheLaterTagFirst(Strategy):
         super().step()
 
 
+@pytest.mark.spawns
 def test_a_recv_takes_a_later_message_before_an_earlier_one_of_the_same_sender():
     # recv took its message out of the mail with list.remove, which compares with ==: the earlier message's tensor
     # made that an error (or, with one element, could remove the wrong one)

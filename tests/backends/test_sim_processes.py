@@ -62,6 +62,7 @@ def test_blocks_are_contiguous_and_differ_by_at_most_one():
     assert [list(b) for b in blocks(3, 3)] == [[0], [1], [2]]
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_every_strategy_over_processes_gives_what_one_process_gives(name):
     nodes, processes = (6, 3) if name in ("fedavg-islands-sampled", "sparta") else (5, 2)
@@ -69,12 +70,14 @@ def test_every_strategy_over_processes_gives_what_one_process_gives(name):
     _same_as_one_process(one, _fit(STRATEGIES[name], processes, nodes=nodes))
 
 
+@pytest.mark.spawns
 def test_failures_and_an_elastic_pool_over_processes():
     make = STRATEGIES["diloco"]
     for kw in (dict(failures=RandomFailures(0.2, downtime=2, seed=3)), dict(active_nodes=[(1, 8), (4, 5), (7, 8)])):
         _same_as_one_process(_fit(make, 1, nodes=8, **kw), _fit(make, 3, nodes=8, **kw))
 
 
+@pytest.mark.spawns
 def test_the_same_processes_and_seed_give_the_same_bits():
     a, b = (_fit(STRATEGIES["ddp"], 2, nodes=5) for _ in range(2))
     assert torch.equal(_flat(a[0]), _flat(b[0])) and a[1].node_loss == b[1].node_loss
@@ -109,6 +112,7 @@ class FoldsAcrossProcesses(Strategy):
         super().step()
 
 
+@pytest.mark.spawns
 def test_nodes_waiting_on_another_process_hand_back_their_reduction_buffers(tmp_path):
     # Within a process the nodes' buffers are folded, in rank order, into one accumulator as they arrive (the
     # process's part of the sum, sent once the last has come) and give back their memory until the reply comes:
@@ -162,6 +166,7 @@ class RingPairs(Strategy):
         super().step()
 
 
+@pytest.mark.spawns
 def test_groups_straddling_processes_in_a_ring_complete_exactly():
     one = _fit(RingPairs, 1, nodes=6, steps=4)
     many = _fit(RingPairs, 3, nodes=6, steps=4)
@@ -209,6 +214,7 @@ class EveryCollective(Strategy):
         super().step()
 
 
+@pytest.mark.spawns
 def test_every_collective_and_reduce_op_across_processes():
     one = _fit(EveryCollective, 1, nodes=5, steps=3)
     for processes in (2, 3):
@@ -238,6 +244,7 @@ class LastNodeWaitsAlone(Strategy):
         super().step()
 
 
+@pytest.mark.spawns
 def test_a_mismatch_across_processes_is_a_collective_error_naming_the_nodes():
     started = time.monotonic()
     with pytest.raises(CollectiveError, match=r"mismatched collective .* node 0 .* node 3"):
@@ -245,6 +252,7 @@ def test_a_mismatch_across_processes_is_a_collective_error_naming_the_nodes():
     assert time.monotonic() - started < 30
 
 
+@pytest.mark.spawns
 def test_a_collective_a_node_never_makes_is_named_within_seconds():
     started = time.monotonic()
     with pytest.raises(CollectiveError, match=r"deadlock across processes(.|\n)*node 5 \(step 2\)"):
@@ -259,6 +267,7 @@ class FailsOnNode4(SimpleReduceStrategy):
         super().step()
 
 
+@pytest.mark.spawns
 def test_an_exception_in_a_node_stops_every_process_and_names_the_node():
     with pytest.raises(NodeProcessError, match="boom on node 4") as info:
         _fit(lambda: FailsOnNode4(OptimSpec(torch.optim.SGD, lr=0.1)), 2, nodes=6, steps=3)
@@ -274,6 +283,7 @@ def test_bad_processes_are_refused_before_anything_starts():
         _fit(STRATEGIES["ddp"], 0)
 
 
+@pytest.mark.spawns
 def test_resume_with_the_same_processes_is_bit_identical(tmp_path):
     make = STRATEGIES["diloco"]
     whole = _fit(make, 2, nodes=5, steps=6, checkpoint_interval=3, checkpoint_dir=tmp_path / "ck")
@@ -282,6 +292,7 @@ def test_resume_with_the_same_processes_is_bit_identical(tmp_path):
     assert whole[1].node_loss == resumed[1].node_loss and whole[1].bytes_per_node == resumed[1].bytes_per_node
 
 
+@pytest.mark.spawns
 def test_resume_with_other_processes_continues_the_run(tmp_path):
     make = STRATEGIES["diloco"]
     whole = _fit(make, 2, nodes=5, steps=6, checkpoint_interval=3, checkpoint_dir=tmp_path / "ck")
@@ -298,6 +309,7 @@ class StuckOnNode3(SimpleReduceStrategy):
         super().step()
 
 
+@pytest.mark.spawns
 def test_a_stuck_node_in_any_process_is_named_by_its_watchdog():
     from exogym import NodeTimeoutError
 
@@ -324,6 +336,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.spawns
 def test_torchrun_with_the_sim_backend_splits_the_nodes_over_its_processes(tmp_path):
     script = tmp_path / "train.py"
     out = tmp_path / "result"

@@ -118,6 +118,7 @@ def _assert_same_run(sim, torch_run):
         assert t == pytest.approx(s, rel=1e-9)
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("num_nodes", [2, 3])
 def test_ddp_matches_the_sim_backend(num_nodes):
     strategy = SimpleReduceStrategy(OptimSpec(torch.optim.SGD, lr=0.1))
@@ -134,6 +135,7 @@ def test_ddp_matches_the_sim_backend(num_nodes):
     assert len(torch_logger.rows["val"]) == 3  # steps 0, 3, 6
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("num_nodes", [2, 3])
 def test_averaging_every_h_steps_matches_the_sim_backend(num_nodes):
     strategy = AverageEveryH(H=2)
@@ -143,6 +145,7 @@ def test_averaging_every_h_steps_matches_the_sim_backend(num_nodes):
     assert not all(torch.allclose(a, b) for a, b in zip(local[0], sim[0]))
 
 
+@pytest.mark.spawns
 def test_the_spawn_start_method_gives_the_same_run(monkeypatch):
     """macOS and Windows start node processes with 'spawn' (Linux uses a forkserver): the same numbers."""
     import torch.multiprocessing as torch_mp
@@ -153,6 +156,7 @@ def test_the_spawn_start_method_gives_the_same_run(monkeypatch):
     _assert_same_run(_fit(strategy, 2, "sim"), _fit(strategy, 2, "torch"))
 
 
+@pytest.mark.spawns
 def test_every_collective_matches_the_sim_backend():
     slow_node = dict(network="home", node_speeds=[1, 1, 0.25])  # waiting, too, must match
     sim, run = _fit(CollectivesTour(), 3, "sim", **slow_node), _fit(CollectivesTour(), 3, "torch", **slow_node)
@@ -162,6 +166,7 @@ def test_every_collective_matches_the_sim_backend():
                                                             "reduce_scatter", "barrier"}
 
 
+@pytest.mark.spawns
 def test_checkpoint_and_resume_on_the_torch_backend_is_bit_identical(tmp_path):
     strategy = SimpleReduceStrategy(OptimSpec(torch.optim.AdamW, lr=1e-2), warmup_steps=2, cosine_anneal=True)
     full = _fit(strategy, 2, "torch")
@@ -172,6 +177,7 @@ def test_checkpoint_and_resume_on_the_torch_backend_is_bit_identical(tmp_path):
     assert resumed[1].bytes_per_node == full[1].bytes_per_node
 
 
+@pytest.mark.spawns
 def test_a_node_that_raises_ends_the_run_naming_its_rank():
     with pytest.raises(NodeProcessError, match=r"node 1 failed.*RuntimeError: injected failure on purpose") as info:
         _fit(FailOnRank1(OptimSpec(torch.optim.SGD, lr=0.1)), 2, "torch")
@@ -208,6 +214,7 @@ def test_under_torchrun_the_sim_backend_shares_the_nodes_and_checks_its_processe
         _fit(SimpleReduceStrategy(), 2, "sim")
 
 
+@pytest.mark.spawns
 def test_torchrun_runs_one_node_per_process_and_matches_the_sim(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",

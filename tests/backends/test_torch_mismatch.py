@@ -41,6 +41,7 @@ def _fit(strategy, **kw):
                  backend="torch", **kw)
 
 
+@pytest.mark.spawns
 def test_a_shape_mismatch_names_each_nodes_call():
     # Before: gloo aborted one process, and the report said the other "never reached all_reduce" it had reached.
     with pytest.raises((CollectiveError, NodeProcessError)) as info:
@@ -52,6 +53,7 @@ def test_a_shape_mismatch_names_each_nodes_call():
     assert "never reached" not in msg
 
 
+@pytest.mark.spawns
 def test_a_mismatch_that_times_out_names_each_nodes_call():
     with pytest.raises((CollectiveError, NodeProcessError)) as info:
         _fit(Rank1Broadcasts("sgd", lr=0.1), node_timeout=3.0)

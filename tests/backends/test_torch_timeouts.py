@@ -30,6 +30,7 @@ def _fit(strategy, max_steps=4, **kw):
                  backend="torch", **kw)
 
 
+@pytest.mark.spawns
 def test_a_node_that_never_reaches_a_collective_is_named_on_the_torch_backend():
     _fit(SimpleReduceStrategy(OptimSpec(torch.optim.SGD, lr=0.1)), max_steps=1)  # node processes start fast now
     started = time.monotonic()
@@ -67,6 +68,7 @@ def test_the_report_separates_the_nodes_that_never_came_from_those_that_did():
     assert "node 3: no record" in msg
 
 
+@pytest.mark.spawns
 def test_collectives_keep_working_with_the_heartbeat_on():
     # The ledger counts every collective of a run; results are those of the sim (pinned in test_torch_backend).
     model = _fit(SimpleReduceStrategy(OptimSpec(torch.optim.SGD, lr=0.1)), node_timeout=60.0)

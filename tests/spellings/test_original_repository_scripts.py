@@ -95,6 +95,7 @@ def test_image_train_fit_call(name, wandb_calls, tmp_path):
     assert json.loads(open(f"logs/image_{name}/config.json").read())["run_name"] == f"image_{name}"
 
 
+@pytest.mark.spawns
 def test_dataloader_kwargs_load_the_same_batches(tmp_path):
     """num_workers/pin_memory/persistent_workers/prefetch_factor change how batches load, not which: the same
     model comes back."""

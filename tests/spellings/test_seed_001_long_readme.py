@@ -70,6 +70,7 @@ def test_logging_snippet_fit_without_num_nodes_logs_every_50_steps():
     assert lg.steps == [50, 100, 120] and len(t.record.train) == 120  # the record keeps every step
 
 
+@pytest.mark.spawns
 def test_wandb_logger_with_experiment_name_runs_offline_without_network(monkeypatch, tmp_path):
     pytest.importorskip("wandb")
     for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):

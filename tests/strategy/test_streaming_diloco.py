@@ -174,6 +174,7 @@ def test_resuming_from_a_checkpoint_taken_with_a_fragment_in_flight_is_identical
     assert all(torch.equal(a, b) for a, b in zip(full.parameters(), resumed.parameters()))
 
 
+@pytest.mark.spawns
 def test_the_torch_backend_gives_the_same_run():
     def run(backend):  # async all-reduces of fragments, all-gathers of packed top-k + fp4 payloads with memory
         strategy = StreamingDiLoCoStrategy(SGD, H=4, num_fragments=2, tau=1,

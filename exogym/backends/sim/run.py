@@ -3,6 +3,7 @@ baton; `SIM` is the backend as a launcher sees it."""
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Sequence
 
@@ -12,6 +13,7 @@ from exogym.runs.checkpoint_checks import CheckpointError
 from exogym.backends.hosting import SERVER_ROLE, Hosting, Peers, ProcessBackend, process_group_timeout
 from exogym.backends.sim.baton import Baton
 from exogym.backends.sim.exchange import Exchange
+from exogym.backends.sim.fused.choose import choose_execution
 from exogym.backends.sim.fused.engine import FusedEngine
 from exogym.backends.sim.fused.execution import FusedExecution
 from exogym.backends.sim.postlink import Hub
@@ -184,4 +186,4 @@ def _group_timeout(plan: "RunPlan") -> Any:
 
 SIM = ProcessBackend("sim", run_hosted, one_node_per_process=False, group_backend=_group_backend,
                      group_timeout=_group_timeout, passthrough=(CollectiveError, NodeTimeoutError, PeerLostError),
-                     processes_take_gpus=True)
+                     processes_take_gpus=True, choose_execution=functools.partial(choose_execution, backend="sim"))

@@ -7,8 +7,10 @@ Sim nodes are greenlets of the caller's thread, so a node that loops or waits wi
 hold the baton forever and hang the run silently. A watchdog OS thread samples the scheduler's progress, a tuple
 (running node, collectives entered so far, that node's step), every min(1 s, timeout / 10). The nodes pay nothing
 for it: the scheduler already keeps those numbers, and the thread sleeps between samples. When the tuple has not
-changed for `timeout` seconds, the thread records the node's Python stack (sys._current_frames: the running
-greenlet's frames) and stops the node with a WatchdogInterrupt, which the scheduler turns into a NodeTimeoutError:
+changed for `timeout` seconds, not counting the time the node spent importing a torch module (torch imports some of
+its own on first use: torch._dynamo with a node's first optimizer, seconds on a loaded machine; importing_torch), the
+thread records the node's Python stack (sys._current_frames: the running greenlet's frames) and stops the node with
+a WatchdogInterrupt, which the scheduler turns into a NodeTimeoutError:
 
 - On the main thread (the usual case), the run installs, for its duration only, a handler for KICK_SIGNAL (SIGURG:
   ignored by default and unused by Python programs, so a stray one changes nothing), and the watchdog sends it to
@@ -51,10 +53,13 @@ import time
 import traceback
 from typing import Any, Callable
 
+import torch
+
 from exogym.backends.errors import STUCK_EXIT_CODE, NodeTimeoutError, ServerTimeoutError
 from exogym.cluster.network import SERVER
 
-__all__ = ["Watchdog", "WatchdogInterrupt", "KICK_SIGNAL", "STUCK_EXIT_CODE", "stuck_grace", "SpinWatch"]
+__all__ = ["Watchdog", "WatchdogInterrupt", "KICK_SIGNAL", "STUCK_EXIT_CODE", "stuck_grace", "importing_torch",
+           "SpinWatch"]
 
 KICK_SIGNAL: int | None = getattr(signal, "SIGURG", None)  # sent to the sim's thread to stop the node
 _ON_STUCK_S = 30.0  # how long on_stuck may take (it writes the run folder) before the process exits anyway
@@ -168,14 +173,18 @@ class Watchdog:
     def _watch(self) -> None:
         period = min(1.0, self.timeout / 10)
         last, since = self._progress(), time.monotonic()
+        checked = since
         while not self._stop.wait(period):
-            sample = self._progress()
+            sample, now = self._progress(), time.monotonic()
             if sample != last:
-                last, since = sample, time.monotonic()
-            elif time.monotonic() - since >= self.timeout and sample[0] is not None:
-                if not self._fire(sample, time.monotonic() - since):
+                last, since = sample, now
+            elif importing_torch(sys._current_frames().get(self._target)):
+                since = min(now, since + (now - checked))  # torch importing its own modules is not the node's time
+            elif now - since >= self.timeout and sample[0] is not None:
+                if not self._fire(sample, now - since):
                     return
                 break
+            checked = now
         else:
             return
         if not self._stop.wait(self.grace):
@@ -294,6 +303,21 @@ class SpinWatch:
         if key != self._key or key is None:
             self._since = time.monotonic()
         self._key = key
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def importing_torch(frame: Any) -> bool:
+    """Whether the thread whose innermost frame this is runs the body of a torch module: torch imports some of its
+    own modules on first use (a node's first torch.optim optimizer imports torch._dynamo, seconds on a loaded
+    machine), which the watchdog does not count as the node's time."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "<module>" and code.co_filename.startswith(_TORCH_DIR):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _say(text: str) -> None:

@@ -25,23 +25,19 @@ from typing import Any, Callable, Sequence
 import torch
 
 from exogym.data.sharding import batch_size_of, move_to_device
+from exogym.engine.execution import EXECUTIONS, FusedFallbackWarning
 from exogym.engine.forward_backward import accumulate, minibatches
 from exogym.backends.sim.fused.engine import FusedEngine, NodeWork, _forked_rng
 from exogym.backends.sim.fused.kernel import FUSED_KERNEL, prefer_fused_kernel
 
 __all__ = ["EXECUTIONS", "FusedFallbackWarning", "choose_execution"]
 
-EXECUTIONS = ("sequential", "fused", "auto")
 _REPEATS = 2
 _MARGIN = 0.95  # fused must be at least 5% faster in the probe: probe noise must not make "auto" slower
 
 
 class _NotBatchable(Exception):
     """The batched forward/backward failed (its cause says why); the unbatched one ran."""
-
-
-class FusedFallbackWarning(UserWarning):
-    """execution="auto" runs the nodes sequentially (the message says why)."""
 
 
 def choose_execution(execution: str, *, model: torch.nn.Module, first_batch: Callable[[], Any],
