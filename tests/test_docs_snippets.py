@@ -9,9 +9,10 @@ found by the glob), so that the rules below are checked, not only run.
 The rules:
 - python: a block starts from an empty namespace (`__name__ == "__main__"`, as a pasted script), unless its first
   line is a comment saying it continues (`# continues ...`): then it runs in the namespace the page's blocks before
-  it left. A block that is a file for another launcher (its first line `# <name>.py`: a script torchrun starts on
-  several processes) is not run; ruff checks it for syntax and undefined names (F821, F822). `--8<-- "file:section"` lines are
-  expanded as the site's snippets extension expands them, so the block runs as the built site shows it.
+  it left (every earlier block's names, as in one session where a reader pasted them all in order). A block that
+  is a file for another launcher (its first line `# <name>.py`: a script torchrun starts on several processes) is
+  not run; ruff checks it for syntax and undefined names (F821, F822). `--8<-- "file:section"` lines are expanded
+  as the site's snippets extension expands them, so the block runs as the built site shows it.
 - bash: each command line is classified (`_COMMANDS`): `exogym data ...` runs (seconds); other `exogym ...` lines are
   parsed by the command's own parser (each option exists and parses: the sweeps there train for minutes to hours);
   the rest is not run, for the reason listed with it. A command line of no listed kind fails the test.
@@ -109,11 +110,13 @@ def _python(example: Example, source: str) -> None:
     if _FILE.match(first):
         _check_file(example, source)
         return
-    if not _CONTINUES.match(first):
-        example.namespace.clear()
-        example.namespace["__name__"] = "__main__"
     code = compile("\n" * example.line + _expand_snippets(source), example.path, "exec")
-    exec(code, example.namespace)
+    if _CONTINUES.match(first):
+        exec(code, example.namespace)
+        return
+    alone = {"__name__": "__main__"}  # it must run on its own; what it defines joins the page's session after
+    exec(code, alone)
+    example.namespace.update(alone)
 
 
 def _check_file(example: Example, source: str) -> None:
