@@ -52,6 +52,16 @@ def test_four_staggered_uploads_share_the_servers_link():
     assert not model.flows
 
 
+def test_a_links_busy_spans_merge_back_to_back_and_count_the_flows_at_once():
+    # 10 bytes at 8 B/s: flows at 0 and 5 s share the link and end at 15 and 20 s (one busy span, two flows at
+    # once); one alone from 25 to 35 s after an idle gap, and one starting at 35 s, when that one ends, continues
+    # its span to 45 s
+    net = Network(bandwidth="8bps", latency=0.0)
+    _, model = _drive([(at, i, net.message_route(10, i % 2, SERVER)) for i, at in enumerate((0.0, 5.0, 25.0, 35.0))])
+    assert model.spans == {"server down": {"t": [0.0, 20.0, 25.0, 45.0], "kinds": "bib", "flows": [2, 0, 1]}}
+    assert model.links["server down"]["busy_s"] == 40.0
+
+
 def test_sixteen_uploads_at_once_take_sixteen_times_as_long():
     net = Network(bandwidth="10Gbps", latency="5ms")
     alone = net.message_seconds(100 * MB, 0, SERVER)
@@ -176,6 +186,14 @@ def test_a_flow_model_resumes_from_its_state():
     assert a.version == b.version == 2
     ends = [(a.finish((0, 0)).arrival, b.finish((0, 0)).arrival)]
     assert ends == [(15.25, 15.25)] and a.links == b.links
+    ends = [(a.finish((1, 0)).arrival, b.finish((1, 0)).arrival)]  # the link's busy span, begun before the state
+    assert ends == [(20.25, 20.25)] and a.spans == b.spans == {"server down": {"t": [0.0, 20.0], "kinds": "b",
+                                                                               "flows": [2]}}
+    a.start((0, 1), net.message_route(10, 0, SERVER), 30.0)
+    c = FlowModel()
+    c.load_state_dict(a.state_dict())  # a closed busy span and a link busy now
+    assert a.finish((0, 1)).arrival == c.finish((0, 1)).arrival == 40.25
+    assert a.spans == c.spans == {"server down": {"t": [0.0, 20.0, 30.0, 40.0], "kinds": "bib", "flows": [2, 0, 1]}}
 
 
 def test_bad_network_arguments_are_named():

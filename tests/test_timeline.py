@@ -1,22 +1,24 @@
 """The timeline: each node's spans tile its simulated clock and add up to its clock's counts; synchronous DiLoCo's
 fast nodes wait where the slowest does not; asynchronous nodes send messages that the server turns into updates;
-a long run stays a few spans a round; a resumed run's timeline is the uninterrupted one's; the Chrome trace export
-holds every span, message and update."""
+a long run stays a few spans a round; a resumed run's timeline is the uninterrupted one's (its link lanes too, with
+flows on the wire at the checkpoint); the Chrome trace export holds every span, message and update."""
 
 import json
 import math
 
 import pytest
+import torch
 
 import toy
 from exogym import Trainer
 from exogym.cluster.network import Network
 from exogym.runs.loggers import CSVLogger
 from exogym.runs.timeline import read_timeline
-from exogym.strategy import AsyncDiLoCoStrategy, DiLoCoStrategy, OptimSpec
+from exogym.strategy import AsyncDiLoCoStrategy, DiLoCoStrategy, GossipStrategy, OptimSpec
 
 FIT = dict(progress=False, device="cpu", batch_size=8, val_size=16)
 NET = Network(bandwidth="100Mbps", latency="10ms")
+SLOW = Network(bandwidth="1Mbps", latency="10ms")  # a gossip message is on the wire for several steps
 SPEEDS = [1.0, 0.5, 0.25]  # node 2 is four times slower than node 0
 
 
@@ -64,7 +66,7 @@ def test_async_diloco_sends_messages_that_become_updates():
     record = _fit(AsyncDiLoCoStrategy(OptimSpec.from_string("sgd", lr=0.1), H=5))
     timeline = _check_tiles(record)
     lanes, m, u = timeline["lanes"], timeline["messages"], timeline["updates"]
-    server = len(lanes) - 1
+    server = 3
     assert lanes[server]["kind"] == "server"
     to_server = [i for i in range(len(m["src"])) if m["dst"][i] == server]
     assert len(to_server) == len(record.updates) == len(u["t"]) > 0  # each pseudo-gradient sent is one update
@@ -113,6 +115,25 @@ def test_resumed_run_has_the_uninterrupted_timeline(tmp_path):
     assert resumed["messages"] == whole["messages"]  # the server's sent before the checkpoint too
 
 
+def test_resumed_run_has_the_uninterrupted_link_lanes_with_flows_in_flight_at_the_checkpoint(tmp_path):
+    # asynchronous gossip over a slow network: the checkpoint at step 4 has messages' flows on the wire, their links
+    # in the middle of a busy span
+    def fit(**kw):
+        trainer = Trainer(toy.TinyMLP(), toy.make_classification(64))
+        trainer.fit(GossipStrategy(topology="ring", mode="async", lr=0.05), 3, max_steps=8, network=SLOW,
+                    node_speeds=SPEEDS, logger=False, **FIT, **kw)
+        return trainer.record
+
+    whole = fit(checkpoint_interval=4, checkpoint_dir=tmp_path)
+    saved = torch.load(tmp_path / "step_000000004" / "node0.pt", weights_only=True)["strategy"]["messages"]["flows"]
+    assert saved["flows"] and saved["peak"]  # flows in flight, links busy
+    resumed = fit(resume_from=tmp_path / "step_000000004")
+    links = [lane for lane in whole.timeline["lanes"] if lane["kind"] == "link"]
+    assert [lane["name"] for lane in links] == list(whole.links) and "b" in links[0]["kinds"]
+    assert [lane for lane in resumed.timeline["lanes"] if lane["kind"] == "link"] == links
+    assert resumed.links == whole.links
+
+
 def test_chrome_trace_holds_every_span_message_and_update(tmp_path):
     record = _fit(AsyncDiLoCoStrategy(OptimSpec.from_string("sgd", lr=0.1), H=5))
     path = record.export_trace(tmp_path / "trace.json")
@@ -120,6 +141,10 @@ def test_chrome_trace_holds_every_span_message_and_update(tmp_path):
     timeline = record.timeline
     spans = [e for e in events if e["ph"] == "X"]
     assert len(spans) == sum(len(lane["kinds"]) for lane in timeline["lanes"])
+    # one thread per shared link after the nodes and the server, its spans with their flows at once
+    links = [i for i, lane in enumerate(timeline["lanes"]) if lane["kind"] == "link"]
+    assert links == [4, 5] and [timeline["lanes"][i]["name"] for i in links] == ["server down", "server up"]
+    assert [e["args"]["flows"] for e in spans if e["tid"] == 4] == timeline["lanes"][4]["flows"]
     assert all(e["dur"] >= 0 and {"pid", "tid", "ts", "name"} <= set(e) for e in spans)
     names = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
     assert [names[i] for i in range(len(timeline["lanes"]))] == [lane["name"] for lane in timeline["lanes"]]

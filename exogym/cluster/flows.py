@@ -109,7 +109,11 @@ class FlowModel:
     """The flows in flight and the links' use; asked at each flow's start and end, in time order.
 
     `links` maps each directed link a flow crossed to {"busy_s": seconds it carried at least one flow, "bytes": what
-    the flows put on it}, kept up to date in place (a record may hold it while the run goes on).
+    the flows put on it}, kept up to date in place (a record may hold it while the run goes on). `spans` maps the same
+    links to their busy time as a timeline lane (exogym.runs.timeline): {"t": boundaries from 0, "kinds": one letter a
+    span ("b" busy: at least one flow crossed it, "i" idle), "flows": the most flows on it at once in each span};
+    a busy period starting when the last one ended continues it, so a link carrying back-to-back flows is one span.
+    A busy period is written when it ends (the lane is complete once every flow has ended).
     """
 
     def __init__(self) -> None:
@@ -119,6 +123,8 @@ class FlowModel:
         self.links: dict[str, dict[str, float]] = {}
         self._on: dict[str, int] = {}  # link -> flows in flight crossing it
         self._busy_since: dict[str, float] = {}
+        self.spans: dict[str, dict[str, Any]] = {}
+        self._peak: dict[str, int] = {}  # link -> the most flows on it at once since it became busy
 
     def start(self, key: Hashable, route: Route, at: float) -> Flow:
         """A transfer starts at `at` (not before the last start or end asked; an earlier one starts then).
@@ -149,9 +155,10 @@ class FlowModel:
             if use is None:
                 use = self.links[link] = {"busy_s": 0.0, "bytes": 0}
             if not self._on.get(link):
-                self._busy_since[link] = now
+                self._busy_since[link], self._peak[link] = now, 0
             use["bytes"] += route.nbytes
             self._on[link] = self._on.get(link, 0) + 1
+            self._peak[link] = max(self._peak[link], self._on[link])
         if not alone:  # something else crosses its links: re-rate (else every other rate stands)
             self._rerate(new=flow)
         return flow
@@ -179,9 +186,28 @@ class FlowModel:
                 shared = True
             else:
                 self.links[link]["busy_s"] += self.now - self._busy_since[link]
+                self._log_busy(link, self._busy_since[link], self.now, self._peak.pop(link))
         if shared:
             self._rerate()
         return flow
+
+    def _log_busy(self, link: str, since: float, until: float, flows: int) -> None:
+        """The link's lane gets its busy period [since, until] with at most `flows` flows at once."""
+        lane = self.spans.setdefault(link, {"t": [0.0], "kinds": "", "flows": []})
+        t = lane["t"]
+        if lane["kinds"].endswith("b") and t[-1] == since:  # back to back with the last one: one span
+            t[-1] = until
+            lane["flows"][-1] = max(lane["flows"][-1], flows)
+            return
+        if not until > since:
+            return  # nothing crossed it for any time (a transfer of no bytes)
+        if since > t[-1]:
+            t.append(since)
+            lane["kinds"] += "i"
+            lane["flows"].append(0)
+        t.append(until)
+        lane["kinds"] += "b"
+        lane["flows"].append(flows)
 
     def _rerate(self, new: Flow | None = None) -> None:
         now = self.now
@@ -206,7 +232,8 @@ class FlowModel:
                 "flows": [{"key": f.key, "route": _route_plain(f.route), "start": f.start, "solo": f.solo,
                            "rate": f.rate, "remaining": f.remaining, "since": f.since, "finish": f.finish,
                            "shared": f.shared} for f in self.flows.values()],
-                "links": {name: dict(use) for name, use in self.links.items()}, "busy_since": dict(self._busy_since)}
+                "links": {name: dict(use) for name, use in self.links.items()}, "busy_since": dict(self._busy_since),
+                "spans": {name: _lane_copy(lane) for name, lane in self.spans.items()}, "peak": dict(self._peak)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what state_dict returned.
@@ -226,6 +253,13 @@ class FlowModel:
         self.links.clear()  # in place: a record may hold it
         self.links.update({name: dict(use) for name, use in state["links"].items()})
         self._busy_since = dict(state["busy_since"])
+        self.spans.clear()  # in place, as links
+        self.spans.update({name: _lane_copy(lane) for name, lane in state.get("spans", {}).items()})
+        self._peak = dict(state.get("peak", {}))
+
+
+def _lane_copy(lane: dict[str, Any]) -> dict[str, Any]:
+    return {"t": list(lane["t"]), "kinds": lane["kinds"], "flows": list(lane["flows"])}
 
 
 def _route_plain(route: Route) -> dict[str, Any]:

@@ -152,6 +152,7 @@ class TrainNode:
         links = comm.link_usage() if self.rank == 0 and hasattr(comm, "link_usage") else None
         if links is not None:  # the sim's shared links (live: complete when the run's last flow has ended)
             self.log.comm["links"] = links
+            self.log.comm["link_spans"] = comm.link_spans()  # their busy time, for the timeline's link lanes
         server = comm.served() if self.rank == 0 and hasattr(comm, "served") else None
         if server is not None:  # a strategy's server runs with node 0: its record goes with node 0's log
             self.log.comm["server"] = {"updates": server.updates, "bytes_sent": server.stats.bytes_sent,

@@ -420,5 +420,6 @@ class RunRecord:
                 "updates_applied": len(self.updates), "peak_memory_mb": self.peak_memory_mb,
                 **({"links": self.links} if self.links else {}),
                 **({"slowdowns": self.slowdowns} if any("slowdowns" in c for c in self.comm_per_node) else {}),
-                "comm_per_node": [{k: v for k, v in c.items() if k != "timeline"} for c in self.comm_per_node],
+                "comm_per_node": [{k: v for k, v in c.items() if k not in ("timeline", "link_spans")}
+                                  for c in self.comm_per_node],
                 **({"timeline": timeline} if (timeline := self.timeline) is not None else {})}

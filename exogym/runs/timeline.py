@@ -8,8 +8,10 @@ The format (`"format": 1`):
 
 - `lanes`: one per node (`"kind": "node"`, `"rank"`), then the server (`"kind": "server"`) when the run had one;
   a lane has `t` (span boundaries, seconds), `kinds` (one letter a span: SPAN_KINDS) and `steps` (the step each span
-  began in). A lane with no spans (the server's) has `t` of one value. Other lane kinds (a shared link's busy time)
-  fit the same shape: a lane is anything with spans and a name.
+  began in). A lane with no spans (the server's) has `t` of one value. Then one lane per link that carried a
+  message on a network of shared links (`"kind": "link"`, named as exogym.cluster.network names links, in name
+  order): its spans are busy ("b": at least one message's flow crossed it) and idle ("i"), from 0 to the end of its
+  last busy span, with `flows` (the most flows on it at once in each span; 0 when idle) in place of `steps`.
 - `messages`: columns `src`, `dst` (lane indices), `sent`, `arrives` (seconds), `bytes`, `step` (the sender's).
 - `updates`: columns `t`, `lane` (the node whose update it was, as a lane index), `staleness`.
 - `slowdowns`: the record's rows (node, from_s, to_s, factor).
@@ -26,11 +28,12 @@ from typing import Any, Mapping, Sequence
 from exogym.cluster.spans import MESSAGE_COLUMNS, SPAN_KINDS
 from exogym.runs.disk import write_text
 
-__all__ = ["build_timeline", "write_timeline", "read_timeline", "TIMELINE_FILE", "SPAN_KINDS"]
+__all__ = ["build_timeline", "write_timeline", "read_timeline", "TIMELINE_FILE", "SPAN_KINDS", "LANE_KINDS"]
 
 TIMELINE_FILE = "timeline.json"
 FORMAT = 1
 _SERVER = -1
+LANE_KINDS = {**SPAN_KINDS, "b": "busy"}  # the nodes' kinds and a link's busy time (its idle time is "i")
 
 
 def build_timeline(comm_per_node: Sequence[Mapping[str, Any]], *,
@@ -38,7 +41,7 @@ def build_timeline(comm_per_node: Sequence[Mapping[str, Any]], *,
     """The run's timeline from its nodes' communication records.
 
     Args:
-        comm_per_node: The record's `comm_per_node` (each node's `timeline`; node 0's `server`).
+        comm_per_node: The record's `comm_per_node` (each node's `timeline`; node 0's `server` and `link_spans`).
         slowdowns: The record's transient slowdowns.
 
     Returns:
@@ -55,6 +58,10 @@ def build_timeline(comm_per_node: Sequence[Mapping[str, Any]], *,
     end = max(lane["t"][-1] for lane in lanes)
     if server is not None:
         lanes.append({"name": "server", "kind": "server", "t": [0.0], "kinds": "", "steps": []})
+    links = comm_per_node[0].get("link_spans") or {}
+    for name in sorted(links):
+        lanes.append({"name": name, "kind": "link", "t": list(links[name]["t"]), "kinds": links[name]["kinds"],
+                      "flows": list(links[name]["flows"])})
     lane_of = {rank: rank for rank in range(len(comm_per_node))}
     if server is not None:
         lane_of[_SERVER] = len(comm_per_node)
@@ -78,7 +85,7 @@ def build_timeline(comm_per_node: Sequence[Mapping[str, Any]], *,
         updates["lane"].append(lane_of.get(int(row.get("node", _SERVER)), lane_of.get(_SERVER, -1)))
         updates["staleness"].append(row.get("staleness", 0))
     end = max([end, *messages["arrives"]])
-    return {"format": FORMAT, "kinds": SPAN_KINDS, "end_s": end, "lanes": lanes, "messages": messages,
+    return {"format": FORMAT, "kinds": LANE_KINDS, "end_s": end, "lanes": lanes, "messages": messages,
             "updates": updates, "slowdowns": [dict(s) for s in slowdowns]}
 
 

@@ -1,8 +1,9 @@
 """A run's timeline as a Chrome trace event file, for Perfetto (ui.perfetto.dev, its trace processor) and the
 readers of that format.
 
-One process ("simulated cluster"), one thread per lane (node 0, node 1, ..., the server) named by metadata events;
-each span is a complete event ("ph": "X") named by its kind with its step in args; each message is an async slice
+One process ("simulated cluster"), one thread per lane (node 0, node 1, ..., the server, then each shared link that
+carried a message) named by metadata events; each span is a complete event ("ph": "X") named by its kind with its
+step in args (a link's: the most flows on it at once, as "flows"); each message is an async slice
 ("ph": "b" / "e", category "message") from its send to its arrival, on the sending lane; each server update an
 instant event ("ph": "i") on the server's lane with the node and staleness. Times are simulated microseconds.
 """
@@ -37,10 +38,11 @@ def chrome_trace_events(timeline: Mapping[str, Any]) -> Iterator[dict[str, Any]]
     for tid, lane in enumerate(lanes):
         yield {"ph": "M", "pid": _PID, "tid": tid, "name": "thread_name", "args": {"name": lane["name"]}}
         yield {"ph": "M", "pid": _PID, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": tid}}
-        t, steps = lane["t"], lane["steps"]
+        t = lane["t"]
+        arg, values = ("flows", lane["flows"]) if lane["kind"] == "link" else ("step", lane["steps"])
         for i, k in enumerate(lane["kinds"]):
             yield {"ph": "X", "pid": _PID, "tid": tid, "name": kinds[k], "cat": kinds[k], "ts": _us(t[i]),
-                   "dur": _us(t[i + 1]) - _us(t[i]), "args": {"step": steps[i]}}
+                   "dur": _us(t[i + 1]) - _us(t[i]), "args": {arg: values[i]}}
     m = timeline["messages"]
     for i in range(len(m["src"])):
         src, dst = m["src"][i], m["dst"][i]

@@ -75,6 +75,21 @@ def test_four_staggered_uploads_share_the_servers_link_and_the_senders_wait_for_
     assert old.links == {}
 
 
+def test_the_servers_link_has_a_timeline_lane_of_its_busy_time():
+    # 1 MB at 10 Mbit/s (1.25 MB/s) takes 0.8 s alone. Uploads at 1.0 and 1.3 s: the first sends 0.375 MB alone, then
+    # both run at 0.625 MB/s, the first ends at 2.3 s, the second sends its last 0.375 MB alone and ends at 2.6 s:
+    # one busy span from 1.0 to 2.6 s with two flows at most. The third, alone from 4.0 to 4.8 s, is a span of its own.
+    record = _uploads([1.0, 1.3, 4.0], Network(bandwidth="10Mbps", latency="20ms"))
+    lanes = [lane for lane in record.timeline["lanes"] if lane["kind"] == "link"]
+    assert [lane["name"] for lane in lanes] == list(record.links) == ["server down"]
+    lane = lanes[0]
+    assert lane["t"] == pytest.approx([0.0, 1.0, 2.6, 4.0, 4.8], abs=1e-9)
+    assert (lane["kinds"], lane["flows"]) == ("ibib", [0, 2, 0, 1])
+    busy = sum(lane["t"][i + 1] - lane["t"][i] for i, k in enumerate(lane["kinds"]) if k == "b")
+    assert busy == pytest.approx(record.links["server down"]["busy_s"], abs=1e-12)
+    assert "link_spans" not in record.summary()["comm_per_node"][0]  # the lanes go to timeline.json only
+
+
 def test_sixteen_uploads_at_once_take_fifteen_times_longer_than_the_formula_says():
     # the case scaled down a hundredfold: 1 MB over 100 Mbit/s with 5 ms latency, sixteen at once
     net = Network(bandwidth="100Mbps", latency="5ms")
@@ -99,4 +114,4 @@ def test_overlapping_flows_over_two_processes_give_one_process_bits():
     one, two = _uploads(starts, net), _uploads(starts, net, processes=2)
     assert two.config["processes"] == 2
     assert one.updates == two.updates and one.sim_time_per_node == two.sim_time_per_node
-    assert one.links == two.links
+    assert one.links == two.links and one.timeline == two.timeline  # the hub keeps the link lanes too

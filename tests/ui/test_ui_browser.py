@@ -54,11 +54,18 @@ def test_runs_compare_timeline_live_and_token(root):
         assert page.locator("#compare-chart .scatterlayer .trace").count() == 2
         assert "FedAvgStrategy" in page.inner_text("#config-diff")
 
-        # the timeline: a lane per node and the server; hovering a node's lane names its span
+        # the timeline: a lane per node, the server and each shared link that carried a message (server down, server
+        # up); hovering a node's lane names its span, hovering a link's busy span says how many flows shared it
         page.goto(f"{base}/?token={token}#timeline?run=async")
         page.wait_for_function("document.body.dataset.timelineDrawnAt || document.body.dataset.timelineError")
-        assert page.evaluate("document.body.dataset.timelineLanes") == "4"
+        assert page.evaluate("document.body.dataset.timelineLanes") == "6"
         assert page.evaluate("state.timeline.describe(200, 22 + 5)").startswith("node 0: ")
+        link = page.evaluate("""(() => {
+            const tl = state.timeline, g = tl._geometry(), li = tl.lanes.findIndex((l) => l.kind === "link");
+            const lane = tl.lanes[li], b = lane.kinds.indexOf("b"), at = (lane.t[b] + lane.t[b + 1]) / 2;
+            return tl.describe(tl.labelW + (at - tl.v0) * g.scale, g.axisH + li * g.laneH + 2);
+        })()""")
+        assert link.startswith("server down: busy, at most ") and "flow(s) at once" in link
         box = page.locator("#timeline-canvas").bounding_box()
         page.mouse.move(box["x"] + 200, box["y"] + 22 + 5)
         assert page.inner_text("#timeline-tip").startswith("node 0: ")

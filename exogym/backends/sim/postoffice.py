@@ -197,6 +197,11 @@ class PostOffice:
         links."""
         return None if self._flows is None else self._flows.links
 
+    def link_spans(self) -> dict[str, dict[str, Any]] | None:
+        """Each link's busy spans (exogym.cluster.flows.FlowModel.spans; live: complete once every flow has ended),
+        or None without shared links."""
+        return None if self._flows is None else self._flows.spans
+
     def _start(self, message: Message) -> None:
         key = (message.src, message.seq)
         self._wire[key] = message

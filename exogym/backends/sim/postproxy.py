@@ -134,6 +134,10 @@ class PostProxy:
         """The hub keeps the links' use (node 0's log)."""
         return None
 
+    def link_spans(self) -> None:
+        """The hub keeps the links' spans (node 0's log)."""
+        return None
+
     def _ask(self, rank: int, at: float, op: str, src: int | None, tag: int | None, what: str, known: int = 0) -> Any:
         self.baton.arrivals += 1  # progress, for the watchdog
         self.link.send(self.hub_process, "ask", Ask(rank, at, op, src, tag, what, known))

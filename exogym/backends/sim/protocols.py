@@ -98,6 +98,9 @@ class Messages(Protocol):
     def link_usage(self) -> dict[str, dict[str, float]] | None:
         """Each link's busy seconds and bytes, kept up to date (the post office with shared links; else None)."""
 
+    def link_spans(self) -> dict[str, dict[str, Any]] | None:
+        """Each link's busy spans, kept up to date (the post office with shared links; else None)."""
+
     def receive(self, rank: int, at: float, src: int | None, tag: int | None, what: Callable[[], str]) -> Message:
         """Node `rank`'s next message from `src` with `tag`, observed at its clock `at`."""
 

@@ -352,6 +352,10 @@ class SimTransport(TransportBase):
         """Each link's busy seconds and bytes (shared links; None otherwise; node 0's log keeps it)."""
         return self.baton.post.link_usage()
 
+    def link_spans(self) -> dict[str, dict[str, Any]] | None:
+        """Each link's busy spans (shared links; None otherwise; node 0's log keeps them for the timeline)."""
+        return self.baton.post.link_spans()
+
 
 
 class SimWork:

@@ -224,7 +224,7 @@ async function showTimeline(name) {
     state.timeline = new ExoTimeline.Timeline(document.getElementById("timeline-canvas"),
                                               document.getElementById("timeline-tip"));
     const legend = document.getElementById("timeline-legend");
-    for (const [k, label] of Object.entries({c: "compute", m: "comm", i: "idle", d: "down", s: "slowed"})) {
+    for (const [k, label] of Object.entries({c: "compute", m: "comm", i: "idle", d: "down", s: "slowed", b: "link busy"})) {
       legend.append(el("span", {}, el("i", {style: `background:${ExoTimeline.KIND_COLORS[k]}`}), label));
     }
     legend.append(el("span", {}, "| lines: messages, send to arrival; server marks: updates (green fresh, red stale)"));

@@ -1,10 +1,10 @@
-// The timeline of one run on a canvas: a lane per node (and the server), spans in simulated time, messages as
-// lines from send to arrival, server updates as marks. Spans narrower than a pixel are folded into one column per
+// The timeline of one run on a canvas: a lane per node (and the server, and each shared link that carried a
+// message: its busy time), spans in simulated time, messages as lines from send to arrival, server updates as marks. Spans narrower than a pixel are folded into one column per
 // pixel showing the kind that filled most of it, so a run of any length draws in time proportional to the width.
 "use strict";
 
-const KIND_COLORS = {c: "#4c8bf5", m: "#f2a33a", i: "#d9d9d9", d: "#b3261e", s: "#a05cd6"};
-const KIND_ORDER = "cmids";
+const KIND_COLORS = {c: "#4c8bf5", m: "#f2a33a", i: "#d9d9d9", d: "#b3261e", s: "#a05cd6", b: "#2a9d8f"};
+const KIND_ORDER = "cmidsb";
 
 class Timeline {
   constructor(canvas, tip) {
@@ -23,7 +23,7 @@ class Timeline {
   load(data) {
     this.data = data;
     this.lanes = data.lanes.map((lane) => ({name: lane.name, kind: lane.kind, t: Float64Array.from(lane.t),
-                                            kinds: lane.kinds, steps: lane.steps}));
+                                            kinds: lane.kinds, steps: lane.steps, flows: lane.flows}));
     const m = data.messages, n = m.src.length;
     const order = Array.from({length: n}, (_, i) => i).sort((a, b) => m.sent[a] - m.sent[b]);
     this.msg = {n, src: Int32Array.from(order, (i) => m.src[i]), dst: Int32Array.from(order, (i) => m.dst[i]),
@@ -32,7 +32,8 @@ class Timeline {
     this.maxFlight = 0;
     for (let i = 0; i < n; i++) this.maxFlight = Math.max(this.maxFlight, this.msg.arrives[i] - this.msg.sent[i]);
     this.upd = data.updates;
-    this.maxStale = Math.max(1, this.lanes.length - 2);  // a staleness of about K - 1 is what a round robin gives
+    const nodes = this.lanes.filter((l) => l.kind === "node").length;
+    this.maxStale = Math.max(1, nodes - 1);  // a staleness of about K - 1 is what a round robin gives
     for (const s of this.upd.staleness) this.maxStale = Math.max(this.maxStale, s);
     this.serverLane = this.lanes.findIndex((l) => l.kind === "server");
     this.reset();
@@ -73,10 +74,10 @@ class Timeline {
     const t = lane.t, n = lane.kinds.length, y = g.axisH + li * g.laneH, h = Math.max(1, g.laneH - 1);
     if (n === 0) return;
     let i = Math.max(0, upperBound(t, this.v0) - 1);
-    const acc = new Float64Array(5); let col = -1;
+    const acc = new Float64Array(KIND_ORDER.length); let col = -1;
     const flush = () => {
       if (col < 0) return;
-      let best = 0; for (let k = 1; k < 5; k++) if (acc[k] > acc[best]) best = k;
+      let best = 0; for (let k = 1; k < KIND_ORDER.length; k++) if (acc[k] > acc[best]) best = k;
       rects[KIND_ORDER[best]].push(this.labelW + col, y, 1, h); acc.fill(0); col = -1;
     };
     for (; i < n && t[i] <= this.v1; i++) {
@@ -194,6 +195,11 @@ class Timeline {
     }
     const i = upperBound(lane.t, at) - 1;
     if (i < 0 || i >= lane.kinds.length) return null;
+    if (lane.kind === "link") {  // a shared link: busy while at least one message's flow crossed it
+      const times = `${lane.t[i].toFixed(4)} s to ${lane.t[i + 1].toFixed(4)} s (${(lane.t[i + 1] - lane.t[i]).toFixed(4)} s)`;
+      return lane.kinds[i] === "b" ? `${lane.name}: busy, at most ${lane.flows[i]} flow(s) at once\n${times}`
+                                   : `${lane.name}: idle\n${times}`;
+    }
     const kind = this.data.kinds[lane.kinds[i]], s0 = lane.steps[i];
     // the span ends in the step the next span began in, unless that one is computing: it began a new step
     const next = i + 1 < lane.kinds.length ? lane.kinds[i + 1] : null;
