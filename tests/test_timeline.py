@@ -115,23 +115,34 @@ def test_resumed_run_has_the_uninterrupted_timeline(tmp_path):
     assert resumed["messages"] == whole["messages"]  # the server's sent before the checkpoint too
 
 
-def test_resumed_run_has_the_uninterrupted_link_lanes_with_flows_in_flight_at_the_checkpoint(tmp_path):
+@pytest.mark.parametrize("shared_links", [True, False])
+def test_resumed_run_is_the_uninterrupted_one_with_flows_in_flight_at_the_checkpoint(shared_links, tmp_path):
     # asynchronous gossip over a slow network: the checkpoint at step 4 has messages' flows on the wire, their links
-    # in the middle of a busy span
-    def fit(**kw):
+    # in the middle of a busy span. A checkpoint pauses the clocks (every node moves to the latest one's), and the
+    # last step is always saved, so the resumed run checkpoints as the other did (else only its final pause differs)
+    def fit(checkpoint_dir, **kw):
         trainer = Trainer(toy.TinyMLP(), toy.make_classification(64))
-        trainer.fit(GossipStrategy(topology="ring", mode="async", lr=0.05), 3, max_steps=8, network=SLOW,
-                    node_speeds=SPEEDS, logger=False, **FIT, **kw)
-        return trainer.record
+        model = trainer.fit(GossipStrategy(OptimSpec.from_string("sgd", lr=0.1), topology="ring", mode="async"), 3,
+                            max_steps=8, network=Network(bandwidth="1Mbps", latency="10ms", shared_links=shared_links),
+                            node_speeds=SPEEDS, logger=False, checkpoint_interval=4, checkpoint_dir=checkpoint_dir,
+                            **FIT, **kw)
+        return trainer.record, model
 
-    whole = fit(checkpoint_interval=4, checkpoint_dir=tmp_path)
-    saved = torch.load(tmp_path / "step_000000004" / "node0.pt", weights_only=True)["strategy"]["messages"]["flows"]
-    assert saved["flows"] and saved["peak"]  # flows in flight, links busy
-    resumed = fit(resume_from=tmp_path / "step_000000004")
+    whole, whole_model = fit(tmp_path / "a")
+    saved = torch.load(tmp_path / "a" / "step_000000004" / "node0.pt", weights_only=True)
+    messages = whole.timeline["messages"]
+    assert any(sent < saved["clock"]["now"] < arrives for sent, arrives in zip(messages["sent"], messages["arrives"]))
+    if shared_links:  # flows in flight, links busy
+        assert saved["strategy"]["messages"]["flows"]["flows"] and saved["strategy"]["messages"]["flows"]["peak"]
+    resumed, resumed_model = fit(tmp_path / "b", resume_from=tmp_path / "a" / "step_000000004")
+    assert all(torch.equal(a, b) for a, b in zip(whole_model.parameters(), resumed_model.parameters()))
+    assert resumed.sim_time_per_node == whole.sim_time_per_node and resumed.time_per_node == whole.time_per_node
+    assert resumed.timeline["lanes"] == whole.timeline["lanes"] and resumed.links == whole.links
+    assert resumed.timeline["messages"] == whole.timeline["messages"]
+    assert resumed.bytes_per_node == whole.bytes_per_node
     links = [lane for lane in whole.timeline["lanes"] if lane["kind"] == "link"]
-    assert [lane["name"] for lane in links] == list(whole.links) and "b" in links[0]["kinds"]
-    assert [lane for lane in resumed.timeline["lanes"] if lane["kind"] == "link"] == links
-    assert resumed.links == whole.links
+    assert [lane["name"] for lane in links] == list(whole.links)
+    assert (bool(links) and "b" in links[0]["kinds"]) == shared_links
 
 
 def test_chrome_trace_holds_every_span_message_and_update(tmp_path):

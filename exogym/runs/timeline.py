@@ -71,7 +71,7 @@ def build_timeline(comm_per_node: Sequence[Mapping[str, Any]], *,
         senders.append((_SERVER, server["messages"]))
     for src, sent in senders:
         # (shared links: a message's arrival is nan in its sender's log until its flow ends; one still unknown when
-        # the log was kept, e.g. across a checkpoint, has no arrow)
+        # the log was kept, e.g. a process other than node 0's across a checkpoint, has no arrow)
         keep = [i for i, at in enumerate(sent["arrives"]) if at == at]
         messages["src"] += [lane_of[src]] * len(keep)
         messages["dst"] += [lane_of.get(int(sent["dst"][i]), -1) for i in keep]

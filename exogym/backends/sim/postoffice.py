@@ -79,6 +79,10 @@ class PostOffice:
         self._sending: dict[tuple[int, int], int] = {}
         self._posted_by: dict[tuple[int, int], tuple[int, int]] = {}
         self._arrows: dict[tuple[int, int], tuple[list[float], int]] = {}  # the timeline's arrivals to fill in
+        # a resumed run's: the arrows of the messages on the wire at the checkpoint (by (src, seq): the index in their
+        # sender's log), and the resumed nodes' logs they point into (log_arrivals)
+        self._saved_arrows: dict[tuple[int, int], int] = {}
+        self._logs: dict[int, list[float]] = {}
 
     @property
     def server(self) -> Server | None:
@@ -223,7 +227,9 @@ class PostOffice:
         self._events.arrive(message, numbered=True)
         self._schedule()
         arrow = self._arrows.pop(key, None)
-        if arrow is not None:
+        if arrow is None and key in self._saved_arrows:  # on the wire at the checkpoint this run resumed from
+            arrow = (self._log_of(key[0]), self._saved_arrows.pop(key))
+        if arrow is not None and arrow[0] is not None:
             arrow[0][arrow[1]] = message.arrives_at
         rank = self._sending.pop(key, None)
         if rank is not None:
@@ -231,6 +237,21 @@ class PostOffice:
         token = self._posted_by.pop(key, None)
         if token is not None:
             self.hub.arrived(token, message.arrives_at)
+
+    def log_arrivals(self, rank: int, arrives: list[float]) -> None:
+        """A resumed node's timeline log of its messages' arrivals: those on the wire at the checkpoint are filled
+        in there when their flows end (shared links).
+
+        Args:
+            rank: The node.
+            arrives: Its log's arrivals column (exogym.cluster.spans.SpanLog), restored from the checkpoint.
+        """
+        self._logs[rank] = arrives
+
+    def _log_of(self, src: int) -> list[float] | None:
+        if src == SERVER:
+            return self.server.sent_log.messages["arrives"] if self.server is not None else None
+        return self._logs.get(src)
 
     def wake_server(self, at: float) -> None:
         """A server timer (Server.wake_at)."""
@@ -325,7 +346,9 @@ class PostOffice:
         state = {**self._events.state_dict(), "handled": self._host.handled, "mail": self._boxes.state_dict(),
                  "server": self._host.state_dict()}
         if self._flows is not None:
-            state["flows"] = {**self._flows.state_dict(), "wire": [message_plain(m) for m in self._wire.values()]}
+            arrows = {**self._saved_arrows, **{key: index for key, (_, index) in self._arrows.items()}}
+            state["flows"] = {**self._flows.state_dict(), "wire": [message_plain(m) for m in self._wire.values()],
+                              "arrows": [[src, seq, index] for (src, seq), index in arrows.items()]}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -342,6 +365,7 @@ class PostOffice:
         if self._flows is not None and "flows" in state:
             self._flows.load_state_dict(state["flows"])
             self._wire = {(m.src, m.seq): m for m in map(message_from_plain, state["flows"]["wire"])}
+            self._saved_arrows = {(src, seq): index for src, seq, index in state["flows"].get("arrows", ())}
         self._host.handled = state["handled"]
         self._boxes.load_state_dict(state["mail"])
         self.active = True

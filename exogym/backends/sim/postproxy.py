@@ -121,6 +121,10 @@ class PostProxy:
         if token is not None:
             self._arrows[token] = (arrives, index)
 
+    def log_arrivals(self, rank: int, arrives: list[float]) -> None:
+        """Nothing: the hub does not tell this process the arrivals of its messages on the wire at the checkpoint
+        (their arrows are left out of the timeline)."""
+
     def sent(self, rank: int, message: Message) -> None:
         """Node `rank` waits on its send: with shared links, until the hub tells its arrival."""
         token = self._token_of.get(id(message))

@@ -95,6 +95,9 @@ class Messages(Protocol):
     def arrow(self, message: Message, arrives: list[float], index: int) -> None:
         """The timeline logs `message`'s arrival at `arrives[index]`: filled in once known (shared links)."""
 
+    def log_arrivals(self, rank: int, arrives: list[float]) -> None:
+        """A resumed node's log of its messages' arrivals: those on the wire at the checkpoint are filled in there."""
+
     def link_usage(self) -> dict[str, dict[str, float]] | None:
         """Each link's busy seconds and bytes, kept up to date (the post office with shared links; else None)."""
 

@@ -17,9 +17,9 @@ from exogym.backends.sim.baton import Baton, CollectiveCall, CollectiveError, Pe
 from exogym.backends.sim.postwork import SimRecvWork, SimSendWork
 from exogym.backends.sim.watchdog import SpinWatch
 from exogym.comm.messages import Message, Server
-from exogym.comm.transport import TransportBase, Group, ReduceOp, make_group, payload_nbytes, tensor_nbytes
+from exogym.comm.transport import CommStats, TransportBase, Group, ReduceOp, make_group, payload_nbytes, tensor_nbytes
 from exogym.cluster.membership import Membership
-from exogym.cluster.simtime import TimeModel
+from exogym.cluster.simtime import NodeClock, TimeModel
 
 
 __all__ = ["SimTransport", "SimWork", "CollectiveError", "reduce_into"]
@@ -329,6 +329,11 @@ class SimTransport(TransportBase):
         latest = torch.tensor([self.clock.now], dtype=torch.float64)
         self.all_reduce(latest, ReduceOp.MAX, self.world)
         self.clock.catch_up(float(latest))
+
+    def restore(self, stats: CommStats, clock: NodeClock) -> None:
+        super().restore(stats, clock)
+        if clock.spans is not None:  # its messages on the wire at the checkpoint: their arrows land in its log
+            self.baton.post.log_arrivals(self.rank, clock.spans.messages["arrives"])
 
     def messages_state(self) -> dict[str, Any] | None:
         """The post office's state at the pause (node 0 keeps it in its checkpoint file), or None."""
