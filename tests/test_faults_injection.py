@@ -222,6 +222,80 @@ def test_a_process_lost_at_a_random_step_loses_nothing_the_run_completed(launch,
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"
 
 
+# ---- the edges of issue 46, in the loop only (EXOGYM_FAULT_LOOP=1) -------------------------------------------------
+# A model of 1,000 tensors over processes=2 (each process once got one file descriptor per tensor: the forkserver
+# refused it): node 1 raises at a drawn step, and resuming from the newest checkpoint over two processes gives the
+# run that was never stopped. Async gossip over 1,024 nodes: it ends, each node's bytes are its pushes exactly
+# (the end's bookkeeping is not traffic), and its end adds no memory to speak of.
+LOOP_ONLY = pytest.mark.skipif(not os.environ.get("EXOGYM_FAULT_LOOP"), reason="issue 46's edges: in the "
+                               "EXOGYM_FAULT_LOOP=1 loop of docs/guarantees.md")
+FD_STEP = random.Random("fds").randint(3, 8)
+
+
+class _FailingShard(torch.utils.data.Dataset):
+    """Node 1's shard fails to read at `step` (batch 8, no shuffling); node 0's reads."""
+
+    def __init__(self, rank, step):
+        from toy import make_classification
+        self.data, self.fail_at = make_classification(96, seed=rank), 8 * (step - 1) if rank == 1 else -1
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        if i == self.fail_at:
+            raise RuntimeError(f"example {i} cannot be read")
+        return self.data[i]
+
+
+class _Shards:
+    def __init__(self, step):
+        self.step = step
+
+    def __call__(self, rank, num_nodes, is_val):
+        return _FailingShard(rank, self.step)
+
+
+@LOOP_ONLY
+@pytest.mark.spawns
+def test_a_model_of_1000_tensors_over_two_processes_stopped_at_a_random_step_resumes_to_the_same_run(tmp_path):
+    from exogym import Trainer
+    from exogym.strategy import DiLoCoStrategy
+    from exogym.strategy.optim import OptimSpec
+    from test_many_tensors_processes import ManyTensors
+
+    def fit(shards, processes, **kw):
+        t = Trainer(ManyTensors(), shards)
+        model = t.fit(DiLoCoStrategy(OptimSpec(torch.optim.SGD, lr=0.1), H=2), 2, max_steps=10, batch_size=8,
+                      shuffle=False, progress=False, logger=False, processes=processes, **kw)
+        return t, model
+
+    whole, whole_model = fit(_Shards(step=10**6), 1)
+    with pytest.raises(Exception, match=f"example {8 * (FD_STEP - 1)} cannot be read"):
+        fit(_Shards(FD_STEP), 2, checkpoint_interval=2, checkpoint_dir=tmp_path)
+    newest = find_checkpoint(tmp_path)
+    resumed, resumed_model = fit(_Shards(step=10**6), 2, resume_from=newest)
+    assert all(torch.equal(a, b) for a, b in zip(whole_model.parameters(), resumed_model.parameters()))
+    assert resumed.record.node_loss == whole.record.node_loss
+
+
+@LOOP_ONLY
+def test_async_gossip_over_1024_nodes_ends_with_its_pushes_as_its_bytes():
+    import resource
+    from exogym import Trainer
+    from exogym.strategy import GossipStrategy
+    from toy import TinyMLP, make_classification
+    model = TinyMLP()
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    t = Trainer(model, make_classification(4096))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t.fit(GossipStrategy(topology="ring", mode="async", H=1, lr=0.05), 1024, max_steps=4, batch_size=4,
+          progress=False, logger=False)
+    assert t.record.bytes_per_node == [4 * (model_bytes + 8)] * 1024
+    grew_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert grew_mb < 2000, grew_mb  # the K x K matrices of before took 10 GB here
+
+
 @pytest.mark.spawns
 @pytest.mark.skipif(not os.environ.get("EXOGYM_FAULT_LOOP"), reason="a case of the loop (EXOGYM_FAULT_LOOP=1): "
                     "about a minute on 2 cores")

@@ -150,17 +150,23 @@ def test_under_torchrun_the_torch_backend_names_the_rank_that_went_away_not_its_
 
 @pytest.mark.spawns
 def test_a_caller_killed_at_a_checkpoint_resumes_writing_the_rows_its_folder_misses(tmp_path):
-    # Node 1 SIGKILLs the caller as it reads step 13's batch: checkpoint 12 is written, and its rows were just sent
-    # to the caller, which may die before writing them (issue 38 saw train.csv at 150 with checkpoint 160 in 3 of
-    # 4 tries). The processes end with their caller. train.csv is then cut back to step 9, as such a kill can leave
-    # it: the resume writes steps 10-12 from what the checkpoint carries, and the run holds every step once.
+    # Node 1 SIGKILLs the caller as it reads step 13's batch: checkpoint 12 is written, and the rows of steps up to
+    # 12 were sent to the caller, which may die before writing them (issue 38 saw train.csv at 150 with checkpoint
+    # 160 in 3 of 4 tries). How far the caller got is up to the scheduler: the nodes do not wait for it to read
+    # their rows, so on a loaded machine it may be any number of steps behind (8 rows, once). It wrote whole rows,
+    # steps 1 to some k <= 12. The processes end with their caller. train.csv is then cut back to step 9 at most,
+    # as such a kill can leave it: the resume writes the steps up to 12 from what the checkpoint carries, and the
+    # run holds every step once.
     run = tmp_path / "logs" / "r"
     killed = subprocess.run(fault_run.command("caller-SIGKILL", 13, "processes"), cwd=tmp_path, capture_output=True,
                             text=True, timeout=120)
     assert killed.returncode == -9, killed.stderr[-3000:]
-    lines = (run / "train.csv").read_text().splitlines(keepends=True)
-    (run / "train.csv").write_text("".join(lines[:10]))
-    assert steps_in(run) == list(range(1, 10))
+    written = steps_in(run) if (run / "train.csv").exists() else []
+    assert written == list(range(1, len(written) + 1)) and len(written) <= 12, written
+    if written:
+        lines = (run / "train.csv").read_text().splitlines(keepends=True)
+        (run / "train.csv").write_text("".join(lines[:10]))
+        assert steps_in(run) == list(range(1, min(len(written), 9) + 1))
     fault_run.resume(launch="processes")  # from this process (the killed caller is gone)
     assert steps_in(run) == list(range(1, fault_run.MAX_STEPS + 1))
     summary = json.loads((run / "summary.json").read_text())

@@ -310,3 +310,27 @@ def test_a_simulating_process_stuck_in_native_code_is_named_by_the_caller():
     assert "inside native code that ignores signals" in msg and f"code {STUCK_EXIT_CODE}" in msg, msg
     assert "raised in the process of node 1" in " ".join(info.value.__notes__)
     assert time.monotonic() - started < 120
+
+
+class PollsForever(SimpleReduceStrategy):
+    """Node 1 spins on poll() at step 3, at one simulated time, for a message nobody sends (issue 46)."""
+
+    sends_messages = True
+
+    def step(self):
+        if self.rank == 1 and self.local_step == STUCK_STEP - 1:
+            from exogym.comm import poll
+            while not poll():
+                pass
+        super().step()
+
+
+@pytest.mark.parametrize("processes", [1, pytest.param(2, marks=pytest.mark.spawns)])
+def test_a_node_spinning_on_poll_without_its_clock_moving_is_stopped_within_its_timeout(processes):
+    _fit(SimpleReduceStrategy("sgd", lr=0.1), nodes=2)  # the first run's imports (torch.optim's) are not node time
+    started = time.monotonic()
+    with pytest.raises(NodeTimeoutError) as info:
+        _fit(PollsForever("sgd", lr=0.1), nodes=2, processes=processes, node_timeout=3.0)
+    assert info.value.rank == 1 and info.value.step == STUCK_STEP, info.value
+    assert "without its simulated clock moving" in str(info.value) or "node_timeout" in str(info.value)
+    assert time.monotonic() - started < 60

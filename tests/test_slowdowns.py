@@ -147,6 +147,18 @@ def test_a_window_past_the_drawn_ones_draws_on_and_long_compute_spans_several():
     assert len(met) > 10 and math.isclose(took, 100.0 + 0.5 * sum(w.to_s - w.from_s for w in met), rel_tol=1e-9)
 
 
+def test_a_step_spanning_more_windows_than_the_bound_is_refused_and_the_bound_is_accepted():
+    # Issue 46: rate=1e6 against a step of 1e9 simulated seconds drew windows without bound (2.65 GB, no end).
+    s = SlowdownSchedule(1, drawn=RandomSlowdowns(rate=1e6, duration=1e-7))
+    with pytest.raises(ValueError, match=r"one step of node 0 .* spans more than 10,000 slowdown windows"):
+        s.stretch(0, 0.0, 1e9)
+    # A step spanning a few thousand windows is fine: the same rate, a step 1,000 times shorter (each window
+    # starts after an exponential gap of mean 1 us and lasts 0.1 us)
+    s = SlowdownSchedule(1, drawn=RandomSlowdowns(rate=1e6, duration=1e-7, factor=2.0))
+    took = s.stretch(0, 0.0, 1e-3)
+    assert 1e-3 < took < 1.2e-3
+
+
 @pytest.mark.parametrize("spec, message", [
     (dict(rate=-0.1), "rate must be >= 0"), (dict(rate=1.0, factor=0.5), "factor must be >= 1"),
     (dict(rate=1.0, duration=0.0), "duration must be > 0"), (dict(rate=1.0, seed=-1), "seed must be >= 0"),

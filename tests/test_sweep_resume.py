@@ -131,3 +131,16 @@ def test_the_command_line_sweeps_resumes_and_refuses_what_it_cannot_do(tmp_path,
         assert main(["sweep", "--task", "synthetic", *bad]) == 2
         assert re.search(match, capsys.readouterr().err), match
     assert not (tmp_path / "t").exists()
+
+
+@pytest.mark.spawns
+def test_a_sweep_run_stopped_by_sigterm_is_recorded_as_sigterm(tmp_path):
+    # Issue 46: the sweep worker had a SIGTERM handler of its own raising a bare KeyboardInterrupt, so the run was
+    # recorded as stopped by SIGINT. The worker now takes the launch layer's one handler.
+    out = tmp_path / "s"
+    proc = _start(out)
+    victim = _wait_for_checkpointed_run(out, proc)
+    os.kill(json.loads((victim / ".exogym-run").read_text())["pid"], signal.SIGTERM)
+    proc.wait(180)
+    summary = json.loads((victim / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["signal"] == "SIGTERM", summary

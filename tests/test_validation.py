@@ -35,6 +35,10 @@ def trainer(n=64, model=None):
     (dict(peer_timeout=0), ValueError, "peer_timeout must be at least 5 s"),
     (dict(peer_timeout=math.inf), ValueError, "peer_timeout must be a finite number"),
     (dict(peer_timeout="30"), TypeError, "peer_timeout must be a number"),
+    (dict(node_speeds=[1.0, math.inf]), ValueError, "node_speeds[1] must be a finite number, got inf"),
+    (dict(node_speeds=[1e-300, 1.0]), ValueError, "node_speeds[0] must be between 1e-06 and 1e+06"),
+    (dict(node_speeds=[1.0, 1e300]), ValueError, "node_speeds[1] must be between 1e-06 and 1e+06"),
+    (dict(device_flops=math.inf), ValueError, "device_flops[0] must be a finite number"),
 ])
 def test_fit_rejects_bad_arguments(kwargs, error, message):
     if kwargs.get("device") == "cuda:0" and torch.cuda.is_available():
@@ -59,6 +63,15 @@ def test_boundary_values_are_accepted():
     t.fit(SimpleReduceStrategy(), 1, batch_size=1, max_steps=1, minibatch_size=1, val_interval=1, **FIT)
     t.fit(SimpleReduceStrategy(), 1, batch_size=1, max_steps=1, peer_timeout=5, **FIT)
     t.fit(SimpleReduceStrategy(), 1, batch_size=1, max_steps=1, peer_timeout=None, **FIT)
+    t.fit(SimpleReduceStrategy(), 2, batch_size=1, max_steps=1, node_speeds=[1e-6, 1e6], **FIT)
+
+
+@pytest.mark.parametrize("make", ["AsyncDiLoCoStrategy", "DecoupledDiLoCoStrategy", "DiLoCoStrategy"])
+def test_an_infinite_outer_lr_is_refused(make):
+    import exogym.strategy as strategies
+    with pytest.raises(ValueError, match="outer_lr must be a finite number, got inf"):
+        getattr(strategies, make)(outer_lr=math.inf)
+    getattr(strategies, make)(outer_lr=1e3)
 
 
 def test_strategy_and_optimizer_keywords_are_strict():

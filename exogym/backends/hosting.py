@@ -14,6 +14,9 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
+
+from exogym.backends.peer_watch import STARTUP_S
 
 from exogym.engine.execution import FusedFallbackWarning
 
@@ -21,7 +24,7 @@ if TYPE_CHECKING:
     from exogym.engine.plan import RunPlan, RunSinks
 
 __all__ = ["Hosting", "Peers", "ProcessBackend", "blocks", "block_of", "process_group_timeout",
-           "PROCESS_GROUP_TIMEOUT", "SERVER_ROLE", "sequential_execution"]
+           "PROCESS_GROUP_TIMEOUT", "SERVER_ROLE", "sequential_execution", "setup_timeout", "limit_waits"]
 
 # The role of a participant that is not a node: a strategy's server (global state, and code reacting to each
 # arriving message). It runs in the process that holds node 0; no launcher needs to know more than that.
@@ -43,6 +46,43 @@ def process_group_timeout(node_timeout: float | None) -> timedelta:
         The timeout, PROCESS_GROUP_TIMEOUT when node_timeout is None.
     """
     return PROCESS_GROUP_TIMEOUT if node_timeout is None else timedelta(seconds=node_timeout)
+
+
+# Setting a gloo process group up (its rendezvous in the store, then a connection between every pair of processes)
+# waits for every process to arrive, and they arrive seconds apart: each imports torch and unpickles or builds its
+# part of the run first, slower on a loaded machine. node_timeout bounds a node's wait at a collective while
+# training, not that start, so the setup waits at least STARTUP_S (as a peer that never beat is given), and the
+# group's waits are then cut to the process group's timeout (limit_waits). nccl connects at the first collective,
+# within node_timeout as before; a torch without ProcessGroup.set_timeout keeps the group's timeout for the setup.
+_RETIMABLE = hasattr(dist.ProcessGroup, "set_timeout")
+
+
+def setup_timeout(timeout: timedelta, group_backend: str) -> timedelta:
+    """How long setting up a process group (and connecting to its store) may wait for the other processes.
+
+    Args:
+        timeout: the process group's timeout (process_group_timeout).
+        group_backend: the group's torch.distributed backend ("gloo", "nccl").
+
+    Returns:
+        `timeout`; for gloo at least STARTUP_S seconds, where the group's timeout can be set once it is up.
+    """
+    return max(timeout, timedelta(seconds=STARTUP_S)) if _RETIMABLE and group_backend == "gloo" else timeout
+
+
+def limit_waits(group: Any, store: Any, setup: timedelta, timeout: timedelta) -> None:
+    """Once a group set up with setup_timeout is up: its collectives and its store client's waits give up after
+    `timeout`, the process group's timeout.
+
+    Args:
+        group: the torch.distributed ProcessGroup.
+        store: the store client it set up with.
+        setup: the timeout it was set up with (setup_timeout).
+        timeout: the process group's timeout.
+    """
+    if setup != timeout:
+        group.set_timeout(timeout)
+        store.set_timeout(timeout)
 
 
 def blocks(num_nodes: int, processes: int) -> list[range]:

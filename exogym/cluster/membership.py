@@ -18,6 +18,7 @@ The schedules, as `fit` takes them:
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -80,6 +81,26 @@ class Membership:
             The ranks, sorted.
         """
         return self.members[bisect.bisect_right(self.starts, step) - 1]
+
+    def up_from(self, step: int) -> frozenset[int]:
+        """The nodes up at `step` or at any step after it: a node not among them is gone for good.
+
+        Args:
+            step: The step, counted from 1.
+
+        Returns:
+            The ranks.
+        """
+        return self._up_from_stretch[max(0, bisect.bisect_right(self.starts, step) - 1)]
+
+    @functools.cached_property
+    def _up_from_stretch(self) -> tuple[frozenset[int], ...]:
+        """Per stretch, the nodes up in it or in any later one (built once, from the last stretch back)."""
+        out, seen = [], frozenset()
+        for members in reversed(self.members):
+            seen = seen | frozenset(members)
+            out.append(seen)
+        return tuple(reversed(out))
 
     def joiners(self, step: int) -> tuple[int, ...]:
         """Nodes up at `step` that were down at the step before.

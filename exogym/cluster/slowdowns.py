@@ -32,7 +32,11 @@ import numpy as np
 
 from exogym._validation import check_int, check_number
 
-__all__ = ["RandomSlowdowns", "Slowdown", "SlowdownSchedule", "build_slowdowns"]
+__all__ = ["RandomSlowdowns", "Slowdown", "SlowdownSchedule", "build_slowdowns", "MAX_WINDOWS_PER_STEP"]
+
+# A step that spans more drawn windows than this is refused: slowdowns far shorter than a step only average out,
+# and drawing them would take work and memory without bound (rate=1e6 against a step of 1e9 simulated seconds).
+MAX_WINDOWS_PER_STEP = 10_000
 
 
 @dataclass(frozen=True)
@@ -146,10 +150,14 @@ class SlowdownSchedule:
         self._draw = [_Drawn(drawn, r) for r in range(num_nodes)] if drawn is not None else None
         self._exhausted = [drawn is None or drawn.rate == 0] * num_nodes
 
-    def _cover(self, rank: int, until: float) -> list[Slowdown]:
-        """Node `rank`'s windows, drawn at least until one ends after `until` (or the draws are exhausted)."""
+    def _cover(self, rank: int, until: float, start: float | None = None) -> list[Slowdown]:
+        """Node `rank`'s windows, drawn at least until one ends after `until` (or the draws are exhausted); no more
+        than MAX_WINDOWS_PER_STEP of them after `start` (the step's start) at a time."""
         windows, ends = self._windows[rank], self._ends[rank]
+        first = len(windows)
         while not self._exhausted[rank] and (not windows or windows[-1].to_s <= until):
+            if len(windows) - first >= MAX_WINDOWS_PER_STEP:
+                self._too_many(rank, start, until)
             w = self._draw[rank].draw()
             if w is None:
                 self._exhausted[rank] = True
@@ -169,14 +177,16 @@ class SlowdownSchedule:
         Returns:
             The seconds until it ends: `work` exactly when no window overlaps it, more when one does.
         """
-        windows = self._cover(rank, start + work)
+        windows = self._cover(rank, start + work, start)
         i = bisect.bisect_right(self._ends[rank], start)  # the first window ending after start
         if i == len(windows) or windows[i].from_s >= start + work:
             return work
-        now, left = start, work
+        now, left, first = start, work, i
         while True:
+            if i - first >= MAX_WINDOWS_PER_STEP:
+                self._too_many(rank, start, now + left)
             if i == len(windows):  # the compute ran past every window drawn so far: draw on
-                windows = self._cover(rank, now + left)
+                windows = self._cover(rank, now + left, start)
                 if i == len(windows):
                     return now + left - start
             w = windows[i]
@@ -191,6 +201,15 @@ class SlowdownSchedule:
             left -= doable
             now = w.to_s
             i += 1
+
+    def _too_many(self, rank: int, start: float | None, until: float) -> None:
+        spec = self.spec
+        span = f"from {start:.6g} s to at least {until:.6g} s" if start is not None else f"to {until:.6g} s"
+        raise ValueError(f"slowdowns=RandomSlowdowns(rate={spec.rate!r}, duration={spec.duration!r}): one step of "
+                         f"node {rank} ({span} of simulated time) spans more than {MAX_WINDOWS_PER_STEP:,} slowdown "
+                         "windows; slowdowns that much shorter than a step only average out. Lower rate, or make "
+                         "each slowdown last longer (duration), or the node's step shorter (node_speeds, "
+                         "device_flops)")
 
     def during(self, rank: int, until: float) -> list[Slowdown]:
         """Node `rank`'s slowdowns that started before simulated second `until` (its clock at the run's end).

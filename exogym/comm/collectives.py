@@ -89,6 +89,23 @@ def all_reduce(tensor: torch.Tensor, op: object = ReduceOp.SUM, group: Group | S
     return work if async_op else tensor
 
 
+
+def sum_as_bookkeeping(tensor: torch.Tensor, group: Group | Sequence[int] | None = None) -> torch.Tensor:
+    """Sum `tensor` over the group's members up now, in place, as the run's bookkeeping, not its traffic: no bytes
+    counted and no simulated time. For what the library's strategies must know to end a run (how many messages are
+    still in flight to a node), never for what an algorithm communicates; not exported.
+
+    Args:
+        tensor: This node's tensor; it receives the sum.
+        group: The members: a Group, a list of global ranks, or None for every node.
+
+    Returns:
+        `tensor`.
+    """
+    c = _comm.current_transport()
+    c.all_reduce(_check_tensor("tensor", tensor), ReduceOp.SUM, _group(c, group), account=False)
+    return tensor
+
 def broadcast(tensor: torch.Tensor, src: int = 0, group: Group | Sequence[int] | None = None,
               async_op: bool = False) -> torch.Tensor | Work:
     """Copy node `src`'s tensor into every member's `tensor` in place.
@@ -241,6 +258,20 @@ def alive_ranks(group: Group | Sequence[int] | None = None, *, step: int | None 
         return list(_group(c, group).ranks)
     up = c.up(step)
     return [r for r in _group_ranks(c, group) if r in up]
+
+
+def ranks_up_from(step: int) -> frozenset[int]:
+    """The nodes up at `step` or at any later step of the run (every node, without a failure or elastic schedule):
+    the others are gone for good. Not exported: for the library's strategies' warnings.
+
+    Args:
+        step: A step, counted from 1.
+
+    Returns:
+        The ranks.
+    """
+    c = _comm.current_transport()
+    return frozenset(c.world.ranks) if c.membership is None else c.membership.up_from(step)
 
 
 def in_running_node() -> bool:

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from exogym.cluster.spans import SpanLog
-from exogym.runs.checkpoint import CheckpointPlan, NodeState, finalize_checkpoint, save_node_state
+from exogym.runs.checkpoint import CheckpointError, CheckpointPlan, NodeState, finalize_checkpoint, save_node_state
 from exogym.comm.transport import CollectiveError, Transport, bind_transport
 from exogym.data.sharding import NodeBatches, batch_size_of, move_to_device, token_count
 from exogym.engine.config import RunConfig
@@ -197,7 +197,13 @@ class TrainNode:
                                         keep_once=self.keep_once))
         first_step = 0
         if self.resume is not None:  # the strategy's state (optimizers and all), counts and clock, where they were
-            s.load_state_dict(self.resume.strategy)
+            try:
+                s.load_state_dict(self.resume.strategy)
+            except (KeyError, IndexError, TypeError, ValueError, OverflowError, RuntimeError) as e:
+                # a changed file whose hash was written again, or another strategy's: named, not raised raw
+                raise CheckpointError(f"node {self.rank}'s checkpointed strategy state does not load into "
+                                      f"{type(s).__name__} ({type(e).__name__}: {e}); the file was changed after it "
+                                      "was written, or is another run's: resume from an earlier checkpoint") from e
             comm.restore(self.resume.comm_stats, self.resume.clock)
             if "messages" in self.resume.strategy:
                 comm.load_messages_state(self.resume.strategy["messages"])

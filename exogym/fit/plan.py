@@ -150,6 +150,7 @@ def build_plan(c: FitConfig, *, model: torch.nn.Module, train_dataset: DatasetOr
     if s.autocast and any(d.type == "cuda" and not torch.cuda.is_bf16_supported() for d in node_devices):
         raise ValueError("autocast=True trains in bfloat16, which this GPU does not support; use autocast=False")
     data = build_run_data(c, train_dataset, val_dataset, loader)
+    c.strategy.check_length(c.num_nodes, data.total_steps)
     c.strategy.check_data(data.node_batches, processes=launcher.processes)  # options that need the data's shape
     check_trainable(model)  # before the execution probe, which would build an optimizer of nothing
     cfg = RunConfig(num_nodes=c.num_nodes, max_steps=data.total_steps, batch_size=s.batch_size,
@@ -259,8 +260,15 @@ def build_time_model(num_nodes: int, network: Any, node_speeds: Any, device_flop
         raise TypeError(f"network must be an exogym.cluster.network.Network or a preset name, got {network!r}")
     network.check_nodes(num_nodes)
     speeds = _per_node("node_speeds", node_speeds, 1.0, num_nodes)
+    for i, v in enumerate(speeds):  # a node a million times slower or faster than the device means nothing more
+        if not SPEED_RANGE[0] <= v <= SPEED_RANGE[1]:
+            raise ValueError(f"node_speeds[{i}] must be between {SPEED_RANGE[0]:g} and {SPEED_RANGE[1]:g} (a node's "
+                             f"speed relative to its device: 0.5 computes half as fast), got {v!r}")
     flops = _per_node("device_flops", device_flops, DEFAULT_DEVICE_FLOPS, num_nodes)
     return TimeModel(network, speeds, flops, measured=compute_time == "measured", slowdowns=schedule)
+
+
+SPEED_RANGE = (1e-6, 1e6)  # node_speeds: beyond it simulated times overflow or lose every digit of a step
 
 
 def _per_node(name: str, value: Any, default: float, num_nodes: int) -> tuple[float, ...]:
@@ -269,7 +277,7 @@ def _per_node(name: str, value: Any, default: float, num_nodes: int) -> tuple[fl
     if len(values) != num_nodes:
         raise ValueError(f"{name} needs one value per node (num_nodes={num_nodes}), got {len(values)}")
     for i, v in enumerate(values):
-        check_number(f"{name}[{i}]", v, positive=True)
+        check_number(f"{name}[{i}]", v, positive=True, finite=True)
     return tuple(float(v) for v in values)
 
 

@@ -171,7 +171,7 @@ class Trainer:
                 reaching a collective before it counts as stuck. The sim backend then stops the run with a
                 NodeTimeoutError naming the node, its step and its Python stack; the torch backend uses it as
                 the process group's timeout and names the node(s) that never reached the collective the
-                others wait in.
+                others wait in (a gloo group's setup, as the processes start, waits at least 60 s).
             peer_timeout: Seconds (default 30, at least 5; None: never) a process of a run over several
                 processes (`processes=P`, torchrun) may go without a heartbeat (one a second) before the others
                 count it as lost: stopped, hung, or cut off by a network partition. A process waiting for it then

@@ -32,9 +32,9 @@ import torch.distributed as dist
 
 from exogym.backends.errors import PeerLostError
 from exogym.backends.peer_watch import PeerWatch
-from exogym.backends.hosting import Hosting, Peers, ProcessBackend, block_of
+from exogym.backends.hosting import Hosting, Peers, ProcessBackend, block_of, limit_waits, setup_timeout
 from exogym.launch.environment import Environment
-from exogym.launch.pickling import check_picklable
+from exogym.launch.pickling import check_picklable, to_bytes
 from exogym.launch.shared_folder import check_shared_folder
 from exogym.launch.row_relay import LockedLive, RelayReader, StoreRelay, store_timeout
 from exogym.launch.signals import interrupt_on_sigterm
@@ -168,23 +168,34 @@ class LocalProcesses(Launcher):
         start = time.perf_counter()  # one machine, one clock: the nodes' wall times count from here, as in the sim
         procs: list[Any] = []
         conns: list[Any] = []
+        plan_pipes: list[Any] = []
         finished = False
         try:
             for hosting in self.hosting:
                 reader, writer = ctx.Pipe(duplex=False)
-                # Each process is sent its own nodes' data (the examples they read), not the whole dataset.
+                plan_reader, plan_writer = ctx.Pipe(duplex=False)
                 proc = ctx.Process(target=process_main, name=f"exogym-{self.backend.name}-{hosting.process}",
-                                   args=(self.backend, hosting, plan.for_nodes(hosting.nodes), store.port, writer,
-                                         start, threads, timeout))
+                                   args=(self.backend, hosting, plan_reader, store.port, writer, start, threads,
+                                         timeout))
                 proc.start()
                 writer.close()  # the process holds the only writer now: end of file on the reader means it is gone
+                plan_reader.close()  # and the only reader of its plan: a process gone before reading it is EPIPE
                 procs.append(proc)
                 conns.append(reader)
+                plan_pipes.append(plan_writer)
+            for hosting, plan_writer in zip(self.hosting, plan_pipes):
+                # Each process is sent its own nodes' data (the examples they read), not the whole dataset, as one
+                # buffer: no file descriptor per tensor (exogym.launch.pickling); one process's buffer at a time.
+                with contextlib.suppress(BrokenPipeError):  # the process is gone: supervise names how it ended
+                    plan_writer.send_bytes(to_bytes(plan.for_nodes(hosting.nodes)))
+                plan_writer.close()
             per_process = supervise(sinks.live, procs, conns, self._labels(), [h.nodes.start for h in self.hosting],
                                     passthrough=self.backend.passthrough)
             finished = True
             return [(with_rows(log, sinks.live), state) for (results,) in per_process for log, state in results]
         finally:
+            for plan_writer in plan_pipes:
+                plan_writer.close()
             wind_down(sinks.live, procs, conns, finished=finished)
             del store
 
@@ -272,9 +283,12 @@ class Torchrun(Launcher):
         if owns_group:
             _import_before_the_group()
             # Each process has a GPU of its own (LOCAL_RANK): its own nodes' devices choose the group's backend.
-            dist.init_process_group(self.backend.group_backend([plan.devices[r] for r in hosting.nodes]),
-                                    store=_group_store(_torchrun_runs, env.rank, env.world_size, timeout),
-                                    rank=env.rank, world_size=env.world_size, timeout=timeout)
+            group_backend = self.backend.group_backend([plan.devices[r] for r in hosting.nodes])
+            setup = setup_timeout(timeout, group_backend)  # the other ranks may arrive seconds later
+            group_store = _group_store(_torchrun_runs, env.rank, env.world_size, setup)
+            dist.init_process_group(group_backend, store=group_store, rank=env.rank, world_size=env.world_size,
+                                    timeout=setup)
+            limit_waits(dist.group.WORLD, group_store, setup, timeout)
         elif dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
             raise ValueError(f"torch.distributed is already initialised with rank {dist.get_rank()} of "
                              f"{dist.get_world_size()}, but RANK={env.rank}, WORLD_SIZE={env.world_size}; call "

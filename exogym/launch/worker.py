@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from exogym.backends.hosting import Hosting, Peers, ProcessBackend
+from exogym.backends.hosting import Hosting, Peers, ProcessBackend, limit_waits, setup_timeout
 from exogym.engine.plan import RunSinks
+from exogym.launch.pickling import from_bytes
 from exogym.launch.signals import raise_on_sigterm
 from exogym.launch.supervision import HOST, Failure
 
@@ -133,7 +134,7 @@ def exit_with_caller(poll_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="exogym-caller-watch", daemon=True).start()
 
 
-def process_main(backend: ProcessBackend, hosting: Hosting, plan: "RunPlan", port: int, conn: Connection,
+def process_main(backend: ProcessBackend, hosting: Hosting, plan_conn: Connection, port: int, conn: Connection,
                  start: float, threads: int, timeout: timedelta) -> None:
     """A process of a local launch: join the process group, run what it hosts, report; on any exception report it
     and exit.
@@ -141,7 +142,8 @@ def process_main(backend: ProcessBackend, hosting: Hosting, plan: "RunPlan", por
     Args:
         backend: what runs inside the process.
         hosting: what this process hosts.
-        plan: the run (without its sinks: this process makes its own, which forward to the caller).
+        plan_conn: where the caller writes the run for this process's nodes, once, as one buffer
+            (exogym.launch.pickling; without its sinks: this process makes its own, which forward to the caller).
         port: the caller's store.
         conn: the pipe to the caller (this process holds its only writer).
         start: the run's start on this machine's clock.
@@ -153,9 +155,14 @@ def process_main(backend: ProcessBackend, hosting: Hosting, plan: "RunPlan", por
     try:
         raise_on_sigterm()
         torch.set_num_threads(threads)
-        store = dist.TCPStore(HOST, port, is_master=False, timeout=timeout)
-        dist.init_process_group(backend.group_backend(plan.devices), store=store, rank=hosting.process,
-                                world_size=hosting.processes, timeout=timeout)
+        plan: "RunPlan" = from_bytes(plan_conn.recv_bytes())  # the buffer is dropped once read
+        plan_conn.close()
+        group_backend = backend.group_backend(plan.devices)
+        setup = setup_timeout(timeout, group_backend)  # the other processes may arrive seconds later
+        store = dist.TCPStore(HOST, port, is_master=False, timeout=setup)
+        dist.init_process_group(group_backend, store=store, rank=hosting.process, world_size=hosting.processes,
+                                timeout=setup)
+        limit_waits(dist.group.WORLD, store, setup, timeout)
         # A node stuck in native code is reported before the watchdog ends this process.
         sinks = RunSinks(ForwardingLive(outbox), on_stuck=lambda error: outbox.send_error(error.rank, error))
         if backend.processes_take_gpus:

@@ -38,6 +38,7 @@ from exogym.runs.folder import RunClaim, hold_folder, remove_tree
 from exogym.runs.marker import MARKER, describe_holder, read_marker
 from exogym.runs.record import NodeLog
 from exogym.cluster.simtime import NodeClock
+from exogym.runs.checkpoint_checks import CheckpointError, check_node_state
 
 __all__ = ["NodeState", "CheckpointPlan", "CheckpointError", "save_node_state", "finalize_checkpoint",
            "find_checkpoint", "read_manifest", "check_resume", "load_checkpoint", "check_checkpoint_space", "FORMAT"]
@@ -46,10 +47,6 @@ FORMAT = 2  # 1: pickled objects (before exogym 0.1's state protocol); 2: tensor
 _PREFIX, _PARTIAL, _MANIFEST = "step_", ".partial", "manifest.json"
 _COMPLETE = re.compile(r"step_\d+")  # a published checkpoint's folder name (a .partial one is not)
 _NOT_OURS = "partials_of_others"  # the holder's marker lists the .partial folders that were there before it
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, incomplete, corrupted, or from a different run configuration."""
 
 
 @dataclass
@@ -310,6 +307,7 @@ def load_checkpoint(folder: Path, manifest: dict[str, Any], *, devices: list[tor
         except Exception as e:  # noqa: BLE001 - whatever fails to load, the file is not a checkpoint of ours
             raise CheckpointError(f"checkpoint file {str(file)!r} does not hold an exogym node state "
                                   f"({type(e).__name__}: {e})") from e
+        check_node_state(plain, manifest["num_nodes"], file)
         if plain.get("rank") != rank or state.step != manifest["step"]:
             raise CheckpointError(f"checkpoint file {str(file)!r} holds node {plain.get('rank')}'s state at step "
                                   f"{state.step}, not node {rank}'s at step {manifest['step']}")

@@ -155,7 +155,7 @@ class AsyncDiLoCoStrategy(ServerRoundsStrategy):
                  max_norm: float | None = None, **kwargs: Any):
         super().__init__(optim_spec, H=H, lr=lr, dynamic_local_updates=dynamic_local_updates,
                          time_budget_s=time_budget_s, max_norm=max_norm, **kwargs)
-        check_number("outer_lr", outer_lr, positive=True)
+        check_number("outer_lr", outer_lr, positive=True, finite=True)
         check_number("outer_momentum", outer_momentum, minimum=0.0)
         if outer_momentum >= 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")

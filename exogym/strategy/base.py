@@ -193,6 +193,21 @@ class Strategy(metaclass=Adaptable):
             ValueError: In a subclass, when its settings cannot work with `num_nodes`.
         """
 
+    def check_length(self, num_nodes: int, max_steps: int) -> None:
+        """Check the strategy's settings against the run's length, before any node starts.
+
+        Trainer.fit asks once it knows how many steps the run takes: a strategy whose settings the run could never
+        act on (FedBuff's buffer_size larger than every update the nodes can send) raises an error naming the
+        numbers, instead of running to the end without a word. Nothing to check by default.
+
+        Args:
+            num_nodes: The run's node count.
+            max_steps: The run's steps.
+
+        Raises:
+            ValueError: In a subclass, when its settings cannot act in a run of this length.
+        """
+
     def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
         """Bind to one node (the original ExoGym hook; subclasses extend it and call super())."""
         self.model, self.rank, self.num_nodes = model, rank, num_nodes

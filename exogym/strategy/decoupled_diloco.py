@@ -4,11 +4,13 @@ arrived with a minimum quorum, an adaptive grace window and token-weighted avera
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Mapping
 
 import torch
 
-from exogym._validation import check_int, check_number
+from exogym._validation import caller_level, check_int, check_number
+from exogym.comm.collectives import ranks_up_from
 from exogym.comm import messages as msg
 from exogym.strategy.base import Strategy
 from exogym.strategy.optim import OptimSpec
@@ -161,7 +163,7 @@ class DecoupledDiLoCoStrategy(ServerRoundsStrategy):
         check_int("min_quorum", min_quorum, minimum=1, allow_none=True)
         check_number("grace_factor", grace_factor, minimum=0.0)
         check_number("max_grace", max_grace, minimum=0.0)
-        check_number("outer_lr", outer_lr, positive=True)
+        check_number("outer_lr", outer_lr, positive=True, finite=True)
         check_number("outer_momentum", outer_momentum, minimum=0.0)
         if outer_momentum >= 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
@@ -214,6 +216,7 @@ class DecoupledDiLoCoStrategy(ServerRoundsStrategy):
     def _sync(self, p: int) -> None:
         """Send fragment p's pseudo-gradient (the global fragment it started from minus the node's), take the
         syncer's fragment p as the node's and as its new start."""
+        self._warn_if_no_quorum()
         sl = self._slices[p]
         flat = flat_parameters(self.model)
         msg.send(self._start[sl] - flat[sl], msg.SERVER,
@@ -223,6 +226,22 @@ class DecoupledDiLoCoStrategy(ServerRoundsStrategy):
         flat[sl] = reply.tensor
         load_flat(self._params, flat)
         self._versions[p], self._since[p] = int(reply.meta["version"]), 0
+
+    def _warn_if_no_quorum(self) -> None:
+        """Once per run: fewer nodes than the quorum will ever be up again (the others gone for good), so the syncer
+        can never merge again; the run goes on (its nodes train alone), and this says why nothing merges."""
+        quorum = self.min_quorum if self.min_quorum is not None else max(1, math.ceil(self.num_nodes / 2))
+        if getattr(self, "_quorum_warned", False):
+            return
+        left = ranks_up_from(self.local_step + 1)
+        if len(left) < quorum:
+            self._quorum_warned = True
+            if self.rank != min(left, default=self.rank):
+                return  # one node says it for the run: the lowest still up
+            warnings.warn(f"Decoupled DiLoCo's min_quorum={quorum} can no longer form: only {len(left)} node(s) are "
+                          f"ever up again (the others are gone for good), so the syncer never merges again; use a "
+                          f"min_quorum of at most {len(left)} for this failure schedule", RuntimeWarning,
+                          stacklevel=caller_level())
 
     @torch.no_grad()
     def rejoin_alone(self) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Mapping
 
 import torch
 
-from exogym._validation import check_int, check_number
+from exogym._validation import caller_level, check_int, check_number
+from exogym.comm import messages as msg
 from exogym.comm.messages import Message
 from exogym.strategy.optim import OptimSpec
 from exogym.strategy.server_rounds import FlatServer, ServerRoundsStrategy
@@ -96,10 +98,39 @@ class FedBuffStrategy(ServerRoundsStrategy):
                  time_budget_s: float | None = None, max_norm: float | None = None, **kwargs: Any):
         super().__init__(optim_spec, H=H, lr=lr, time_budget_s=time_budget_s, max_norm=max_norm, **kwargs)
         check_int("buffer_size", buffer_size, minimum=1)
-        check_number("server_lr", server_lr, positive=True)
+        check_number("server_lr", server_lr, positive=True, finite=True)
         if staleness not in ("sqrt", "constant"):
             raise ValueError(f"staleness must be 'sqrt' or 'constant', got {staleness!r}")
         self.buffer_size, self.server_lr, self.staleness = buffer_size, server_lr, staleness
+
+    def check_length(self, num_nodes: int, max_steps: int) -> None:
+        """The nodes send at most ceil(max_steps / H) updates each: a buffer larger than all of them never fills.
+
+        Args:
+            num_nodes: The run's node count.
+            max_steps: The run's steps.
+
+        Raises:
+            ValueError: buffer_size is more than every update the run's nodes can send.
+        """
+        most = num_nodes * -(-max_steps // self.H)
+        if self.buffer_size > most:
+            raise ValueError(f"buffer_size={self.buffer_size} arrivals per server update, but this run's nodes send "
+                             f"at most {most} updates (num_nodes={num_nodes} x ceil(max_steps={max_steps} / "
+                             f"H={self.H})): the server would never update; use buffer_size <= {most}, or a longer "
+                             "run, more nodes or a smaller H")
+
+    def finish(self) -> None:
+        """As ServerRoundsStrategy's; then node 0 says once when the buffer never filled (failures or a time budget
+        left fewer updates than buffer_size): the run's global model is its start."""
+        super().finish()
+        if self.rank == 0 and self.server is not None:
+            version, buffered = msg.read_server(lambda s: (s.version, len(s.buffered)))
+            if version == 0:
+                warnings.warn(f"FedBuff's buffer_size={self.buffer_size} was never filled: the server applied 0 "
+                              f"updates ({buffered} arrived; failures or time_budget_s left fewer than "
+                              f"buffer_size), so the global model is the initial one; use a smaller buffer_size",
+                              RuntimeWarning, stacklevel=caller_level())
 
     def make_server(self, theta: torch.Tensor, num_nodes: int) -> FedBuffServer:
         """The run's server, made once where it runs.

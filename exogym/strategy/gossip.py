@@ -10,7 +10,7 @@ import torch
 
 from exogym._validation import check_int, check_number
 from exogym.comm import messages as msg
-from exogym.comm.collectives import alive_ranks, all_reduce
+from exogym.comm.collectives import alive_ranks, sum_as_bookkeeping
 from exogym.strategy.base import Strategy, trainable_parameters
 from exogym.strategy.optim import OptimSpec, ensure_optim_spec
 from exogym.strategy.server_rounds import TimeBudget, flat_parameters, load_flat
@@ -201,15 +201,25 @@ class GossipStrategy(TimeBudget, Strategy):
         self._sent[out[0]] += 1
 
     def finish(self) -> None:
-        """Async: every message still in flight is taken in (the counts go round once), so no weight is lost."""
+        """Async: every message still in flight from a node up is taken in, so no weight is lost between them.
+
+        The nodes up sum how many messages each sent to each node (K counts per node, bookkeeping: no bytes, no
+        simulated time), so node i knows how many were sent to it; it receives until it has taken that many from
+        nodes up (a message from a node down at the end is left out, with its weight), then folds them in per
+        sender in rank order, each sender's in arrival order."""
         if self.mode != "async" or self.num_nodes == 1:
             return
-        counts = torch.zeros(self.num_nodes, self.num_nodes, dtype=torch.int64)
-        counts[self.rank] = self._sent
-        all_reduce(counts)  # counts[j, i]: messages j sent to i
-        for j in range(self.num_nodes):
-            missing = int(counts[j, self.rank] - self._taken[j])
-            self._fold([msg.recv(src=j) for _ in range(missing)])
+        up = alive_ranks()
+        sent_to = sum_as_bookkeeping(self._sent.clone())  # [K]: messages the nodes up sent to each node
+        missing = int(sent_to[self.rank]) - sum(int(self._taken[j]) for j in up)
+        by_sender: dict[int, list[msg.Message]] = {}
+        while missing > 0:
+            m = msg.recv()
+            if m.src in up:
+                by_sender.setdefault(m.src, []).append(m)
+                missing -= 1
+        for j in sorted(by_sender):
+            self._fold(by_sender[j])
 
     def validation_facts(self) -> dict[str, float]:
         """A validation row's simulated time: node 0's clock when it validated (the nodes' clocks differ)."""

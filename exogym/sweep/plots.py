@@ -112,7 +112,8 @@ def plot_heatmap(rows: Sequence[dict[str, Any]], params: Sequence[str], objectiv
     if axes is None:
         return None
     y, x, panel = axes
-    rows = [r for r in rows if r["status"] == "completed" and r.get(x) is not None and r.get(y) is not None]
+    rows = [r for r in rows if r["status"] == "completed" and r.get(x) is not None and r.get(y) is not None
+            and r["objective"] is not None]
     panels = _sorted_values(rows, panel) if panel else [None]
     xv, yv = _sorted_values(rows, x), _sorted_values(rows, y)
     finite = [r["objective"] for r in rows if r["objective"] is not None and math.isfinite(r["objective"])]

@@ -9,6 +9,7 @@ from typing import Any
 
 from exogym.sweep.plots import plot_frontier, plot_heatmap
 from exogym.sweep.results import best_row, markdown, pareto, table_rows, write_csv
+from exogym.sweep.storage import writing
 
 __all__ = ["SweepResult"]
 
@@ -55,17 +56,20 @@ class SweepResult:
     def write(self, *, announce: bool = False) -> list[Path]:
         """results.csv, results.md, frontier.png and heatmap.png (when matplotlib is there) in the sweep folder."""
         rows = self.table()
-        written = [write_csv(rows, self.params, self.folder / "results.csv")]
+        with writing(self.folder / "results.csv", "the sweep's table"):
+            written = [write_csv(rows, self.params, self.folder / "results.csv")]
         text = markdown(rows, self.params, self.objective)
-        (self.folder / "results.md").write_text(text + "\n")
+        with writing(self.folder / "results.md", "the sweep's table"):
+            (self.folder / "results.md").write_text(text + "\n")
         written.append(self.folder / "results.md")
         try:
             heatmap = self.definition.search == "grid"  # a search's values do not fall on a grid
-            for path in (plot_frontier(rows, self.params, self.objective, self.folder / "frontier.png"),
-                         plot_heatmap(rows, self.params, self.objective, self.folder / "heatmap.png") if heatmap
-                         else None):
-                if path is not None:
-                    written.append(path)
+            with writing(self.folder / "frontier.png", "the sweep's plot"):
+                written.append(plot_frontier(rows, self.params, self.objective, self.folder / "frontier.png"))
+            if heatmap:
+                with writing(self.folder / "heatmap.png", "the sweep's plot"):
+                    written.append(plot_heatmap(rows, self.params, self.objective, self.folder / "heatmap.png"))
+            written = [p for p in written if p is not None]
         except ImportError as e:
             if announce:
                 print(f"exogym sweep: no plots ({e})")

@@ -28,7 +28,10 @@ def table_rows(entries: Iterable[Entry], params: Sequence[str], folder: Path) ->
     for e in entries:
         done = [o for _, o in sorted(e.runs.items()) if o.status == "completed"]
         row: dict[str, Any] = {p: e.config.get(p) for p in params}
-        row.update(status=e.status, seeds=len(done), attempts=e.attempts)
+        # A configuration the study calls completed whose outcomes neither it nor the run folders hold: never shown
+        # as completed without its numbers.
+        status = "results lost" if e.status == "completed" and not done else e.status
+        row.update(status=status, seeds=len(done), attempts=e.attempts)
         names = sorted({k for o in done for k in o.metrics} - {"violation"})
         for name in ["objective"] + [n for n in names if n != "objective"]:
             values = [o.metrics[name] for o in done if name in o.metrics]
@@ -37,6 +40,8 @@ def table_rows(entries: Iterable[Entry], params: Sequence[str], folder: Path) ->
         row["feasible"] = all(o.metrics.get("violation", 0.0) <= 0 for o in done) if done else None
         bad = next((o for o in e.runs.values() if o.status in ("failed", "diverged")), None)
         row["error"] = (f"seed {bad.seed}: " + (bad.error or "").strip().splitlines()[0]) if bad and bad.error else ""
+        if status == "results lost":
+            row["error"] = "the study says completed, but neither it nor the run folders hold the runs' outcomes"
         row["run_dirs"] = " ".join(str(folder / o.run_dir) for _, o in sorted(e.runs.items()) if o.run_dir)
         rows.append(row)
     return rows

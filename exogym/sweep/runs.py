@@ -29,6 +29,7 @@ from exogym.runs.checkpoint import CheckpointError, find_checkpoint
 from exogym.runs.loggers import CSVLogger
 from exogym.sweep.objective import MissingMetricError, Objective
 from exogym.sweep.space import Value, run_name
+from exogym.sweep.storage import writing
 
 __all__ = ["MISSING_METRIC", "NO_FOLDER", "RunOutcome", "SweepRun", "run_seed", "RunLock", "config_status",
            "write_outcome", "read_outcome", "RUNS", "LOCKS"]
@@ -105,8 +106,9 @@ class RunLock:
 
     def acquire(self, *, wait: bool) -> bool:
         """Take the lock; with wait=False return False at once if another holder has it."""
-        self.path.parent.mkdir(exist_ok=True)
-        fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
+        with writing(self.path, "the run's lock"):
+            self.path.parent.mkdir(exist_ok=True)
+            fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
@@ -234,10 +236,11 @@ def run_seed(run: Callable[..., Any], config: Mapping[str, Value], seed: int, *,
 
 def write_outcome(folder: Path, outcome: RunOutcome) -> None:
     """The outcome as <run folder>/sweep_run.json, written before it goes to the study (an outage loses nothing)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / "sweep_run.json.tmp"
-    tmp.write_text(json.dumps(outcome.to_json(), indent=1) + "\n")
-    os.replace(tmp, folder / "sweep_run.json")
+    with writing(folder / "sweep_run.json", "the run's outcome"):
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / "sweep_run.json.tmp"
+        tmp.write_text(json.dumps(outcome.to_json(), indent=1) + "\n")
+        os.replace(tmp, folder / "sweep_run.json")
 
 
 def read_outcome(folder: Path) -> RunOutcome | None:

@@ -280,9 +280,19 @@ def _build(params: Mapping[str, Any]) -> Space:
 def grid(**params: Any) -> Space:
     """Every combination of the listed values (a single value is fixed); seed=[...] are the seeds each
     configuration runs with (default [0]). Join grids with + for configurations that are not one product."""
+    _check_some_parameter("grid", params)
     out = _build(params)
     out.count()  # ranges are refused here, with the fix (nothing is listed: a grid may be huge)
     return out
+
+
+def _check_some_parameter(kind: str, params: Mapping[str, Any]) -> None:
+    """A grid of no parameter (seeds alone) is refused: its one configuration gives the run function nothing to
+    read, which is a call that forgot its values far more often than a sweep meant that way."""
+    if not set(params) - {"seed"}:
+        raise ValueError(f"{kind}() needs at least one parameter, got {'only seed=' if params else 'none'}: list the "
+                         f"values to try ({kind}(H=[10, 30])); to run one configuration over several seeds, fix its "
+                         f"values ({kind}(H=30, seed=[0, 1, 2]))")
 
 
 def space(**params: Any) -> Space:

@@ -22,12 +22,13 @@ import re
 import sys
 import time
 import warnings
+import contextlib
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 __all__ = ["JOURNAL", "INSTALL", "POSTGRES", "StorageUnavailable", "SweepStopped", "import_optuna", "open_storage", "patient",
-           "is_operational", "shown_url", "check_url"]
+           "is_operational", "shown_url", "check_url", "writing"]
 
 JOURNAL = "study.journal"
 INSTALL = "pip install 'exogym[sweep]'"
@@ -77,6 +78,29 @@ def check_url(url: str) -> None:
         raise ValueError(f"storage {shown_url(url)!r} is not a database URL SQLAlchemy knows ({type(e).__name__}: "
                          f"{e}); use postgresql://user@host/db (with {POSTGRES}), mysql://..., or sqlite:///file") \
             from None
+    if scheme.startswith("sqlite"):
+        _check_sqlite_file(url)
+
+
+def _check_sqlite_file(url: str) -> None:
+    """An SQLite file that cannot be created or opened is refused now (SQLite says only "unable to open database
+    file", which patient() would retry for storage_patience seconds as if a server were down). Nothing is left:
+    a file made to try is removed."""
+    from sqlalchemy.engine import make_url
+
+    database = make_url(url).database
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return
+    path = Path(database)
+    existed = path.exists()
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as e:
+        raise ValueError(f"storage {shown_url(url)}: the SQLite file {path} cannot be {'opened' if existed else 'created'}"
+                         f" ({e.strerror or e}); give a file in a folder you can write to") from None
+    if not existed:
+        path.unlink(missing_ok=True)
 
 
 def is_operational(e: BaseException) -> bool:
@@ -142,7 +166,7 @@ def _damage(e: BaseException, url: str) -> str | None:
     for inner in _chain(e):
         if isinstance(inner, OSError) and inner.errno is not None:
             return f"cannot write the study file {url}: {disk_error(inner)}"
-        if isinstance(inner, json.JSONDecodeError):
+        if isinstance(inner, (json.JSONDecodeError, UnicodeDecodeError)):
             return (f"the study file {url} cannot be read ({inner}): it is damaged; move it away and start the sweep "
                     "again in a new folder (the run folders beside it are kept)")
     return None
@@ -201,6 +225,18 @@ def open_storage(url: str, *, folder: Path, heartbeat: int, grace: int, max_retr
                     raise
                 time.sleep(0.5 + attempt)
     return patient(connect, url=url, patience=patience, what="the study (connecting)")
+
+
+@contextlib.contextmanager
+def writing(path: Path, what: str) -> Iterator[None]:
+    """An OSError while writing `what` at `path` (a full disk: matplotlib's and Python's own writes say only
+    "[Errno 28] No space left on device") becomes one naming the path and the fix."""
+    try:
+        yield
+    except OSError as e:
+        if isinstance(e, FileExistsError) or e.errno is None:
+            raise
+        raise OSError(e.errno, f"cannot write {what} {path}: {disk_error(e)}") from None
 
 
 def disk_error(e: OSError) -> str:

@@ -197,6 +197,9 @@ class SweepStudy:
                 self._set(trial, "reason", QUEUED_TWICE)
                 raise self.optuna.TrialPruned()
             done = self.done_runs(trial, config)
+            for seed, outcome in done.items():  # found in its run folder only (an outage): the trial holds it now
+                if f"run:{seed}" not in trial.user_attrs:
+                    self._set(trial, f"run:{seed}", outcome.to_json())
             try:
                 outcomes = execute(config, done, lambda o: self._set(trial, f"run:{o.seed}", o.to_json()))
             except KeyboardInterrupt:
@@ -383,7 +386,24 @@ class SweepStudy:
             for name, data in t.user_attrs.items():
                 if name.startswith("run:"):
                     entry.runs[int(name[4:])] = RunOutcome.from_json(data)
+        for entry in by_key.values():  # a study written before the outcomes in run folders were carried over
+            if entry.status == "completed":
+                for seed in self.space.seeds:
+                    outcome = entry.runs.get(seed) or read_outcome(
+                        self.definition.path / "runs" / run_name(self.space.ordered(entry.config), seed))
+                    if outcome is not None:
+                        entry.runs[seed] = outcome
         return list(by_key.values())  # the grid's order (a search: the order its trials were asked)
+
+    def run_names(self) -> set[str]:
+        """The run folders (names under `<sweep>/runs/`) the configurations a worker took account for, every seed."""
+        names = set()
+        for t in self._trials():
+            key = t.user_attrs.get("key")
+            if key is not None and "worker" in t.user_attrs:
+                config = self.space.ordered(json.loads(key))
+                names.update(run_name(config, seed) for seed in self.space.seeds)
+        return names
 
     def total(self) -> int:
         return self.space.count() if self.search == "grid" else int(self.trials or 0)

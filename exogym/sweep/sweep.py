@@ -36,6 +36,7 @@ from exogym.sweep.definition import DEFINITION, Definition, check_same, read_def
 from exogym.sweep.objective import Objective
 from exogym.sweep.progress import SweepProgress
 from exogym.sweep.report import SweepResult
+from exogym.sweep.runs import RUNS
 from exogym.sweep.space import Space
 from exogym.sweep.storage import JOURNAL, StorageUnavailable, SweepStopped, check_url, disk_error, import_optuna
 from exogym.sweep.study import SweepStudy
@@ -204,7 +205,7 @@ def sweep(run: Callable[[dict[str, Any], Any], Any], space: Space, *, out: str |
     """
     if multiprocessing.current_process().name.startswith("exogym-sweep-worker"):
         sys.exit(EXIT_NO_MAIN_GUARD)  # a worker importing a script without the main guard: the parent says so
-    folder = Path(out).resolve()
+    folder = _folder(out)
     search = _check(run, space, search, trials, workers, checkpoint_interval, storage)
     for name, value in (("heartbeat", heartbeat), ("grace", grace), ("max_retry", max_retry)):
         _int(name, value, 0 if name == "max_retry" else 1)
@@ -241,6 +242,12 @@ def sweep(run: Callable[[dict[str, Any], Any], Any], space: Space, *, out: str |
         raise
 
 
+def _folder(out: Any) -> Path:
+    if not isinstance(out, (str, os.PathLike)) or not str(out):
+        raise TypeError(f"out must be the sweep folder, a path (str or pathlib.Path), got {out!r}")
+    return Path(out).resolve()
+
+
 def _threads(workers: int) -> int:
     return torch.get_num_threads() if workers == 1 else max(1, min(torch.get_num_threads(),
                                                                    cores_available() // workers))
@@ -262,6 +269,8 @@ def _set_up(definition: Definition, given: Definition, *, resume: bool, retry_fa
     """Open (or create) the study, check a study made elsewhere is this sweep, queue the grid, requeue what a
     resume runs again."""
     study = definition.open_study(create=True)
+    if resume:
+        _check_study_holds_runs(definition, study)
     if study.created:  # before the definition: a machine joining the study finds the queue once it finds that
         study.queue_grid()
     stored = None if study.created else study.stored_definition(wait=30.0)
@@ -283,6 +292,20 @@ def _set_up(definition: Definition, given: Definition, *, resume: bool, retry_fa
     if resume:  # a resume continues a queue that stopped (or a setup killed before it queued)
         study.queue_grid()
     return study
+
+
+def _check_study_holds_runs(definition: Definition, study: SweepStudy) -> None:
+    """A resumed sweep's study must account for every run folder the sweep made: one that holds less (a journal
+    emptied, deleted or cut, sweep.json's storage pointed elsewhere) would run the sweep again beside them."""
+    runs = definition.path / RUNS
+    folders = sorted(p.name for p in runs.iterdir() if p.is_dir()) if runs.is_dir() else []
+    unknown = [name for name in folders if name not in study.run_names()] if folders else []
+    if unknown:
+        shown = ", ".join(unknown[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
+        raise SweepStopped(f"the study in {definition.shown_storage} holds less than the run folders in {runs} show: "
+                           f"{len(unknown)} of {len(folders)} run(s) are not in it ({shown}); the study was damaged, "
+                           f"emptied or replaced (or sweep.json's storage points elsewhere). Nothing was run: restore "
+                           f"the study, or start a new sweep with another out= (the run folders are kept)")
 
 
 def _run(definition: Definition, study: SweepStudy, run: Callable[..., Any], progress: bool) -> SweepResult:
@@ -348,7 +371,7 @@ def _run_pool(definition: Definition, study: SweepStudy, run: Callable[..., Any]
 
 def load(folder: str | os.PathLike) -> SweepResult:
     """The results of the sweep in `folder` (finished or not), without running anything."""
-    definition = read_definition(Path(folder).resolve())
+    definition = read_definition(_folder(folder))
     return SweepResult(definition, definition.open_study())
 
 

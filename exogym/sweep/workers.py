@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from exogym.launch.signals import raise_on_sigterm
 from exogym.sweep.objective import Objective
 from exogym.sweep.runs import MISSING_METRIC, NO_FOLDER, RUNS, RunLock, RunOutcome, read_outcome, run_seed
 from exogym.sweep.space import run_name
@@ -113,10 +114,6 @@ EXIT_WORKER_ERROR = 3  # a worker stopped on an error it printed in one line
 EXIT_NO_MAIN_GUARD = 4  # a worker found the sweep script starting a sweep at import (see sweep.sweep)
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
-
-
 def _watch_parent(parent: int) -> None:
     """A worker whose sweep process died (SIGKILL) interrupts itself instead of running on alone."""
     while os.getppid() == parent:
@@ -125,7 +122,9 @@ def _watch_parent(parent: int) -> None:
 
 
 def _worker_main(spec: _WorkerSpec) -> None:
-    signal.signal(signal.SIGTERM, _interrupt)  # the parent stops workers with SIGTERM: interrupt, as Ctrl-C does
+    # The parent stops workers with SIGTERM: the launch layer's one handler interrupts the run (RunInterrupted, a
+    # KeyboardInterrupt), which records it as stopped by SIGTERM.
+    raise_on_sigterm()
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     torch.set_num_threads(spec.threads)
     try:

@@ -166,3 +166,15 @@ def test_gossip_under_failures_over_two_processes():
     for a, b in zip(one[0], many[0]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     assert one[1][2:] == many[1][2:]  # bytes and simulated times
+
+
+def test_async_gossip_counts_as_traffic_only_what_it_sent():
+    # Issue 46: the end of the run once all-reduced a K x K count matrix and counted it as each node's traffic
+    # (node 0 at K=16: 10,800 bytes where 6,880 were sent). Bookkeeping is not traffic: with H=1 every node pushes
+    # its model and its weight (8 bytes) to one neighbour per step, and that is all it sends.
+    k, steps = 16, 10
+    model = toy.TinyMLP()
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    t = Trainer(model, toy.make_classification(256))
+    t.fit(GossipStrategy(topology="ring", mode="async", H=1, lr=0.05), k, max_steps=steps, batch_size=8, **FIT)
+    assert t.record.bytes_per_node == [steps * (model_bytes + 8)] * k

@@ -88,6 +88,7 @@ class Baton:
         self._turn: int | str | None = None  # the node that ran last, or what the scheduler did since: an interrupt's note
         self.running: int | None = None  # the node holding the baton (None: the scheduler)
         self.arrivals = 0  # collectives entered so far, by any node: progress, for the watchdog
+        self.turns, self.all_turns = [0] * num_nodes, 0  # turns given to each node and in all: progress (SpinWatch)
         self._on_resume, self._on_pause = on_resume, on_pause  # swap per-node state (RNG, grad mode)
         self._on_compute: Callable[[list[int]], None] | None = None  # what computes the parked nodes' work at once
         self._batched: tuple[int, ...] = ()  # the parked nodes while their batched step runs
@@ -191,6 +192,8 @@ class Baton:
                 rank = self._ready.popleft()
                 self._on_resume(rank)
                 self.running = self._turn = rank
+                self.turns[rank] += 1
+                self.all_turns += 1
                 try:
                     nodes[rank].switch()  # returns when the node waits in a collective or finishes
                 finally:

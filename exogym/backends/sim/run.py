@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Sequence
 
 import torch
 
+from exogym.runs.checkpoint_checks import CheckpointError
 from exogym.backends.hosting import SERVER_ROLE, Hosting, Peers, ProcessBackend, process_group_timeout
 from exogym.backends.sim.baton import Baton
 from exogym.backends.sim.exchange import Exchange
@@ -77,7 +78,12 @@ def _post_office(plan: "RunPlan", baton: Baton, exchange: Exchange | None, hub: 
     post.undeclared = exchange is not None and hub is None
     saved = plan.resume[0] if plan.resume is not None else None
     if saved is not None and "messages" in saved.strategy:  # in before any node runs (or another process posts)
-        post.load_state_dict(saved.strategy["messages"])
+        try:
+            post.load_state_dict(saved.strategy["messages"])
+        except (KeyError, IndexError, TypeError, ValueError) as e:  # what checkpoint_checks does not know (flows)
+            raise CheckpointError(f"node 0's checkpointed messages in flight do not load ({type(e).__name__}: {e}); "
+                                  "the file was changed after it was written: resume from an earlier checkpoint") \
+                from e
     return post
 
 

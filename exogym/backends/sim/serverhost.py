@@ -11,6 +11,7 @@ import torch
 
 from exogym.backends.server_state import load_server, server_state
 from exogym.comm.messages import Message, Server, ServerPost, attach_server
+from exogym.runs.checkpoint_checks import check_server_state
 from exogym.comm.transport import MessageError
 
 __all__ = ["ServerHost", "server_state", "load_server"]
@@ -30,6 +31,7 @@ class ServerHost:
         if self.server is None:
             self.server = attach_server(make, post)
             if self._saved is not None:  # a checkpoint read before the server was made
+                check_server_state(self.server.state_dict(), self._saved["state"])  # its tensors' shapes
                 load_server(self.server, self._saved)
                 self._saved = None
         return self.server
@@ -80,6 +82,7 @@ class ServerHost:
         if self.server is None:
             self._saved = saved
         else:
+            check_server_state(self.server.state_dict(), saved["state"])
             load_server(self.server, saved)
 
     def check_loaded(self) -> None:

@@ -15,6 +15,7 @@ import torch
 
 from exogym.backends.sim.baton import Baton, CollectiveCall, CollectiveError, Pending
 from exogym.backends.sim.postwork import SimRecvWork, SimSendWork
+from exogym.backends.sim.watchdog import SpinWatch
 from exogym.comm.messages import Message, Server
 from exogym.comm.transport import TransportBase, Group, ReduceOp, make_group, payload_nbytes, tensor_nbytes
 from exogym.cluster.membership import Membership
@@ -203,6 +204,7 @@ class SimTransport(TransportBase):
         self.baton, self.time_model = baton, time_model
         self.owner = owner  # each node's process, when the run spans several (None: all in this one)
         self.match_steps = True  # the strategy's collectives_match_steps (set by the node)
+        self._spin = SpinWatch(baton.node_timeout)  # polls that spin at one clock (exogym.backends.sim.watchdog)
 
     def _meet(self, name: str, group: Group, signature: tuple, account: bool, payload: int, async_op: bool,
               **args: Any) -> "SimWork | None":
@@ -297,7 +299,10 @@ class SimTransport(TransportBase):
         return work.wait() if blocking else work
 
     def poll_messages(self, src: int | None, tag: int | None) -> list[Message]:
-        taken = self.baton.post.arrived(self.rank, self.clock.now, src, tag)
+        at = self.clock.now
+        self._spin.before(self.rank, self.step, at, self._others_turns(), "poll()")
+        taken = self.baton.post.arrived(self.rank, at, src, tag)
+        self._spin.after(at, self._others_turns(), bool(taken))
         self.stats.bytes_received += sum(m.nbytes for m in taken)
         return taken
 
@@ -305,7 +310,15 @@ class SimTransport(TransportBase):
         return self.baton.post.serve(make)
 
     def read_server(self, read: Callable[[Server], Any]) -> Any:
-        return self.baton.post.read(self.rank, self.clock.now, read)
+        at = self.clock.now
+        self._spin.before(self.rank, self.step, at, self._others_turns(), "read_server()")
+        value = self.baton.post.read(self.rank, at, read)
+        self._spin.after(at, self._others_turns(), False)
+        return value
+
+    def _others_turns(self) -> int:
+        """The turns the other nodes of this process were given: their progress while this one polls."""
+        return self.baton.all_turns - self.baton.turns[self.rank]
 
     def pause_for_checkpoint(self) -> None:
         """A run with messages pauses at a checkpoint: every node waits until the last one gets there (their clocks

@@ -58,7 +58,8 @@ import torch
 from exogym.backends.errors import STUCK_EXIT_CODE, NodeTimeoutError, ServerTimeoutError
 from exogym.cluster.network import SERVER
 
-__all__ = ["Watchdog", "WatchdogInterrupt", "KICK_SIGNAL", "STUCK_EXIT_CODE", "stuck_grace", "importing_torch"]
+__all__ = ["Watchdog", "WatchdogInterrupt", "KICK_SIGNAL", "STUCK_EXIT_CODE", "stuck_grace", "importing_torch",
+           "SpinWatch"]
 
 KICK_SIGNAL: int | None = getattr(signal, "SIGURG", None)  # sent to the sim's thread to stop the node
 _ON_STUCK_S = 30.0  # how long on_stuck may take (it writes the run folder) before the process exits anyway
@@ -257,6 +258,51 @@ class Watchdog:
                 except Exception:  # noqa: BLE001 - as in _say
                     pass
             os._exit(STUCK_EXIT_CODE)
+
+
+class SpinWatch:
+    """One node's polls (poll, read_server): a node that asks again and again at one simulated time, while no other
+    node of its process is given a turn and it takes no message, is stopped once it has done so for node_timeout
+    seconds: a poll never waits, so such a loop spins forever when no message is due by
+    its clock. The watchdog's thread cannot see it: each poll is an observation, which it counts as progress (and
+    over several processes the node hands the baton on at every poll). Checked in the node itself, at its next poll:
+    a clock read and a tuple compare per poll.
+
+    Args:
+        timeout: node_timeout (None: no limit).
+    """
+
+    def __init__(self, timeout: float | None):
+        self.timeout = timeout
+        self._key: tuple | None = None  # (the node's clock, its process's progress) after its last poll
+        self._since = 0.0
+
+    def before(self, rank: int, step: int | None, at: float, progress: int, what: str) -> None:
+        """Node `rank` is about to poll at its clock `at`; `progress` counts the turns its process's other nodes were
+        given so far.
+
+        Raises:
+            NodeTimeoutError: it has polled at this clock, with nothing else moving, for node_timeout seconds.
+        """
+        if self.timeout is None or self._key != (at, progress):
+            return
+        held = time.monotonic() - self._since
+        if held >= self.timeout:
+            self._key = None
+            raise NodeTimeoutError(
+                f"node {rank} called {what} again and again for {held:.1f} s at simulated time {at:.6g} s without its "
+                f"simulated clock moving, while no other node of its process was given a turn, longer than "
+                f"node_timeout={self.timeout:g} s, so the run was stopped. {what} never waits: a loop of them at one "
+                "clock spins forever when nothing is due by then. Wait with recv() (or compute between polls, so "
+                "that the clock moves); if nothing is wrong, pass fit(node_timeout=<seconds>) or node_timeout=None.",
+                rank, step)
+
+    def after(self, at: float, progress: int, took: bool) -> None:
+        """The poll returned; `took`: it returned something (progress of the node's own)."""
+        key = None if took else (at, progress)
+        if key != self._key or key is None:
+            self._since = time.monotonic()
+        self._key = key
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
