@@ -10,10 +10,11 @@ from toy import TinyMLP, make_classification
 
 
 class _Slow(TinyMLP):
-    """TinyMLP whose every forward sleeps: a run long enough to be killed in the middle."""
+    """TinyMLP whose every forward sleeps (4 ms): a run long enough to be killed in the middle (after its first
+    checkpoint at step 5 the test polls every 50 ms, for 25 steps of 2 nodes and their validations)."""
 
     def forward(self, batch):
-        time.sleep(0.01)
+        time.sleep(0.004)
         return super().forward(batch)
 
 
