@@ -1,5 +1,5 @@
 """The Chrome trace file read by a real reader of the format: speedscope (its release build, from npm), in headless
-chromium, imports it as one profile per node with each span named by its kind and step.
+chromium, imports it as one profile per node and per shared link, with each node's span named by its kind and step.
 
 Perfetto's trace processor would be the first choice, but its Python package downloads its binary at run time,
 which this machine cannot. The test runs where speedscope is installed: `npm install --prefix DIR speedscope@1.25.0`,
@@ -8,6 +8,7 @@ then `EXOGYM_SPEEDSCOPE=DIR/node_modules/speedscope`; elsewhere it skips, saying
 
 import functools
 import http.server
+import json
 import os
 import shutil
 import threading
@@ -52,7 +53,12 @@ def test_speedscope_reads_every_node_of_the_trace(tmp_path):
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.goto(f"http://127.0.0.1:{server.server_address[1]}/index.html#profileURL=trace.json")
             page.wait_for_function("document.title.startsWith('trace.json')", timeout=30_000)
-            page.wait_for_function("document.body.innerText.includes('node 0 (tid 0) (1/3)')", timeout=30_000)
+            with open(site / "trace.json") as f:  # a profile per thread with spans: the nodes and the links
+                events = json.load(f)["traceEvents"]
+            profiles = len({e["tid"] for e in events if e["ph"] == "X"})
+            assert profiles == 3 + sum(lane["kind"] == "link" for lane in trainer.record.timeline["lanes"])
+            page.wait_for_function(f"document.body.innerText.includes('node 0 (tid 0) (1/{profiles})')",
+                                   timeout=30_000)
             lane, kinds = trainer.record.timeline["lanes"][0], trainer.record.timeline["kinds"]
             labels = sorted({f'{kinds[k]} {{"step":{s}}}' for k, s in zip(lane["kinds"], lane["steps"])})
             page.click("text=Sandwich")  # its table lists every frame (span) of the profile by name
