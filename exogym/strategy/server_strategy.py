@@ -53,11 +53,17 @@ class ServerStrategy(Strategy):
     """A strategy whose nodes talk to one server (module docstring). Subclasses define `make_server` and `step`.
 
     The server holds the global model's trainable parameters as one flat tensor; by default `server.theta`
-    (override `server_model` to read it elsewhere). Everything else is the Strategy base's (optimizer, LR schedule,
-    `optim_spec=`...).
+    (override `server_model` to read it elsewhere).
+
+    Args:
+        **kwargs (Any): The Strategy base's options (the inner optimizer `optim_spec`, the LR schedule, ...), as
+            `Strategy` documents them.
     """
 
     sends_messages = True
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
 
     def make_server(self, theta: torch.Tensor, num_nodes: int) -> msg.Server:
         """The run's server, made once where it runs (node 0's process), from node 0's starting model.
