@@ -257,6 +257,14 @@ class TransportBase:
         """What of the messages (in flight, the server) the checkpoint keeps, on the node that keeps it."""
         return None
 
+    def link_usage(self) -> dict[str, dict[str, float]] | None:
+        """Each shared link's busy seconds and bytes, on a backend that shares links (the sim); None elsewhere."""
+        return None
+
+    def link_spans(self) -> dict[str, dict[str, Any]] | None:
+        """Each shared link's busy spans (the timeline's link lanes), where `link_usage` is given; None elsewhere."""
+        return None
+
     def load_messages_state(self, state: dict[str, Any]) -> None:
         raise NotImplementedError(f"{type(self).__name__} cannot restore messages in flight")
 

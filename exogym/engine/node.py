@@ -149,7 +149,7 @@ class TrainNode:
             if cfg.time_model.slowdowns is not None:  # the ones drawn while this node ran: the record lists them
                 self.log.comm["slowdowns"] = [w.as_record() for w in
                                               cfg.time_model.slowdowns.during(self.rank, comm.clock.now)]
-        links = comm.link_usage() if self.rank == 0 and hasattr(comm, "link_usage") else None
+        links = comm.link_usage() if self.rank == 0 else None
         if links is not None:  # the sim's shared links (live: complete when the run's last flow has ended)
             self.log.comm["links"] = links
             self.log.comm["link_spans"] = comm.link_spans()  # their busy time, for the timeline's link lanes
