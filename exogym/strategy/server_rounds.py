@@ -377,7 +377,8 @@ class ServerRoundsStrategy(TimeBudget, ServerStrategy):
     @torch.no_grad()
     def _exchange(self) -> None:
         """Send the pseudo-gradient Delta = theta_start - theta_node, take the server's theta as the new start."""
-        delta = self._start - flat_parameters(self.model)
+        flat = flat_parameters(self.model)
+        delta = torch.sub(self._start, flat, out=flat)  # into the flat copy: no second model-sized tensor
         msg.send(delta, msg.SERVER, meta={"version": self._version, "steps": self._steps,
                                           "seconds": msg.now() - self._round_began})
         self._begin_task(msg.recv(src=msg.SERVER))
