@@ -333,8 +333,8 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
     Returns:
         The batch on `device`.
     """
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+    if isinstance(batch, torch.Tensor):  # one already there stays as it is (what .to returns, without the dispatch)
+        return batch if batch.device == device else batch.to(device, non_blocking=True)
     if isinstance(batch, dict):
         return {k: move_to_device(v, device) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
