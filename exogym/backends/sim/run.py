@@ -128,7 +128,8 @@ def run_sim(plan: "RunPlan", sinks: "RunSinks", *, local: Sequence[int] | None =
         sinks.on_stuck(error)
 
     baton = Baton(k, on_resume=resume, on_pause=pause, node_timeout=plan.node_timeout, step_of=lambda r: comms[r].step,
-                  local=local, exchange=exchange, on_stuck=on_stuck if sinks.on_stuck is not None else None)
+                  local=local, exchange=exchange, on_stuck=on_stuck if sinks.on_stuck is not None else None,
+                  clock_of=lambda r: comms[r].clock.now)
     baton.post = _post_office(plan, baton, exchange, hub)
     owner = exchange.owner if exchange is not None else None
     comms.update((r, SimTransport(baton, r, k, plan.cfg.time_model, plan.cfg.membership, owner)) for r in local)
