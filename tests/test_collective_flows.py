@@ -79,9 +79,22 @@ def test_collectives_that_never_overlap_take_the_formulas_time_to_the_bit():
 
 
 @pytest.mark.spawns
-def test_an_async_collective_over_processes_on_shared_links_is_refused():
-    # over processes a collective is costed alone: an overlapping one would end earlier than in one process
+def test_collectives_that_would_share_a_link_over_processes_are_refused():
+    # over processes a collective is costed alone: two that overlap on a port would end earlier than in one process
     from exogym.comm.transport import CollectiveError
     t = Trainer(toy.TinyMLP(), toy.make_classification(64))
-    with pytest.raises(CollectiveError, match="shared_links=False"):
-        t.fit(Overlapping(400), 2, max_steps=2, network=Network(bandwidth="8000bps", latency=0.01), processes=2, **FIT)
+    with pytest.raises(CollectiveError, match="overlaps .* on 'port"):
+        t.fit(Overlapping(1500), 2, max_steps=2, device_flops=[_step_flops()] * 2,
+              network=Network(bandwidth="8000bps", latency=0.01), processes=2, **FIT)
+
+
+@pytest.mark.spawns
+def test_collectives_alone_over_processes_give_one_process_numbers():
+    flops = _step_flops()
+    runs = []
+    for processes in (1, 2):
+        t = Trainer(toy.TinyMLP(), toy.make_classification(64))
+        t.fit(Overlapping(500), 2, max_steps=2, device_flops=[flops] * 2, processes=processes,
+              network=Network(bandwidth="8000bps", latency=0.01), **FIT)
+        runs.append(t.record.time_per_node)
+    assert runs[0] == runs[1]
