@@ -1,7 +1,7 @@
 """The sim backend's point-to-point messages: when the next event of the message heap may happen, and what the
 nodes' transports call.
 
-The post office holds the run's event heap (exogym.backends.sim.postevents: messages arriving, the server's timers,
+The post office holds the run's event heap (exogym.backends.sim.events: messages arriving, the server's timers,
 the nodes' observations), the nodes' mailboxes (exogym.backends.sim.mailboxes) and the server
 (exogym.backends.sim.serverhost). A node that observes at its clock t (a `recv`, an `irecv`'s wait, a `poll` or a
 `read_server`) first lets every event before t (and every message arriving at t) happen.
@@ -40,8 +40,8 @@ import math
 from typing import TYPE_CHECKING, Any, Callable
 
 from exogym.backends.sim.mailboxes import Mailboxes
-from exogym.backends.sim.postevents import FINISH, OBSERVE, START, EventHeap, Timer, arrival, message_from_plain, \
-    message_plain
+from exogym.backends.sim.events import FINISH, OBSERVE, START, CollectiveTransfer, Timer, arrival, \
+    message_from_plain, message_plain
 from exogym.backends.sim.postlink import Ask
 from exogym.backends.sim.serverhost import ServerHost, server_state
 from exogym.cluster.flows import FlowModel
@@ -60,7 +60,7 @@ __all__ = ["PostOffice"]
 class PostOffice:
     """The messages in flight, the nodes' mailboxes and the run's server, for the nodes under one baton."""
 
-    def __init__(self, baton: "Baton", num_nodes: int, time_model: "TimeModel | None"):
+    def __init__(self, baton: "Baton", num_nodes: int, time_model: "TimeModel | None", collective_flows: bool = True):
         self.baton, self.num_nodes = baton, num_nodes
         self.network = time_model.network if time_model is not None else None
         self.hub: "Hub | None" = None  # the other processes' nodes, when the run spans processes (set by the backend)
@@ -68,14 +68,17 @@ class PostOffice:
         self.progress = 0  # events that happened (the deadlock check across processes)
         self.active = False  # a message was posted or a server declared: checkpoints pause the clocks
         self._loaded = False  # a checkpoint's state is in (read before any node ran)
-        self._events = EventHeap()
+        self._events = baton.queue  # the run's one queue: the nodes' runs are in it too
         self._boxes = Mailboxes(num_nodes)
         self._host = ServerHost()
         # shared links: the messages' flows, the messages on the wire by (src, seq), the senders waiting on one, and
         # which were posted by another process (process, its token: told their arrival when their flow ends)
         shared = self.network is not None and self.network.shared_links
         self._flows: FlowModel | None = FlowModel() if shared else None
+        self._collective_flows = collective_flows  # False: collectives costed alone (a strategy sending messages)
         self._wire: dict[tuple[int, int], Message] = {}
+        self._collectives: dict[tuple, CollectiveTransfer] = {}  # the collectives' transfers on the wire, by flow key
+        self._transfers = 0  # collective transfers started so far (their flows' keys)
         self._sending: dict[tuple[int, int], int] = {}
         self._posted_by: dict[tuple[int, int], tuple[int, int]] = {}
         self._arrows: dict[tuple[int, int], tuple[list[float], int]] = {}  # the timeline's arrivals to fill in
@@ -97,21 +100,22 @@ class PostOffice:
     # ---- the baton's questions --------------------------------------------------------------------
     def busy(self) -> bool:
         """Whether the baton must go on for the messages: events to happen, or (the hub) other processes running."""
-        return bool(self._events) or self.hub is not None and self.hub.unfinished()
+        return self._events.has_events() or self.hub is not None and self.hub.unfinished()
 
     def due(self) -> bool:
-        """Whether the next event may happen now (the baton asks when none of its nodes can run). In one process:
-        whenever there is one. The hub: once the whole run is quiescent (exogym.backends.sim.postlink); then, with
-        nothing left to happen, a node waiting for a message is a deadlock.
+        """Whether the next event may happen now (the baton asks when no node's run comes before it). In one process:
+        whenever there is one. The hub: once its own nodes have run and the whole run is quiescent
+        (exogym.backends.sim.postlink); then, with nothing left to happen, a node waiting for a message is a
+        deadlock.
 
         Raises:
             MessageError: the run is quiescent, nothing is in flight, and some node waits in a recv.
         """
         if self.hub is None:
-            return bool(self._events)
-        if not self.hub.quiet(self.baton.crossings_started, set(self.baton.open_crossings)):
+            return self._events.has_events()
+        if self._events.has_runs() or not self.hub.quiet(self.baton.crossings_started, set(self.baton.open_crossings)):
             return False
-        if self._events:
+        if self._events.has_events():
             return True
         if self._boxes.wants():
             raise MessageError("deadlock: no message will ever arrive for the nodes waiting in recv (every other node "
@@ -138,7 +142,10 @@ class PostOffice:
         if kind == FINISH:
             self._finish(*item)
         elif kind == START:
-            self._start(item)
+            if isinstance(item, CollectiveTransfer):
+                self._start_collective(item)
+            else:
+                self._start(item)
         elif kind == OBSERVE:
             if isinstance(item, Ask):
                 self._answer(item)
@@ -212,16 +219,40 @@ class PostOffice:
         self._flows.start(key, self.network.message_route(message.nbytes, message.src, message.dst), message.sent_at)
         self._schedule()
 
+    @property
+    def shares_collectives(self) -> bool:
+        """Whether a collective's transfer runs as a flow on the shared links (one process with shared links, a
+        strategy that sends no messages), rather than alone by its formula."""
+        return self._flows is not None and self._collective_flows and self.hub is None and not self.undeclared
+
+    def transfer(self, transfer: CollectiveTransfer) -> None:
+        """A collective's transfer (shared_collectives): its flow starts at transfer.start, in time order with the
+        rest; when it ends, transfer.leave sets its members' clocks and transfer.done lets them run."""
+        self._transfers += 1
+        transfer.key = ("collective", transfer.first, self._transfers)
+        self._events.start_collective(transfer.start, transfer.key, transfer)
+
+    def _start_collective(self, transfer: CollectiveTransfer) -> None:
+        self._collectives[transfer.key] = transfer
+        self._flows.start(transfer.key, transfer.route, transfer.start)
+        self._schedule()
+
     def _schedule(self) -> None:
         """The FINISH event of the flow whose last byte leaves first, as the flows stand now."""
         flow = self._flows.next_finish()
         if flow is not None:
             self._events.finish(flow.finish, flow.key, self._flows.version)
 
-    def _finish(self, key: tuple[int, int], version: int) -> None:
+    def _finish(self, key: tuple, version: int) -> None:
         if version != self._flows.version:
             return  # a flow started or ended since: the FINISH event pushed then is the one
         flow = self._flows.finish(key)
+        if key[0] == "collective":
+            transfer = self._collectives.pop(key)
+            transfer.leave(flow)
+            self._schedule()
+            transfer.done()
+            return
         message = self._wire.pop(key)
         message.arrives_at = flow.arrival
         self._events.arrive(message, numbered=True)
@@ -270,8 +301,8 @@ class PostOffice:
     def observe(self, rank: int, at: float) -> None:
         """Node `rank` is about to read something at its clock `at`: every earlier event happens first."""
         self.baton.arrivals += 1  # progress, for the watchdog
-        if self.hub is None and self.baton.idle_but(rank) and not self._events.before(at, rank):
-            return  # nothing is due before it and no node is ready: it reads now, without a switch
+        if self.hub is None and not self.baton.parked and not self._events.before(at, rank):
+            return  # no run and no event comes before it: it reads now, without a switch
         self._events.observe(at, rank, rank)
         self.baton.sleep(rank)
 
@@ -343,8 +374,11 @@ class PostOffice:
 
     def state_dict(self) -> dict[str, Any]:
         """Messages in flight, mailboxes, the senders' counts and the server: plain data and tensors."""
+        if self._collectives:
+            raise RuntimeError(f"collective transfers are on the wire at a checkpoint ({sorted(self._collectives)}): "
+                               "the checkpoint was not taken while every node waited in its collective")
         state = {**self._events.state_dict(), "handled": self._host.handled, "mail": self._boxes.state_dict(),
-                 "server": self._host.state_dict()}
+                 "server": self._host.state_dict(), "active": self.active}
         if self._flows is not None:
             arrows = {**self._saved_arrows, **{key: index for key, (_, index) in self._arrows.items()}}
             state["flows"] = {**self._flows.state_dict(), "wire": [message_plain(m) for m in self._wire.values()],
@@ -368,7 +402,7 @@ class PostOffice:
             self._saved_arrows = {(src, seq): index for src, seq, index in state["flows"].get("arrows", ())}
         self._host.handled = state["handled"]
         self._boxes.load_state_dict(state["mail"])
-        self.active = True
+        self.active = state.get("active", True)  # False: only the links' use of collectives was kept
         self._host.load_state_dict(state["server"])
 
     def check_loaded(self) -> None:

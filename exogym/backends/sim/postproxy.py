@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable
 
 from exogym.backends.sim.postlink import Ask, Link, Status
-from exogym.backends.sim.postevents import arrival
+from exogym.backends.sim.events import arrival
 from exogym.backends.server_state import ShadowPost, check_readable, load_server
 from exogym.comm.messages import Message, Server, attach_server
 
@@ -57,6 +57,11 @@ class PostProxy:
 
     def due(self) -> bool:
         return False  # the hub's heap decides
+
+    shares_collectives = False  # collectives across processes are costed alone (exogym.backends.sim.postoffice)
+
+    def transfer(self, transfer: Any) -> None:
+        raise RuntimeError("a proxy runs no transfer as a flow (shares_collectives is False)")
 
     def report_idle(self) -> None:
         """Nothing to run here: tell the hub, once per change (after every packet sent before, in order)."""

@@ -1,0 +1,100 @@
+"""Collectives as flows on the shared links (exogym.cluster.flows through the sim's event queue): a collective alone
+takes its formula's time to the bit; collectives that overlap share the links their algorithm occupies, and one that
+overlaps a message shares with it. Every time below is worked out by hand."""
+
+import pytest
+import torch
+import toy
+
+from exogym import Trainer
+from exogym.cluster.network import Network
+from exogym.comm.collectives import all_reduce
+from exogym.strategy import Strategy
+
+W = 1000.0  # bytes/s of every port: Network(bandwidth="8000bps")
+
+
+class Overlapping(Strategy):
+    """Each node starts an async all-reduce of `nbytes` after each of the first `starts` steps and waits for them all
+    after the last step (a streaming method's fragments in miniature)."""
+
+    def __init__(self, nbytes: int, starts: int = 2):
+        super().__init__()
+        self.nbytes, self.starts, self.works = nbytes, starts, []
+
+    def _init_node(self, model, rank, num_nodes):
+        super()._init_node(model, rank, num_nodes)
+        self.optim = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def step(self):
+        super().step()
+        if self.local_step <= self.starts:
+            self.works.append(all_reduce(torch.zeros(self.nbytes // 4), async_op=True))
+        if self.local_step == self.starts:
+            for work in self.works:
+                work.wait()
+
+
+FIT = dict(progress=False, device="cpu", logger=False, batch_size=4, val_interval=100)
+
+
+def _step_flops() -> float:
+    t = Trainer(toy.TinyMLP(), toy.make_classification(64))
+    t.fit(Overlapping(4, starts=0), 1, max_steps=1, device_flops=[1.0], network="ideal", **FIT)
+    return t.record.time_per_node[0]["compute_s"]
+
+
+def _run(nbytes: int, network: Network, steps: int = 2):
+    """Two nodes, one simulated second of compute a step, an async all-reduce after each of the steps."""
+    flops = _step_flops()
+    t = Trainer(toy.TinyMLP(), toy.make_classification(64))
+    t.fit(Overlapping(nbytes, starts=steps), 2, max_steps=steps, device_flops=[flops] * 2, network=network, **FIT)
+    return t.record
+
+
+def test_two_overlapping_all_reduces_share_the_ports():
+    # ring all-reduce of N on 2 nodes puts N on each port; N = 1500 B takes 1.5 s alone. The first starts at 1 s; at
+    # 2 s the second starts with 500 B of the first left: both at 500 B/s, the first's last byte at 3 s, then the
+    # second alone with 1000 B left until 4 s. Latency 0.01 s after each last byte.
+    record = _run(1500, Network(bandwidth="8000bps", latency=0.01))
+    for node in (0, 1):
+        assert record.time_per_node[node]["total_s"] == pytest.approx(4.01, abs=1e-9)
+    assert record.links["port 0 up"] == {"busy_s": pytest.approx(3.0, abs=1e-9), "bytes": 3000}
+
+
+def test_the_same_run_costed_alone_ends_earlier():
+    # shared_links=False: each by its formula, the second from 2 s to 3.51 s
+    record = _run(1500, Network(bandwidth="8000bps", latency=0.01, shared_links=False))
+    assert record.time_per_node[0]["total_s"] == pytest.approx(3.51, abs=1e-9)
+    assert record.links is None or record.links == {}
+
+
+def test_collectives_that_never_overlap_take_the_formulas_time_to_the_bit():
+    # 500 B: each ends (at 1.51 s, 2.51 s) before the next starts; the times equal shared_links=False's exactly
+    net = dict(bandwidth="8000bps", latency=0.01)
+    shared = _run(500, Network(**net))
+    alone = _run(500, Network(**net, shared_links=False))
+    assert shared.time_per_node == alone.time_per_node
+    assert shared.time_per_node[0]["total_s"] == pytest.approx(2.51, abs=1e-12)
+
+
+@pytest.mark.spawns
+def test_collectives_that_would_share_a_link_over_processes_are_refused():
+    # over processes a collective is costed alone: two that overlap on a port would end earlier than in one process
+    from exogym.comm.transport import CollectiveError
+    t = Trainer(toy.TinyMLP(), toy.make_classification(64))
+    with pytest.raises(CollectiveError, match="overlaps .* on 'port"):
+        t.fit(Overlapping(1500), 2, max_steps=2, device_flops=[_step_flops()] * 2,
+              network=Network(bandwidth="8000bps", latency=0.01), processes=2, **FIT)
+
+
+@pytest.mark.spawns
+def test_collectives_alone_over_processes_give_one_process_numbers():
+    flops = _step_flops()
+    runs = []
+    for processes in (1, 2):
+        t = Trainer(toy.TinyMLP(), toy.make_classification(64))
+        t.fit(Overlapping(500), 2, max_steps=2, device_flops=[flops] * 2, processes=processes,
+              network=Network(bandwidth="8000bps", latency=0.01), **FIT)
+        runs.append(t.record.time_per_node)
+    assert runs[0] == runs[1]
