@@ -218,7 +218,7 @@ def sampler_order(sampler: DistributedSampler, epoch: int) -> torch.Tensor:
         indices = torch.arange(n)
     if sampler.total_size > n:  # padded (drop_last=False): the permutation repeated from its start
         indices = indices.repeat(-(-sampler.total_size // n))
-    return indices[sampler.rank:sampler.total_size:sampler.num_replicas]
+    return indices[sampler.rank:sampler.total_size:sampler.num_replicas].contiguous()  # its batches: contiguous views
 
 
 class _Length:
