@@ -78,6 +78,44 @@ def test_collectives_that_never_overlap_take_the_formulas_time_to_the_bit():
     assert shared.time_per_node[0]["total_s"] == pytest.approx(2.51, abs=1e-12)
 
 
+class MessageThenCollective(Strategy):
+    """Node 0 starts a message of 100 B to node 1 after its first step's compute; after the second step's both
+    all-reduce 100 B, then node 1 takes the message. (No sends_messages declaration: in one process a strategy may send without it, and
+    its collectives then share the links with its messages.)"""
+
+    def _init_node(self, model, rank, num_nodes):
+        super()._init_node(model, rank, num_nodes)
+        self.optim = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def step(self):
+        from exogym.comm import isend, recv
+        if self.local_step == 0 and self.rank == 0:
+            self.sending = isend(torch.zeros(25), 1)
+        super().step()
+        if self.local_step == 2:
+            all_reduce(torch.zeros(25))
+            if self.rank == 1:
+                self.arrived = recv(src=0).arrives_at
+                REGISTRY["arrived"] = self.arrived
+            else:
+                self.sending.wait()
+
+
+REGISTRY: dict = {}
+
+
+def test_a_collective_during_a_message():
+    # 100 B/s ports, no latency; half a second of compute a step. The message 0 -> 1 (100 B) starts at 0.5 s; at 1 s
+    # the ring all-reduce of 100 B (100 B on each port) starts with the message half sent: both at 50 B/s on port 0 up
+    # and port 1 down, the message's last byte at 2 s, then the collective alone with 50 B left until 2.5 s.
+    flops = _step_flops()
+    t = Trainer(toy.TinyMLP(), toy.make_classification(64))
+    t.fit(MessageThenCollective(), 2, max_steps=2, device_flops=[2 * flops] * 2,
+          network=Network(bandwidth="800bps", latency=0.0), **FIT)
+    assert REGISTRY["arrived"] == pytest.approx(2.0, abs=1e-12)
+    assert [time["total_s"] for time in t.record.time_per_node] == [pytest.approx(2.5, abs=1e-12)] * 2
+
+
 @pytest.mark.spawns
 def test_collectives_that_would_share_a_link_over_processes_are_refused():
     # over processes a collective is costed alone: two that overlap on a port would end earlier than in one process
