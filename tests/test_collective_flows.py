@@ -79,12 +79,25 @@ def test_collectives_that_never_overlap_take_the_formulas_time_to_the_bit():
 
 
 @pytest.mark.spawns
-def test_an_async_collective_over_processes_on_shared_links_is_refused():
-    # over processes a collective is costed alone: an overlapping one would end earlier than in one process
+def test_collectives_that_would_share_a_link_over_processes_are_refused():
+    # over processes a collective is costed alone: two that overlap on a port would end earlier than in one process
     from exogym.comm.transport import CollectiveError
     t = Trainer(toy.TinyMLP(), toy.make_classification(64))
-    with pytest.raises(CollectiveError, match="shared_links=False"):
-        t.fit(Overlapping(400), 2, max_steps=2, network=Network(bandwidth="8000bps", latency=0.01), processes=2, **FIT)
+    with pytest.raises(CollectiveError, match="overlaps .* on 'port"):
+        t.fit(Overlapping(1500), 2, max_steps=2, device_flops=[_step_flops()] * 2,
+              network=Network(bandwidth="8000bps", latency=0.01), processes=2, **FIT)
+
+
+@pytest.mark.spawns
+def test_collectives_alone_over_processes_give_one_process_numbers():
+    flops = _step_flops()
+    runs = []
+    for processes in (1, 2):
+        t = Trainer(toy.TinyMLP(), toy.make_classification(64))
+        t.fit(Overlapping(500), 2, max_steps=2, device_flops=[flops] * 2, processes=processes,
+              network=Network(bandwidth="8000bps", latency=0.01), **FIT)
+        runs.append(t.record.time_per_node)
+    assert runs[0] == runs[1]
 
 
 class Pairs(Strategy):
@@ -126,24 +139,15 @@ def test_two_pairs_all_reducing_across_one_wan_share_it():
 
 
 @pytest.mark.spawns
-@pytest.mark.xfail(strict=True, reason="over processes a synchronous collective is costed alone even where it overlaps "
-                   "another (exogym/backends/sim/transport.py refuses only async ones): 2.01 s against 3.01 s")
-def test_synchronous_collectives_that_overlap_over_processes_take_one_process_times_or_are_refused():
-    # Over processes each collective is costed alone; two that overlap on one WAN must not end earlier there than in
-    # one process (3.01 s): the same times, or a CollectiveError as for an async collective
+def test_synchronous_collectives_that_overlap_on_a_wan_over_processes_are_refused():
+    # over processes each collective is costed alone: the two pairs would end at 2.01 s, not one process's 3.01 s.
+    # Process 0 holds nodes 0 and 1, a member of each pair, so it sees both on the WAN
     from exogym.comm.transport import CollectiveError
-    one = _two_pairs_over_a_wan()
-    try:
-        two = _two_pairs_over_a_wan(processes=2)
-    except CollectiveError as e:
-        assert "shared_links=False" in str(e)
-        return
-    assert two.time_per_node == one.time_per_node
+    with pytest.raises(CollectiveError, match="overlaps .* on 'wan 0>1'"):
+        _two_pairs_over_a_wan(processes=2)
 
 
 @pytest.mark.spawns
-@pytest.mark.xfail(strict=True, reason="the refusal of an async collective over processes looks at shared_links only, "
-                   "not at whether any link is finite: with network='ideal' nothing can be shared")
 def test_an_async_collective_over_processes_on_a_network_without_finite_links_runs():
     # "ideal": every link infinite, every route empty, every collective 0 s: nothing to share, nothing to refuse
     t = Trainer(toy.TinyMLP(), toy.make_classification(64))

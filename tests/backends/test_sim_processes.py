@@ -14,7 +14,6 @@ import torch
 import toy
 from exogym import CollectiveError, NodeProcessError, RandomFailures, Trainer
 from exogym.backends.hosting import block_of, blocks
-from exogym.cluster.network import Network
 from exogym.comm import all_reduce, barrier, broadcast, get_rank, get_world_size, new_group
 from exogym.strategy import (DeMoStrategy, DGCStrategy, DiLoCoStrategy, FedAvgStrategy, OptimSpec,
                              SimpleReduceStrategy, SPARTADiLoCoStrategy, SPARTAStrategy, Strategy)
@@ -67,10 +66,8 @@ def test_blocks_are_contiguous_and_differ_by_at_most_one():
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_every_strategy_over_processes_gives_what_one_process_gives(name):
     nodes, processes = (6, 3) if name in ("fedavg-islands-sampled", "sparta") else (5, 2)
-    # (async collectives over processes are costed alone: the overlapping run asks for that, test_collective_flows)
-    kw = {"network": Network.preset("low", shared_links=False)} if name.startswith("streaming") else {}
-    one = _fit(STRATEGIES[name], 1, nodes=nodes, **kw)
-    _same_as_one_process(one, _fit(STRATEGIES[name], processes, nodes=nodes, **kw))
+    one = _fit(STRATEGIES[name], 1, nodes=nodes)
+    _same_as_one_process(one, _fit(STRATEGIES[name], processes, nodes=nodes))
 
 
 @pytest.mark.spawns

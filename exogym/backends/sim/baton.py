@@ -22,6 +22,7 @@ asks for it, if the node is stuck in native code that no signal reaches).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -387,6 +388,10 @@ class Baton:
     def describe_waiting(self) -> str:
         """What every node of this process waits for, one line each."""
         return self._describe_waiting()
+
+    def floor(self) -> float:
+        """The least clock among this process's unfinished nodes (inf once all finished)."""
+        return min((self._clock_of(r) for r in self.local if r not in self._finished), default=math.inf)
 
     def _may_run(self, rank: int) -> None:
         self.queue.run(self._clock_of(rank), rank)

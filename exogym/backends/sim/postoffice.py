@@ -60,7 +60,7 @@ __all__ = ["PostOffice"]
 class PostOffice:
     """The messages in flight, the nodes' mailboxes and the run's server, for the nodes under one baton."""
 
-    def __init__(self, baton: "Baton", num_nodes: int, time_model: "TimeModel | None"):
+    def __init__(self, baton: "Baton", num_nodes: int, time_model: "TimeModel | None", collective_flows: bool = True):
         self.baton, self.num_nodes = baton, num_nodes
         self.network = time_model.network if time_model is not None else None
         self.hub: "Hub | None" = None  # the other processes' nodes, when the run spans processes (set by the backend)
@@ -75,6 +75,7 @@ class PostOffice:
         # which were posted by another process (process, its token: told their arrival when their flow ends)
         shared = self.network is not None and self.network.shared_links
         self._flows: FlowModel | None = FlowModel() if shared else None
+        self._collective_flows = collective_flows  # False: collectives costed alone (a strategy sending messages)
         self._wire: dict[tuple[int, int], Message] = {}
         self._collectives: dict[tuple, CollectiveTransfer] = {}  # the collectives' transfers on the wire, by flow key
         self._transfers = 0  # collective transfers started so far (their flows' keys)
@@ -220,9 +221,9 @@ class PostOffice:
 
     @property
     def shares_collectives(self) -> bool:
-        """Whether a collective's transfer runs as a flow on the shared links (one process with shared links), rather
-        than alone by its formula."""
-        return self._flows is not None and self.hub is None and not self.undeclared
+        """Whether a collective's transfer runs as a flow on the shared links (one process with shared links, a
+        strategy that sends no messages), rather than alone by its formula."""
+        return self._flows is not None and self._collective_flows and self.hub is None and not self.undeclared
 
     def transfer(self, transfer: CollectiveTransfer) -> None:
         """A collective's transfer (shared_collectives): its flow starts at transfer.start, in time order with the

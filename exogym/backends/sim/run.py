@@ -11,6 +11,7 @@ import torch
 
 from exogym.runs.checkpoint_checks import CheckpointError
 from exogym.backends.hosting import SERVER_ROLE, Hosting, Peers, ProcessBackend, process_group_timeout
+from exogym.backends.sim.alone import AloneCheck
 from exogym.backends.sim.baton import Baton
 from exogym.backends.sim.exchange import Exchange
 from exogym.backends.sim.fused.choose import choose_execution
@@ -72,7 +73,9 @@ def _post_office(plan: "RunPlan", baton: Baton, exchange: Exchange | None, hub: 
     k, time_model = plan.num_nodes, plan.cfg.time_model
     if exchange is not None and hub is not None and hub != exchange.me:
         return PostProxy(baton, k, time_model, exchange, hub)
-    post = PostOffice(baton, k, time_model)
+    # A strategy that sends messages has its collectives costed alone, by their formula, in every process count: over
+    # processes its messages' flows live in the process holding the server, which sees no collective.
+    post = PostOffice(baton, k, time_model, collective_flows=not plan.strategy.sends_messages)
     if exchange is not None and hub is not None:
         post.hub = Hub(post, exchange, exchange.owner, exchange.me)
     post.undeclared = exchange is not None and hub is None
@@ -132,7 +135,10 @@ def run_sim(plan: "RunPlan", sinks: "RunSinks", *, local: Sequence[int] | None =
                   clock_of=lambda r: comms[r].clock.now)
     baton.post = _post_office(plan, baton, exchange, hub)
     owner = exchange.owner if exchange is not None else None
-    comms.update((r, SimTransport(baton, r, k, plan.cfg.time_model, plan.cfg.membership, owner)) for r in local)
+    time_model = plan.cfg.time_model
+    alone = (AloneCheck(baton.floor) if exchange is not None and time_model is not None
+             and time_model.network.shared_links and not plan.strategy.sends_messages else None)
+    comms.update((r, SimTransport(baton, r, k, time_model, plan.cfg.membership, owner, alone)) for r in local)
     execution = SequentialExecution() if plan.execution == "sequential" else FusedExecution(FusedEngine(
         plan.model, len(local), plan.devices[local[0]], minibatch_size=plan.cfg.minibatch_size,
         autocast=plan.cfg.autocast, seed=plan.seed, baton=baton, first_rank=local[0]))

@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from exogym.backends.sim.alone import AloneCheck
 from exogym.backends.sim.baton import Baton, CollectiveCall, CollectiveError, Pending
 from exogym.backends.sim.events import CollectiveTransfer
 from exogym.backends.sim.postwork import SimRecvWork, SimSendWork
@@ -201,10 +202,12 @@ class SimTransport(TransportBase):
     """Node `rank`'s side of the sim backend (implements `exogym.comm.transport.Transport`)."""
 
     def __init__(self, baton: Baton, rank: int, num_nodes: int, time_model: TimeModel | None = None,
-                 membership: Membership | None = None, owner: Sequence[int] | None = None):
+                 membership: Membership | None = None, owner: Sequence[int] | None = None,
+                 alone: AloneCheck | None = None):
         super().__init__(rank, num_nodes, membership)
         self.baton, self.time_model = baton, time_model
         self.owner = owner  # each node's process, when the run spans several (None: all in this one)
+        self.alone = alone  # over processes on shared links: the check that a collective costed alone was alone
         self.match_steps = True  # the strategy's collectives_match_steps (set by the node)
         self._spin = SpinWatch(baton.node_timeout)  # polls that spin at one clock (exogym.backends.sim.watchdog)
 
@@ -217,16 +220,11 @@ class SimTransport(TransportBase):
         timed = account and self.time_model is not None
         crossing = self.owner is not None and any(self.owner[r] != self.owner[self.rank] for r in group.ranks)
         if timed:
-            if async_op and self.owner is not None and self.time_model.network.shared_links:
-                raise CollectiveError(
-                    f"node {self.rank} (step {self.step}) started an async {name} on a network with shared links in a "
-                    "run over several processes: there collectives are costed alone, by their formula, so a transfer "
-                    "that overlaps others would end earlier than in one process. Run it in one process (processes=1) "
-                    "or cost every transfer alone (Network(..., shared_links=False))")
             complete = functools.partial(self._complete_timed, complete, name, payload, group.ranks)
         settle = None
         if crossing and timed:  # across processes: the members here leave from the last arrival anywhere
             def settle(calls: list[CollectiveCall], start: float) -> None:
+                self._check_alone(name, payload, group.ranks, start)
                 done_at = self.time_model.leave([(c.args["clock"], c.args["arrival"], c.blocking) for c in calls],
                                                 start, name, payload, group.ranks)
                 for c in calls:
@@ -267,9 +265,17 @@ class SimTransport(TransportBase):
         route = self.time_model.network.collective_route(op, nbytes, ranks) if self.baton.post.shares_collectives \
             else None
         if route is None or not route.nbytes:  # (a barrier puts no bytes on a link: its latency alone, as the formula)
+            self._check_alone(op, nbytes, ranks, start)
             leave()
             return None
         return CollectiveTransfer(start, route, leave, ranks[0])
+
+    def _check_alone(self, op: str, nbytes: int, ranks: tuple[int, ...], start: float) -> None:
+        """Over processes on shared links: the collective costed alone must have been alone (exogym.backends.sim.
+        alone)."""
+        if self.alone is not None:
+            self.alone.check(self.time_model.network.collective_route(op, nbytes, ranks), start,
+                             f"{op} on group {list(ranks)} at step {self.step}")
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, group: Group, *, account: bool = False,
                    async_op: bool = False) -> "SimWork | None":
