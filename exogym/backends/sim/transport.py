@@ -221,9 +221,9 @@ class SimTransport(TransportBase):
         crossing = self.owner is not None and any(self.owner[r] != self.owner[self.rank] for r in group.ranks)
         if timed:
             complete = functools.partial(self._complete_timed, complete, name, payload, group.ranks)
-        settle = None
+        leave_across = None
         if crossing and timed:  # across processes: the members here leave from the last arrival anywhere
-            def settle(calls: list[CollectiveCall], start: float) -> None:
+            def leave_across(calls: list[CollectiveCall], start: float) -> None:
                 self._check_alone(name, payload, group.ranks, start)
                 done_at = self.time_model.leave([(c.args["clock"], c.args["arrival"], c.blocking) for c in calls],
                                                 start, name, payload, group.ranks)
@@ -242,7 +242,7 @@ class SimTransport(TransportBase):
             fold = functools.partial(_fold_arrivals, ranks=here, stack=ordered and not leader)
         elif name == "all_gather" and group.size > 1:
             fold = _release_gather_outputs
-        pending = self.baton.rendezvous(self.rank, group.ranks, call, complete, fold, settle)
+        pending = self.baton.rendezvous(self.rank, group.ranks, call, complete, fold, leave_across)
         if async_op:
             return SimWork(self, pending, call, timed)
         _restore(call)
