@@ -390,8 +390,13 @@ class Baton:
         return self._describe_waiting()
 
     def floor(self) -> float:
-        """The least clock among this process's unfinished nodes (inf once all finished)."""
-        return min((self._clock_of(r) for r in self.local if r not in self._finished), default=math.inf)
+        """The least simulated time a collective of this process's nodes can still start at: the least clock among
+        its unfinished nodes, and the least arrival in a collective not yet completed here (a node may have run on
+        past an async one); inf once all finished."""
+        times = [self._clock_of(r) for r in self.local if r not in self._finished]
+        for p in (*self._pending.values(), *self._across.values()):
+            times.extend(c.args["arrival"] for c in p.calls.values())
+        return min(times, default=math.inf)
 
     def _may_run(self, rank: int) -> None:
         self.queue.run(self._clock_of(rank), rank)

@@ -224,7 +224,7 @@ class SimTransport(TransportBase):
         leave_across = None
         if crossing and timed:  # across processes: the members here leave from the last arrival anywhere
             def leave_across(calls: list[CollectiveCall], start: float) -> None:
-                self._check_alone(name, payload, group.ranks, start)
+                self._check_alone(name, payload, group.ranks, start, calls[0].step)
                 done_at = self.time_model.leave([(c.args["clock"], c.args["arrival"], c.blocking) for c in calls],
                                                 start, name, payload, group.ranks)
                 for c in calls:
@@ -265,17 +265,17 @@ class SimTransport(TransportBase):
         route = self.time_model.network.collective_route(op, nbytes, ranks) if self.baton.post.shares_collectives \
             else None
         if route is None or not route.nbytes:  # (a barrier puts no bytes on a link: its latency alone, as the formula)
-            self._check_alone(op, nbytes, ranks, start)
+            self._check_alone(op, nbytes, ranks, start, calls[0].step)
             leave()
             return None
         return CollectiveTransfer(start, route, leave, ranks[0])
 
-    def _check_alone(self, op: str, nbytes: int, ranks: tuple[int, ...], start: float) -> None:
+    def _check_alone(self, op: str, nbytes: int, ranks: tuple[int, ...], start: float, step: int | None) -> None:
         """Over processes on shared links: the collective costed alone must have been alone (exogym.backends.sim.
-        alone)."""
+        alone). `step`: the step it was issued at."""
         if self.alone is not None:
             self.alone.check(self.time_model.network.collective_route(op, nbytes, ranks), start,
-                             f"{op} on group {list(ranks)} at step {self.step}")
+                             f"{op} on group {list(ranks)} issued at step {step}")
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, group: Group, *, account: bool = False,
                    async_op: bool = False) -> "SimWork | None":
