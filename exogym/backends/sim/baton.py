@@ -277,7 +277,7 @@ class Baton:
     def rendezvous(self, rank: int, group: tuple[int, ...], call: CollectiveCall,
                    complete: Callable[[list[CollectiveCall]], "CollectiveTransfer | None"],
                    arrive: Callable[[Pending], None] | None = None,
-                   settle: Callable[[list[CollectiveCall], float], None] | None = None) -> Pending:
+                   leave_across: Callable[[list[CollectiveCall], float], None] | None = None) -> Pending:
         """Arrive at the next collective on `group`. A blocking call returns once every member has arrived
         and the collective is computed; a non-blocking one returns at once (wait on it with `wait`).
 
@@ -289,7 +289,7 @@ class Baton:
         `complete(calls)` computes the collective and, unless its transfer shares the links with others, sets the
         members' clocks; a transfer it returns runs as a flow in the run's queue (exogym.backends.sim.postoffice), and
         the members wait until it ends. A group holding nodes of other processes: once its local members have
-        arrived, the exchange takes it across; `settle(local calls, start)` then sets their clocks from the last
+        arrived, the exchange takes it across; `leave_across(local calls, start)` then sets their clocks from the last
         arrival anywhere.
         """
         self.arrivals += 1
@@ -325,7 +325,7 @@ class Baton:
             self._across[pending.key] = pending
             self.crossings_started[group] = pending.seq + 1  # a group's crossings start in order: its count
             self._exchange.start(pending, [pending.calls[r] for r in sorted(pending.calls)], call.op,
-                                 finish=lambda calls, start: self._crossed(pending, calls, start, settle))
+                                 finish=lambda calls, start: self._crossed(pending, calls, start, leave_across))
             if call.blocking:
                 self.wait(rank, pending)
             return pending
@@ -364,10 +364,10 @@ class Baton:
             self._may_run(r)
 
     def _crossed(self, pending: Pending, calls: list[CollectiveCall], start: float,
-                 settle: Callable[[list[CollectiveCall], float], None] | None) -> None:
+                 leave_across: Callable[[list[CollectiveCall], float], None] | None) -> None:
         """A crossing completed (its results are in the local members' tensors): they run on, in rank order."""
-        if settle is not None:
-            settle(calls, start)
+        if leave_across is not None:
+            leave_across(calls, start)
         del self._across[pending.key]
         pending.done = True
         for r in pending.waiters:
@@ -390,8 +390,13 @@ class Baton:
         return self._describe_waiting()
 
     def floor(self) -> float:
-        """The least clock among this process's unfinished nodes (inf once all finished)."""
-        return min((self._clock_of(r) for r in self.local if r not in self._finished), default=math.inf)
+        """The least simulated time a collective of this process's nodes can still start at: the least clock among
+        its unfinished nodes, and the least arrival in a collective not yet completed here (a node may have run on
+        past an async one); inf once all finished."""
+        times = [self._clock_of(r) for r in self.local if r not in self._finished]
+        for p in (*self._pending.values(), *self._across.values()):
+            times.extend(c.args["arrival"] for c in p.calls.values())
+        return min(times, default=math.inf)
 
     def _may_run(self, rank: int) -> None:
         self.queue.run(self._clock_of(rank), rank)

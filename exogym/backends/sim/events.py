@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from exogym.cluster.flows import Flow
-from exogym.cluster.network import SERVER, Route
+from exogym.cluster.network import SERVER, Network, Route
 from exogym.comm.messages import Message
 
 __all__ = ["RUN", "FINISH", "START", "ARRIVE", "OBSERVE", "EventQueue", "Timer", "CollectiveTransfer", "arrival",
@@ -117,7 +117,7 @@ class EventQueue:
         self._number(message)
         heapq.heappush(self._events, (message.sent_at, START, message.src, message.seq, next(self._order), message))
 
-    def start_collective(self, at: float, key: tuple, item: Any) -> None:
+    def start_collective(self, at: float, key: tuple, item: CollectiveTransfer) -> None:
         """A collective's transfer starts at `at`, its last member's arrival (shared links). `key`: ("collective", its
         group's first rank, ...): after the messages that rank starts at the same time, then in the order pushed."""
         heapq.heappush(self._events, (at, START, key[1], math.inf, next(self._order), item))
@@ -200,7 +200,7 @@ class EventQueue:
         self._sent = dict(state["sent"])
 
 
-def arrival(network: Any, message: Message) -> float:
+def arrival(network: Network | None, message: Message) -> float:
     """When a message sent at message.sent_at arrives: after the network's transfer time (none without a network).
     Worked out in the sender's process, by the same arithmetic everywhere."""
     seconds = 0.0 if network is None else network.message_seconds(message.nbytes, message.src, message.dst)

@@ -1,37 +1,41 @@
-"""The sim backend's point-to-point messages: when the next event of the message heap may happen, and what the
-nodes' transports call.
+"""The sim backend's point-to-point messages and the transfers on shared links: what each event of the run's one
+queue does, and what the nodes' transports call.
 
-The post office holds the run's event heap (exogym.backends.sim.events: messages arriving, the server's timers,
-the nodes' observations), the nodes' mailboxes (exogym.backends.sim.mailboxes) and the server
-(exogym.backends.sim.serverhost). A node that observes at its clock t (a `recv`, an `irecv`'s wait, a `poll` or a
-`read_server`) first lets every event before t (and every message arriving at t) happen.
+The run's one event queue (exogym.backends.sim.events) holds, in simulated-time order, the nodes that may run and
+the events: transfers starting and ending, messages arriving, the server's timers, the nodes' observations. The
+scheduler (exogym.backends.sim.baton) takes its entries in order; the post office says what an event does, and holds
+the nodes' mailboxes (exogym.backends.sim.mailboxes) and the server (exogym.backends.sim.serverhost). A node that
+observes at its clock t (a `recv`, an `irecv`'s wait, a `poll` or a `read_server`) first lets every run and event
+before t (and every message arriving at t) happen.
 
 The invariant: whatever a node or the server reads (a message taken, the server's state) depends on simulated
 time only. A node computes alone between observations, and its computation can reach another node only
-through a message, which arrives at its own time and waits in the heap until every earlier event has
-happened: the hub takes the next event only when no node is ready to run (the nodes that are ready have not
-yet observed anything at their clocks, and every observation goes back through the heap). A two-node
-interleaving that would break it without the heap: node 1 (clock 9) sends at 9 and arrives at 10 while node 0
-(clock 2, not yet run) would send at 2 and arrive at 3; the server handling node 1's message first would apply
-the updates out of order. With the heap, node 1's message waits at 10 while node 0 runs, and node 0's
-arrives first.
+through a message, which arrives at its own time and waits in the queue until every earlier entry has been taken:
+a node that may run from clock c comes before every event after c (it may still send at c or later, never before),
+and every observation goes back through the queue. A two-node interleaving that would break it without the queue:
+node 1 (clock 9) sends at 9 and arrives at 10 while node 0 (clock 2, not yet run) would send at 2 and arrive at 3;
+the server handling node 1's message first would apply the updates out of order. In the queue, node 0's run at 2
+comes before the arrival at 10, and node 0's message arrives first.
 
 On a network with shared links (exogym.cluster.flows) a message is a flow: it starts at its sent_at (a START
 event, in time order like the rest, so no flow starts before one already started), shares its links with the
-flows in flight, and arrives its route's latency after its last byte leaves (a FINISH event: one in the heap, for
-the flow whose last byte leaves first; a flow starting or ending makes it stale and pushes the next one). A sender waiting on its send
-(`send`, an `isend`'s wait) sleeps until its message's FINISH, when its arrival time is known.
+flows in flight, and arrives its route's latency after its last byte leaves (a FINISH event: one in the queue, for
+the flow whose last byte leaves first; a flow starting or ending makes it stale and pushes the next one). A sender
+waiting on its send (`send`, an `isend`'s wait) sleeps until its message's FINISH, when its arrival time is known.
+A collective's transfer is a flow too (`transfer`): it starts at its last member's arrival, and its members wait
+until its FINISH, when their clocks are set (one process, a strategy that sends no messages: `shares_collectives`).
 
 Ties are broken by fixed keys (rank, then the sender's count), so the same seed gives the same bits however
-the host schedules. Collectives and messages in one run: a node blocked in a collective is no event; the
-messages it sends after leaving carry its clock from then on.
+the host schedules. A node blocked in a collective has no entry; the messages it sends after leaving carry its
+clock from then on.
 
 A run over several processes (fit(processes=P), torchrun with backend="sim"): the process holding the server role
-(beside node 0) keeps this one heap, every mailbox and the server (it is the hub); the other processes' post offices
-are proxies (exogym.backends.sim.postproxy) that send it their nodes' messages and observations and run a node
-again when it answers. The hub takes the next event only when the whole run is quiescent, which is the rule above
-with "no node ready" read across every process; exogym.backends.sim.postlink says why the exchange between the
-processes cannot deliver a message out of order, so the run gives the bits one process gives.
+(beside node 0) keeps the queue's events, every mailbox and the server (it is the hub); the other processes' post
+offices are proxies (exogym.backends.sim.postproxy) that send it their nodes' messages and observations and run a
+node again when it answers. The hub's own nodes run first, and it takes the next event only when the whole run is
+quiescent, which is the rule above with "no node may run" read across every process; exogym.backends.sim.postlink
+says why the exchange between the processes cannot deliver a message out of order, so the run gives the bits one
+process gives.
 """
 
 from __future__ import annotations

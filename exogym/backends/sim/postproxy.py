@@ -20,6 +20,7 @@ from exogym.backends.server_state import ShadowPost, check_readable, load_server
 from exogym.comm.messages import Message, Server, attach_server
 
 if TYPE_CHECKING:
+    from exogym.backends.sim.events import CollectiveTransfer
     from exogym.backends.sim.baton import Baton
     from exogym.backends.sim.exchange import Exchange
     from exogym.cluster.simtime import TimeModel
@@ -60,7 +61,7 @@ class PostProxy:
 
     shares_collectives = False  # collectives across processes are costed alone (exogym.backends.sim.postoffice)
 
-    def transfer(self, transfer: Any) -> None:
+    def transfer(self, transfer: "CollectiveTransfer") -> None:
         raise RuntimeError("a proxy runs no transfer as a flow (shares_collectives is False)")
 
     def report_idle(self) -> None:

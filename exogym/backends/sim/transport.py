@@ -221,10 +221,10 @@ class SimTransport(TransportBase):
         crossing = self.owner is not None and any(self.owner[r] != self.owner[self.rank] for r in group.ranks)
         if timed:
             complete = functools.partial(self._complete_timed, complete, name, payload, group.ranks)
-        settle = None
+        leave_across = None
         if crossing and timed:  # across processes: the members here leave from the last arrival anywhere
-            def settle(calls: list[CollectiveCall], start: float) -> None:
-                self._check_alone(name, payload, group.ranks, start)
+            def leave_across(calls: list[CollectiveCall], start: float) -> None:
+                self._check_alone(name, payload, group.ranks, start, calls[0].step)
                 done_at = self.time_model.leave([(c.args["clock"], c.args["arrival"], c.blocking) for c in calls],
                                                 start, name, payload, group.ranks)
                 for c in calls:
@@ -242,7 +242,7 @@ class SimTransport(TransportBase):
             fold = functools.partial(_fold_arrivals, ranks=here, stack=ordered and not leader)
         elif name == "all_gather" and group.size > 1:
             fold = _release_gather_outputs
-        pending = self.baton.rendezvous(self.rank, group.ranks, call, complete, fold, settle)
+        pending = self.baton.rendezvous(self.rank, group.ranks, call, complete, fold, leave_across)
         if async_op:
             return SimWork(self, pending, call, timed)
         _restore(call)
@@ -265,17 +265,17 @@ class SimTransport(TransportBase):
         route = self.time_model.network.collective_route(op, nbytes, ranks) if self.baton.post.shares_collectives \
             else None
         if route is None or not route.nbytes:  # (a barrier puts no bytes on a link: its latency alone, as the formula)
-            self._check_alone(op, nbytes, ranks, start)
+            self._check_alone(op, nbytes, ranks, start, calls[0].step)
             leave()
             return None
         return CollectiveTransfer(start, route, leave, ranks[0])
 
-    def _check_alone(self, op: str, nbytes: int, ranks: tuple[int, ...], start: float) -> None:
+    def _check_alone(self, op: str, nbytes: int, ranks: tuple[int, ...], start: float, step: int | None) -> None:
         """Over processes on shared links: the collective costed alone must have been alone (exogym.backends.sim.
-        alone)."""
+        alone). `step`: the step it was issued at."""
         if self.alone is not None:
             self.alone.check(self.time_model.network.collective_route(op, nbytes, ranks), start,
-                             f"{op} on group {list(ranks)} at step {self.step}")
+                             f"{op} on group {list(ranks)} issued at step {step}")
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, group: Group, *, account: bool = False,
                    async_op: bool = False) -> "SimWork | None":
