@@ -81,6 +81,7 @@ class PostOffice:
         self._flows: FlowModel | None = FlowModel() if shared else None
         self._collective_flows = collective_flows  # False: collectives costed alone (a strategy sending messages)
         self._wire: dict[tuple[int, int], Message] = {}
+        self._linkless: dict[tuple[int, int], bool] = {}  # (src, dst) -> its messages cross no finite link
         self._collectives: dict[tuple, CollectiveTransfer] = {}  # the collectives' transfers on the wire, by flow key
         self._transfers = 0  # collective transfers started so far (their flows' keys)
         self._sending: dict[tuple[int, int], int] = {}
@@ -173,9 +174,14 @@ class PostOffice:
         """Put a message on the wire at message.sent_at; it arrives after the network's transfer time (shared links:
         once its flow ends; its arrives_at is nan until then)."""
         self._check()
-        if self._flows is None:
+        if self._flows is None or self._crosses_no_link(message.src, message.dst):
+            # (every link on its route is infinite: it is alone whatever else is in flight, and arrives as the
+            # formula says; no flow, and its sender needs not wait to know when)
             message.arrives_at = arrival(self.network, message)
-        self.push(message)
+            self.active = True
+            self._events.arrive(message)
+        else:
+            self.push(message)
         if message.src == SERVER and self.server is not None:  # its sent_log logs it next (exogym.comm.messages)
             arrives = self.server.sent_log.messages["arrives"]
             self.arrow(message, arrives, len(arrives))
@@ -183,8 +189,16 @@ class PostOffice:
     def arrow(self, message: Message, arrives: list[float], index: int) -> None:
         """The timeline logs `message` at `arrives[index]`: with shared links, its arrival is put there when its flow
         ends (until then the log holds nan)."""
-        if self._flows is not None:
+        if math.isnan(message.arrives_at):
             self._arrows[(message.src, message.seq)] = (arrives, index)
+
+    def _crosses_no_link(self, src: int, dst: int) -> bool:
+        """Whether a message from `src` to `dst` crosses no finite link (the route's links do not depend on bytes)."""
+        key = (src, dst)
+        none = self._linkless.get(key)
+        if none is None:
+            none = self._linkless[key] = not self.network.message_route(0, src, dst).links
+        return none
 
     def push(self, message: Message, token: tuple[int, int] | None = None) -> None:
         """A message on the wire (its arrival time set by the sender's process, without shared links): into the
