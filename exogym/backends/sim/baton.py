@@ -104,6 +104,7 @@ class Baton:
         self._scheduler: greenlet.greenlet | None = None
         self.post: "Messages | None" = None  # point-to-point messages on the simulated clock (set by the backend)
         self._receiving: dict[int, str] = {}  # rank -> the message it waits for
+        self.cut_in = False  # the next event may happen before the ready nodes run (the hub's lookahead, postlink)
 
     def run(self, node_fns: list[Callable[[], Any]]) -> list[Any]:
         """Run node_fns[i] as node local[i]; return their results in that order, or raise the first exception a
@@ -181,7 +182,8 @@ class Baton:
                     self._batched = ()
                     self._ready.extend(sorted(parked))
                     continue
-                if not self._ready and post is not None and post.due():  # the next event in simulated time
+                cut_in, self.cut_in = self.cut_in, False  # a node handed over to an earlier event (postlink.Hub.on_step)
+                if post is not None and (not self._ready or cut_in) and post.due():  # the next event in simulated time
                     self._turn = "delivering a message"
                     post.next_event()
                     continue
@@ -189,6 +191,8 @@ class Baton:
                     self._turn = "this process's nodes waited for nodes in other processes"
                     self._wait_for_other_processes()
                     continue
+                if crossing and self._exchange.has_news():  # packets that came while the nodes ran (a proxy's answers,
+                    self._exchange.wait(timeout=0)  # exogym.backends.sim.postproxy): in, between turns
                 rank = self._ready.popleft()
                 self._on_resume(rank)
                 self.running = self._turn = rank
@@ -354,6 +358,18 @@ class Baton:
     def describe_waiting(self) -> str:
         """What every node of this process waits for, one line each."""
         return self._describe_waiting()
+
+    def ready_nodes(self) -> Sequence[int]:
+        """The nodes ready to run, in the order they will (read only: a proxy's lookahead, postproxy)."""
+        return self._ready
+
+    def parked_nodes(self) -> Sequence[int]:
+        """The nodes waiting at the compute rendezvous (read only)."""
+        return self._parked
+
+    def is_finished(self, rank: int) -> bool:
+        """Whether node `rank` has finished training."""
+        return rank in self._finished
 
     def idle_but(self, rank: int) -> bool:
         """No node but `rank` (the one running) is ready to run or parked."""

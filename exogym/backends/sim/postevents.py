@@ -83,6 +83,10 @@ class EventHeap:
         """Whether an event comes before node `rank`'s observation at `at`."""
         return bool(self._events) and self._events[0][:3] <= (at, OBSERVE, rank)
 
+    def next_at(self) -> float:
+        """The simulated time of the earliest event (the heap is not empty)."""
+        return self._events[0][0]
+
     def pop(self) -> tuple[int, Any]:
         """The earliest event: (its kind, the message, the Timer, or what the observation pushed)."""
         _, kind, _, _, _, item = heapq.heappop(self._events)

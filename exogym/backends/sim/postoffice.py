@@ -100,15 +100,21 @@ class PostOffice:
         return bool(self._events) or self.hub is not None and self.hub.unfinished()
 
     def due(self) -> bool:
-        """Whether the next event may happen now (the baton asks when none of its nodes can run). In one process:
-        whenever there is one. The hub: once the whole run is quiescent (exogym.backends.sim.postlink); then, with
-        nothing left to happen, a node waiting for a message is a deadlock.
+        """Whether the next event may happen now (the baton asks when none of its nodes can run, or the hub's when a
+        node handed over to it). In one process: whenever there is one. The hub: when no node of any process can
+        still cause an earlier one (the lookahead), or once the whole run is quiescent (exogym.backends.sim.postlink);
+        then, with nothing left to happen, a node waiting for a message is a deadlock.
 
         Raises:
             MessageError: the run is quiescent, nothing is in flight, and some node waits in a recv.
         """
         if self.hub is None:
             return bool(self._events)
+        # the lookahead: it happens while other processes' nodes run if none of them can cause an earlier event
+        if self._events and self.hub.ahead(self._events.next_at(), self.baton.open_crossings):
+            return True
+        if not self.baton.idle_but(-1):  # a node here is ready: only the lookahead lets an event go before it
+            return False
         if not self.hub.quiet(self.baton.crossings_started, set(self.baton.open_crossings)):
             return False
         if self._events:
@@ -118,6 +124,10 @@ class PostOffice:
                                "is finished or waits itself, and nothing is in flight):\n"
                                + "\n".join(self.describe_waiting()))
         return False
+
+    def next_at(self) -> float | None:
+        """The simulated time of the next event (None: none is waiting)."""
+        return self._events.next_at() if self._events else None
 
     def report_idle(self) -> None:
         """The baton has nothing to run (a proxy reports it to the hub; nothing to do here)."""
@@ -262,7 +272,7 @@ class PostOffice:
         if want is None:
             return
         if self.hub is not None and self.hub.is_remote(message.dst):
-            self.hub.answer(message.dst, self._boxes.first(message.dst, want[0], want[1]))
+            self.hub.answer(message.dst, self._boxes.first(message.dst, want[0], want[1]), message.arrives_at)
         else:
             self.baton.wake_receiver(message.dst)
 
@@ -282,14 +292,15 @@ class PostOffice:
 
     def _answer(self, ask: Ask) -> None:
         if ask.op == "read":  # the server's state now, at the node's turn, as a node here would read it
-            self.hub.answer(ask.rank, None if self.server is None else server_state(self.server, since=ask.known))
+            self.hub.answer(ask.rank, None if self.server is None else server_state(self.server, since=ask.known),
+                            ask.at)
             return
         if ask.op == "poll":
-            self.hub.answer(ask.rank, self._boxes.take_arrived(ask.rank, ask.src, ask.tag))
+            self.hub.answer(ask.rank, self._boxes.take_arrived(ask.rank, ask.src, ask.tag), ask.at)
             return
         m = self._boxes.first(ask.rank, ask.src, ask.tag)
         if m is not None:
-            self.hub.answer(ask.rank, m)
+            self.hub.answer(ask.rank, m, ask.at)
         else:
             self._boxes.wait(ask.rank, ask.src, ask.tag, ask.what)
 

@@ -198,6 +198,19 @@ _COMPLETE: dict[str, Callable[[list[CollectiveCall]], None]] = {
 class SimTransport(TransportBase):
     """Node `rank`'s side of the sim backend (implements `exogym.comm.transport.Transport`)."""
 
+    on_step: Callable[[int], None] | None = None  # called with the rank as each step starts (a proxy's lookahead)
+
+    @property
+    def step(self) -> int | None:
+        """The node's current step (from 1); setting it starts the step."""
+        return self._step
+
+    @step.setter
+    def step(self, value: int | None) -> None:
+        self._step = value
+        if self.on_step is not None:  # a process that forwards to the hub tells it its nodes' clocks (postproxy)
+            self.on_step(self.rank)
+
     def __init__(self, baton: Baton, rank: int, num_nodes: int, time_model: TimeModel | None = None,
                  membership: Membership | None = None, owner: Sequence[int] | None = None):
         super().__init__(rank, num_nodes, membership)
