@@ -18,7 +18,7 @@ from test_messages_processes import _same  # noqa: E402
 
 class CountsOverlap:
     """Node 0 writes to `out`, at its last step, how many events the hub took by the lookahead while a node of another
-    process could run (-1: the run has no hub)."""
+    process could run, and how many arrivals it took ahead of their time (-1: the run has no hub)."""
 
     def __init__(self, *args, out: str, **kwargs):
         super().__init__(*args, **kwargs)
@@ -28,7 +28,7 @@ class CountsOverlap:
         super().finish()
         if self.rank == 0:
             hub = getattr(current_transport().baton.post, "hub", None)
-            Path(self.out).write_text(str(-1 if hub is None else hub.overlapped))
+            Path(self.out).write_text("-1" if hub is None else f"{hub.overlapped} {hub.promoted}")
 
 
 class AsyncDiLoCo(CountsOverlap, AsyncDiLoCoStrategy):
@@ -74,4 +74,5 @@ def test_processes_overlap_their_nodes_compute_and_give_one_process_bits(case, t
     for processes in CASES[case][4]:
         out = tmp_path / f"p{processes}"
         _same(one, _run(case, processes, out))
-        assert int(out.read_text()) > 0, f"processes={processes}: the hub never took an event while others computed"
+        overlapped, promoted = map(int, out.read_text().split())
+        assert overlapped + promoted > 0, f"processes={processes}: the hub never took an event while others computed"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +87,17 @@ class EventHeap:
     def next_at(self) -> float:
         """The simulated time of the earliest event (the heap is not empty)."""
         return self._events[0][0]
+
+    def entries(self) -> list[tuple]:
+        """The events as (time, kind, rank, sequence, push order, item), in no order (read only)."""
+        return self._events
+
+    def promote(self, entry: tuple) -> None:
+        """Make `entry` (one of `entries()`) the next to pop, ahead of its time (the hub's lookahead across processes,
+        exogym.backends.sim.postlink, takes an arrival at a waiting node before events that cannot reach it)."""
+        self._events.remove(entry)  # by identity: the push order makes every other entry differ before the item
+        heapq.heapify(self._events)
+        heapq.heappush(self._events, (-math.inf, *entry[1:]))
 
     def pop(self) -> tuple[int, Any]:
         """The earliest event: (its kind, the message, the Timer, or what the observation pushed)."""

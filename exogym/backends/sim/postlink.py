@@ -31,15 +31,29 @@ the finished), infinity when there is none, with the count of answers it had tak
 is the least of p's last floor and the time of every answer sent to p that p had not taken in when it told it
 (`Hub.floor_of`). The floor comes after the posts before it on the pair, so when the hub holds it, every event p's
 nodes caused before it is in the heap; every event they cause after it comes at or after the floor, or at or after
-an answer counted in. The hub, with none of its own nodes ready and none in a collective across processes (their
-leaving depends on other processes: there the second rule decides), takes the next event, at time t, when t is
-less than every other process's floor. Less, strictly: a node at its floor may still start a flow or observe at
-that very time, and ties go by rank. Then every event with a smaller key than this one is already in the heap: it
-was caused by a node of the hub (none is ready; those waiting run again only from later events), by the server
-(at the times of the events it handles), or by another process's node before that process's last floor (in the
-heap) or after it (at or after the floor, so after t). So the event comes off the heap in the order one process
-takes it, while the other processes' nodes compute. Proxies tell their floor at every step of a node while it
-rises (SimTransport's step hook), as they take in answers, and when they run out of work.
+an answer counted in. Let `lowest` be the least of every other process's floor and every clock of the hub's own
+ready nodes. The hub, with no node parked and none in a collective across processes (their leaving depends on
+other processes: there quiescence decides), takes the next event, at time t, when t < lowest. Less, strictly: a
+node at its floor may still start a flow or observe at that very time, and ties go by rank. Then every event with a
+smaller key than this one is already in the heap: it was caused by a node of the hub (a ready one at or after its
+clock; those waiting run again only from later events), by the server (at the times of the events it handles), or
+by another process's node before that process's last floor (in the heap) or after it (at or after the floor, so
+after t). So the event comes off the heap in the order one process takes it, while the other processes' nodes
+compute. Proxies tell their floor at every step of a node while it rises (SimTransport's step hook), as they take
+in answers, and when they run out of work; a node of the hub hands over to the next event at its step when that
+event comes before its clock (`Hub.on_step`), so the nodes of other processes waiting on it are answered while it
+computes.
+
+The latency lookahead (`Hub._promote`): an event that only a node waiting on the hub sees (a message arriving for
+a node waiting in recv, another process's node's recv or poll) may happen ahead of the events before it, when it
+comes at time s < lowest + L, L being the network's least latency (no message from another sender reaches a node
+sooner after it is sent, shared links or not). Every event not yet taken comes at or after `lowest` (the heap's
+next one included), so every message the node has not yet received and that no event in the heap already carries
+to it (an arrival, or its own message on the wire: to itself it takes no time; then it waits) arrives after s; the
+node's mailbox sees its messages in the order one process gives them, and it reads at s what it reads there. The
+events skipped touch other state (the flows, the server, other mailboxes) and come later in the same order among
+themselves; the node runs on from s, after every event it could have caused. The server's events are never taken
+ahead: any node may read the server (read_server) at its clock.
 
 Quiescence (`Hub.quiet`), for what the floors do not decide: the hub takes the next event when every process has
 run out of work since the last answer it was sent, and no collective across processes has every holder started
@@ -80,6 +94,10 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
+
+from exogym.backends.sim.postevents import ARRIVE, FINISH, OBSERVE, START
+from exogym.cluster.network import parse_seconds
+from exogym.comm.messages import Message
 
 if TYPE_CHECKING:
     from exogym.backends.sim.exchange import Exchange
@@ -214,6 +232,11 @@ class Hub:
         self._told: dict[int, deque[tuple[int, float]]] = {p: deque() for p in self.remotes}
         self.overlapped = 0  # events taken while some other process's node could run (the lookahead at work)
         self._nodes: Mapping[int, "SimTransport"] = {}  # this process's nodes (their clocks), once watched
+        self.promoted = 0  # arrivals at waiting nodes taken ahead of their time (the latency lookahead)
+        net = getattr(post, "network", None)  # no message into a node takes less than this (from another sender)
+        self._latency = 0.0 if net is None else min(
+            parse_seconds(net.latency), parse_seconds(net.server_latency if net.server_latency is not None
+                                                      else net.latency, "server_latency"))
         self._holders: dict[tuple[int, ...], set[int]] = {}
         self.exchange = exchange
         self.link = Link(exchange, self.remotes, self._on_packet)
@@ -265,14 +288,48 @@ class Hub:
         if open_here:
             return False  # its members leave as other processes say: quiescence decides
         baton = self.post.baton
-        if baton.parked_nodes() or any(self._clock(r) <= at for r in baton.ready_nodes()):
+        if baton.parked_nodes():
             return False
         lowest = min((self.floor_of(p) for p in self.remotes), default=math.inf)
-        if at >= lowest:
+        if at < lowest and not any(self._clock(r) <= at for r in baton.ready_nodes()):
+            if lowest < math.inf:
+                self.overlapped += 1
+            return True
+        lowest = min([lowest, *(self._clock(r) for r in baton.ready_nodes())])
+        return self._latency > 0 and lowest > -math.inf and self._promote(lowest + self._latency)
+
+    def _promote(self, horizon: float) -> bool:
+        """The latency lookahead (module docstring): the earliest event that only a node waiting on the hub sees (a
+        message arriving for a node waiting in recv; another process's node's recv or poll), if it comes before
+        `horizon`, is made the next one (Returns: whether one was)."""
+        waiting = self.post.wants()
+        best = None
+        for entry in self.post.events.entries():
+            if entry[0] >= horizon or best is not None and entry >= best:
+                continue
+            kind, item = entry[1], entry[5]
+            if kind == ARRIVE and isinstance(item, Message) and item.dst in waiting or \
+                    kind == OBSERVE and isinstance(item, Ask) and item.op != "read":
+                best = entry
+        if best is None:
             return False
-        if lowest < math.inf:
-            self.overlapped += 1
+        rank = best[5].dst if best[1] == ARRIVE else best[5].rank
+        if any(e < best and self._reaches(e, rank) for e in self.post.events.entries()):
+            return False  # a message for it arrives first, or may (its own, on the wire: no latency to itself)
+        self.post.events.promote(best)
+        self.promoted += 1
         return True
+
+    @staticmethod
+    def _reaches(entry: tuple, rank: int) -> bool:
+        """Whether event `entry` is a message arriving for node `rank`, or one of its own messages on the wire (START,
+        FINISH: one it sent itself arrives without latency)."""
+        kind, item = entry[1], entry[5]
+        if kind == ARRIVE:
+            return isinstance(item, Message) and item.dst == rank
+        if kind == START:
+            return item.src == rank
+        return kind == FINISH and item[0][0] == rank
 
     def watch(self, nodes: Mapping[int, "SimTransport"]) -> None:
         """This process's nodes (rank -> transport): each step calls `on_step`."""

@@ -90,6 +90,11 @@ class PostOffice:
         return self._host.server
 
     @property
+    def events(self) -> EventHeap:
+        """The run's event heap (the hub's lookahead reads it, exogym.backends.sim.postlink)."""
+        return self._events
+
+    @property
     def handling(self) -> tuple[str, str] | None:
         """(the server's class, what it handles) while a handler runs: the watchdog reads it from its thread."""
         return self._host.handling
