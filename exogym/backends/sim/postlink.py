@@ -281,21 +281,19 @@ class Hub:
         told = self._told[process]
         return min(report[0], min(at for _, at in told)) if told else report[0]
 
-    def ahead(self, at: float, open_here: list) -> bool:
+    def ahead(self, at: float, open_here: list, running: float = math.inf) -> bool:
         """Whether the next event, at simulated time `at`, may happen now by the lookahead (module docstring):
-        before every other process's floor and every clock of this process's ready nodes (`open_here`: its
-        collectives across processes not yet completed here)."""
-        if open_here:
-            return False  # its members leave as other processes say: quiescence decides
-        baton = self.post.baton
-        if baton.parked_nodes():
-            return False
-        lowest = min((self.floor_of(p) for p in self.remotes), default=math.inf)
-        if at < lowest and not any(self._clock(r) <= at for r in baton.ready_nodes()):
-            if lowest < math.inf:
+        before every other process's floor and every clock of this process's ready nodes and of the node running
+        (`running`); or an event only a waiting node sees, made the next one (`_promote`). `open_here`: this
+        process's collectives across processes not yet completed here."""
+        if open_here or self.post.baton.parked_nodes():
+            return False  # their members leave as other processes say, or compute: quiescence decides
+        remote = min((self.floor_of(p) for p in self.remotes), default=math.inf)
+        lowest = min([remote, running, *(self._clock(r) for r in self.post.baton.ready_nodes())])
+        if at < lowest:
+            if remote < math.inf and running == math.inf:  # counted once, when it happens
                 self.overlapped += 1
             return True
-        lowest = min([lowest, *(self._clock(r) for r in baton.ready_nodes())])
         return self._latency > 0 and lowest > -math.inf and self._promote(lowest + self._latency)
 
     def _promote(self, horizon: float) -> bool:
@@ -353,10 +351,10 @@ class Hub:
                 baton.sleep(rank)
                 continue
             at = self.post.next_at()
-            if at is None or at >= mine[0] or any(self.floor_of(p) <= at for p in self.remotes):
+            if at is None or not self.ahead(at, baton.open_crossings, running=mine[0]):
                 return
             happened = self.post.progress
-            baton.cut_in = True  # the scheduler takes the event before the ready nodes run (if `ahead` still agrees)
+            baton.cut_in = True  # the scheduler takes the event before the ready nodes run (`ahead` agrees again)
             baton.wake(rank)
             baton.sleep(rank)
             if self.post.progress == happened:

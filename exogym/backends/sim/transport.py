@@ -198,7 +198,7 @@ _COMPLETE: dict[str, Callable[[list[CollectiveCall]], None]] = {
 class SimTransport(TransportBase):
     """Node `rank`'s side of the sim backend (implements `exogym.comm.transport.Transport`)."""
 
-    on_step: Callable[[int], None] | None = None  # called with the rank as each step starts (a proxy's lookahead)
+    on_step: Callable[[int], None] | None = None  # called with the rank as each step starts (the lookahead, postlink)
 
     @property
     def step(self) -> int | None:
@@ -208,7 +208,7 @@ class SimTransport(TransportBase):
     @step.setter
     def step(self, value: int | None) -> None:
         self._step = value
-        if self.on_step is not None:  # a process that forwards to the hub tells it its nodes' clocks (postproxy)
+        if self.on_step is not None:  # over several processes: the floor to the hub, or an event cut in (postlink)
             self.on_step(self.rank)
 
     def __init__(self, baton: Baton, rank: int, num_nodes: int, time_model: TimeModel | None = None,
