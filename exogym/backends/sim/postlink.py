@@ -32,13 +32,14 @@ is the least of p's last floor and the time of every answer sent to p that p had
 (`Hub.floor_of`). The floor comes after the posts before it on the pair, so when the hub holds it, every event p's
 nodes caused before it is in the heap; every event they cause after it comes at or after the floor, or at or after
 an answer counted in. Let `lowest` be the least of every other process's floor and every clock of the hub's own
-ready nodes. The hub, with no node parked and none in a collective across processes (their leaving depends on
-other processes: there quiescence decides), takes the next event, at time t, when t < lowest. Less, strictly: a
+nodes that are ready or in a collective across processes (they leave it at or after their arrival). The hub, with
+no node parked, takes the next event, at time t, when t < lowest. Less, strictly: a
 node at its floor may still start a flow or observe at that very time, and ties go by rank. Then every event with a
 smaller key than this one is already in the heap: it was caused by a node of the hub (a ready one at or after its
 clock; those waiting run again only from later events), by the server (at the times of the events it handles), or
 by another process's node before that process's last floor (in the heap) or after it (at or after the floor, so
-after t). So the event comes off the heap in the order one process takes it, while the other processes' nodes
+after t). (A node of the hub in a local collective leaves it at or after the last member's arrival, and that member
+is ready, in a collective across processes, or waiting on a later event.) So the event comes off the heap in the order one process takes it, while the other processes' nodes
 compute. Proxies tell their floor at every step of a node while it rises (SimTransport's step hook), as they take
 in answers, and when they run out of work; a node of the hub hands over to the next event at its step when that
 event comes before its clock (`Hub.on_step`), so the nodes of other processes waiting on it are answered while it
@@ -286,10 +287,12 @@ class Hub:
         before every other process's floor and every clock of this process's ready nodes and of the node running
         (`running`); or an event only a waiting node sees, made the next one (`_promote`). `open_here`: this
         process's collectives across processes not yet completed here."""
-        if open_here or self.post.baton.parked_nodes():
-            return False  # their members leave as other processes say, or compute: quiescence decides
+        if self.post.baton.parked_nodes():
+            return False  # they compute once nothing else runs: quiescence decides
         remote = min((self.floor_of(p) for p in self.remotes), default=math.inf)
-        lowest = min([remote, running, *(self._clock(r) for r in self.post.baton.ready_nodes())])
+        # a member of a collective across processes leaves it at or after its arrival (its clock while it waits)
+        crossing = (self._clock(r) for group, _ in open_here for r in group if self.owner[r] == self.me)
+        lowest = min([remote, running, *(self._clock(r) for r in self.post.baton.ready_nodes()), *crossing])
         if at < lowest:
             if remote < math.inf and running == math.inf:  # counted once, when it happens
                 self.overlapped += 1
