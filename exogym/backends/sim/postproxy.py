@@ -82,8 +82,9 @@ class PostProxy:
         return max(self._nodes[rank].clock.now, self._answered_at.get(rank, -math.inf))
 
     def floor(self) -> float:
-        """The least clock at which a node here can cause an event without the hub (inf: none can)."""
-        floor = math.inf
+        """The least clock at which a node here can cause an event without the hub (inf: none can; -inf before the
+        nodes are watched)."""
+        floor = math.inf if self._nodes else -math.inf
         for rank in self._nodes:
             if rank not in self._awaiting and not self.baton.is_finished(rank):
                 floor = min(floor, self._resumes_at(rank))
