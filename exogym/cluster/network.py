@@ -37,8 +37,8 @@ A route's bandwidth alone is the least capacity on it, which is exactly the W of
 collective occupies the ports and nics of its members and the links between datacenters its algorithm crosses
 (ring: between neighbours in rank order, wrapping; tree: a binary tree in rank order; ps: from ranks[0] to each
 member), each with the bytes its formula counts (ring all-reduce 2 N (R-1)/R, tree 2 log2(R) N, ps 2 (R-1) N, ...).
-With shared_links (the default) the sim's messages in flight at once share their links max-min fairly (its
-collectives are costed alone, by the formulas); with shared_links=False every transfer runs alone at W.
+With shared_links (the default) the sim's transfers in flight at once (messages, and in one process its
+collectives) share their links max-min fairly; with shared_links=False every transfer runs alone at W.
 """
 
 from __future__ import annotations
@@ -169,8 +169,9 @@ class Network:
         server_download: A cap on what the server receives.
         server_datacenter: The datacenter the server sits in (default: none, every node reaches it directly); a
             node in another one reaches it over the link between datacenters too.
-        shared_links: Whether messages in flight at once share the links they cross (max-min fair, module doc);
-            False: each runs alone at its route's bandwidth, as if no other transfer were there.
+        shared_links: Whether transfers in flight at once (messages; collectives in one process) share the links
+            they cross (max-min fair, module doc); False: each runs alone at its route's bandwidth, as if no other
+            transfer were there.
 
     Raises:
         ValueError: An unknown topology, an unreadable bandwidth or latency, `datacenters` that do not

@@ -1,9 +1,12 @@
-"""The baton: K nodes as cooperative threads (greenlets) of the caller's thread, one running at a time.
+"""The baton: K nodes as cooperative threads (greenlets) of the caller's thread, one running at a time, taking
+turns in the run's one event queue (exogym.backends.sim.events).
 
-A node runs until it enters a collective, then hands the baton back to the scheduler (the caller's
-greenlet), which starts the next runnable node. When the last member of a group arrives, the
-collective is computed once (by that node, in rank order) and every member becomes runnable
-again, queued in rank order.
+A node runs until it enters a collective or observes (a `recv`, a `poll`, a `read_server`, a send's wait), then hands
+the baton back to the scheduler (the caller's greenlet), which takes the next entry of the queue in simulated-time
+order: a node that may run (at its clock), or an event of the messages (exogym.backends.sim.postoffice: a transfer
+starting or ending, a message arriving, a server's timer, an observation's turn). When the last member of a group
+arrives, the collective is computed once (by that node, in rank order) and every member may run again from its
+clock after the collective (with shared links, once the collective's transfer has ended).
 
 Why greenlets rather than OS threads: torch's OpenMP pool belongs to the OS thread that opens
 a parallel region, so K OS threads taking turns keep waking K cold pools; measured on 2 cores
@@ -19,18 +22,20 @@ asks for it, if the node is stuck in native code that no signal reaches).
 
 from __future__ import annotations
 
+import math
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import greenlet
 
+from exogym.backends.sim.events import EventQueue
 from exogym.backends.sim.watchdog import Watchdog, WatchdogInterrupt
 from exogym.cluster.network import SERVER
 from exogym.comm.transport import CollectiveError, MessageError
 
 if TYPE_CHECKING:
+    from exogym.backends.sim.events import CollectiveTransfer
     from exogym.backends.sim.protocols import Crossings, Messages
 
 __all__ = ["Baton", "CollectiveCall", "Pending"]
@@ -78,7 +83,8 @@ class Baton:
     def __init__(self, num_nodes: int, *, on_resume: Callable[[int], None], on_pause: Callable[[int], None],
                  node_timeout: float | None = None, step_of: Callable[[int], int | None] = lambda rank: None,
                  local: Sequence[int] | None = None, exchange: "Crossings | None" = None,
-                 on_stuck: Callable[[BaseException], None] | None = None):
+                 on_stuck: Callable[[BaseException], None] | None = None,
+                 clock_of: Callable[[int], float] = lambda rank: 0.0):
         self.num_nodes = num_nodes
         self.local = list(range(num_nodes)) if local is None else list(local)
         self._exchange = exchange
@@ -93,7 +99,10 @@ class Baton:
         self._on_compute: Callable[[list[int]], None] | None = None  # what computes the parked nodes' work at once
         self._batched: tuple[int, ...] = ()  # the parked nodes while their batched step runs
         self._parked: list[int] = []  # nodes waiting at the compute rendezvous
-        self._ready: deque[int] = deque(self.local)
+        self._clock_of = clock_of  # a node's simulated clock now: where its run goes in the queue
+        self.queue = EventQueue()  # the run's one event queue: the nodes' runs and the messages' events
+        for r in self.local:
+            self.queue.run(0.0, r)
         self._blocked: dict[int, tuple] = {}  # rank -> key of the collective it waits in
         self._pending: dict[tuple, Pending] = {}
         self._seq: dict[int, dict[tuple[int, ...], int]] = {r: {} for r in self.local}
@@ -104,7 +113,6 @@ class Baton:
         self._scheduler: greenlet.greenlet | None = None
         self.post: "Messages | None" = None  # point-to-point messages on the simulated clock (set by the backend)
         self._receiving: dict[int, str] = {}  # rank -> the message it waits for
-        self.cut_in = False  # the next event may happen before the ready nodes run (the hub's lookahead, postlink)
 
     def run(self, node_fns: list[Callable[[], Any]]) -> list[Any]:
         """Run node_fns[i] as node local[i]; return their results in that order, or raise the first exception a
@@ -171,29 +179,33 @@ class Baton:
 
         nodes = {r: greenlet.greenlet(lambda r=r, fn=fn: body(r, fn)) for r, fn in zip(self.local, node_fns)}
         crossing = self._exchange is not None
-        post = self.post
+        post, queue = self.post, self.queue
         try:
-            while self._ready or self._parked or post is not None and post.busy() or crossing and self._exchange.busy:
-                if not self._ready and self._parked:  # the parked nodes' batched step, then they run on
-                    parked, self._parked = self._parked, []
-                    self._turn = f"computing the batched step of nodes {parked}"
-                    self._batched = tuple(parked)  # watched: each parked node's step lasts the batched step
-                    self._on_compute(parked)  # (one that raised stays named in describe_waiting)
-                    self._batched = ()
-                    self._ready.extend(sorted(parked))
-                    continue
-                cut_in, self.cut_in = self.cut_in, False  # a node handed over to an earlier event (postlink.Hub.on_step)
-                if post is not None and (not self._ready or cut_in) and post.due():  # the next event in simulated time
-                    self._turn = "delivering a message"
-                    post.next_event()
-                    continue
-                if not self._ready:  # every node here waits on other processes
-                    self._turn = "this process's nodes waited for nodes in other processes"
-                    self._wait_for_other_processes()
-                    continue
+            while (queue.has_runs() or self._parked or post is not None and post.busy()
+                   or crossing and self._exchange.busy):
+                if not queue.next_is_run():
+                    if self._parked and not queue.has_runs():  # the parked nodes' batched step, then they run on
+                        parked, self._parked = self._parked, []
+                        self._turn = f"computing the batched step of nodes {parked}"
+                        self._batched = tuple(parked)  # watched: each parked node's step lasts the batched step
+                        self._on_compute(parked)  # (one that raised stays named in describe_waiting)
+                        self._batched = ()
+                        for r in sorted(parked):
+                            self._may_run(r)
+                        continue
+                    if post is not None and post.due():  # the next event in simulated time
+                        self._turn = "delivering a message"
+                        post.next_event()
+                        continue
+                    if not queue.has_runs():  # every node here waits on other processes
+                        self._turn = "this process's nodes waited for nodes in other processes"
+                        self._wait_for_other_processes()
+                        continue
+                    # (the hub: its next event waits for the other processes, and its own nodes run first)
                 if crossing and self._exchange.has_news():  # packets that came while the nodes ran (a proxy's answers,
                     self._exchange.wait(timeout=0)  # exogym.backends.sim.postproxy): in, between turns
-                rank = self._ready.popleft()
+                    continue  # (they may queue an earlier run)
+                rank = queue.pop_run()
                 self._on_resume(rank)
                 self.running = self._turn = rank
                 self.turns[rank] += 1
@@ -229,13 +241,13 @@ class Baton:
         post = self.post
         # (a hub also waits while other processes run: until one of its nodes can run, an event is due, or nothing
         # is left to wait for)
-        while not self._ready and (self._exchange.busy or post is not None and post.busy()):
+        while not self.queue.has_runs() and (self._exchange.busy or post is not None and post.busy()):
             if post is not None:
                 post.report_idle()  # a proxy tells the hub it has nothing to run (exogym.backends.sim.postlink)
                 if post.due():  # the hub: the run is quiescent, the next event happens
                     break
-            self._exchange.wait(timeout=0.25)  # completed crossings make their waiting members ready
-            if self._ready:
+            self._exchange.wait(timeout=0.25)  # completed crossings let their waiting members run
+            if self.queue.has_runs():
                 break
             self._exchange.check_peers()  # a process that stopped responding is named within peer_timeout
             if time.monotonic() - since >= _STALL_S:
@@ -259,15 +271,16 @@ class Baton:
 
     def _yield(self, rank: int) -> None:
         """Let the scheduler run the next ready node; returns when this node is resumed."""
-        if self._ready and self._ready[0] == rank:
-            self._ready.popleft()  # next in line anyway: keep running, no switch
+        queue = self.queue
+        if queue.next_is_run() and queue.first_run() == rank:
+            queue.pop_run()  # next in line anyway: keep running, no switch
             return
         self._scheduler.switch()
 
     def rendezvous(self, rank: int, group: tuple[int, ...], call: CollectiveCall,
-                   complete: Callable[[list[CollectiveCall]], None],
+                   complete: Callable[[list[CollectiveCall]], "CollectiveTransfer | None"],
                    arrive: Callable[[Pending], None] | None = None,
-                   settle: Callable[[list[CollectiveCall], float], None] | None = None) -> Pending:
+                   leave_across: Callable[[list[CollectiveCall], float], None] | None = None) -> Pending:
         """Arrive at the next collective on `group`. A blocking call returns once every member has arrived
         and the collective is computed; a non-blocking one returns at once (wait on it with `wait`).
 
@@ -276,8 +289,11 @@ class Baton:
         (an async call counts at the step it was issued, not the one that waits on it): a node that skipped
         or repeated a collective would otherwise be paired with another step's call, silently.
 
-        A group holding nodes of other processes: once its local members have arrived, the exchange takes it
-        across; `settle(local calls, start)` then sets their clocks from the last arrival anywhere.
+        `complete(calls)` computes the collective and, unless its transfer shares the links with others, sets the
+        members' clocks; a transfer it returns runs as a flow in the run's queue (exogym.backends.sim.postoffice), and
+        the members wait until it ends. A group holding nodes of other processes: once its local members have
+        arrived, the exchange takes it across; `leave_across(local calls, start)` then sets their clocks from the last
+        arrival anywhere.
         """
         self.arrivals += 1
         seq = self._seq[rank].get(group, 0)
@@ -312,18 +328,26 @@ class Baton:
             self._across[pending.key] = pending
             self.crossings_started[group] = pending.seq + 1  # a group's crossings start in order: its count
             self._exchange.start(pending, [pending.calls[r] for r in sorted(pending.calls)], call.op,
-                                 finish=lambda calls, start: self._crossed(pending, calls, start, settle))
+                                 finish=lambda calls, start: self._crossed(pending, calls, start, leave_across))
             if call.blocking:
                 self.wait(rank, pending)
             return pending
-        complete([pending.calls[r] for r in group])
+        transfer = complete([pending.calls[r] for r in group])
+        if transfer is not None:  # its transfer shares the links: the members wait until its flow ends
+            transfer.done = lambda: self._transferred(pending)
+            self.post.transfer(transfer)
+            if call.blocking:
+                self.wait(rank, pending)
+            return pending
         pending.done = True
         for r in pending.waiters:
             del self._blocked[r]
-        # Those blocked on it and the arriving node resume in rank order, after nodes already queued.
-        # Any fixed order gives the same numbers: a node's work depends only on its data, its RNG stream
-        # (swapped with the baton) and collective results (computed in rank order).
-        self._ready.extend(sorted(pending.waiters | {rank}))
+        # Those blocked on it and the arriving node may run, each from its clock (the queue orders equal clocks by
+        # rank). Any order gives the same numbers: a node's work depends only on its data, its RNG stream
+        # (swapped with the baton), collective results (computed in rank order) and what it observes, which
+        # depends on simulated time only (exogym.backends.sim.postoffice).
+        for r in sorted(pending.waiters | {rank}):
+            self._may_run(r)
         self._yield(rank)
         return pending
 
@@ -334,16 +358,25 @@ class Baton:
             n = self._local_members[group] = sum(r in local for r in group)
         return n
 
+    def _transferred(self, pending: Pending) -> None:
+        """A collective's transfer ended (its members' clocks are set): they run on, each from its clock."""
+        pending.done = True
+        for r in pending.waiters:
+            del self._blocked[r]
+        for r in sorted(pending.waiters):
+            self._may_run(r)
+
     def _crossed(self, pending: Pending, calls: list[CollectiveCall], start: float,
-                 settle: Callable[[list[CollectiveCall], float], None] | None) -> None:
+                 leave_across: Callable[[list[CollectiveCall], float], None] | None) -> None:
         """A crossing completed (its results are in the local members' tensors): they run on, in rank order."""
-        if settle is not None:
-            settle(calls, start)
+        if leave_across is not None:
+            leave_across(calls, start)
         del self._across[pending.key]
         pending.done = True
         for r in pending.waiters:
             del self._blocked[r]
-        self._ready.extend(sorted(pending.waiters))
+        for r in sorted(pending.waiters):
+            self._may_run(r)
 
     # ---- point-to-point messages (the post office calls these) ------------------------------------
     @property
@@ -359,28 +392,34 @@ class Baton:
         """What every node of this process waits for, one line each."""
         return self._describe_waiting()
 
-    def ready_nodes(self) -> Sequence[int]:
-        """The nodes ready to run, in the order they will (read only: a proxy's lookahead, postproxy)."""
-        return self._ready
-
-    def parked_nodes(self) -> Sequence[int]:
-        """The nodes waiting at the compute rendezvous (read only)."""
-        return self._parked
+    def floor(self) -> float:
+        """The least simulated time a collective of this process's nodes can still start at: the least clock among
+        its unfinished nodes, and the least arrival in a collective not yet completed here (a node may have run on
+        past an async one); inf once all finished."""
+        times = [self._clock_of(r) for r in self.local if r not in self._finished]
+        for p in (*self._pending.values(), *self._across.values()):
+            times.extend(c.args["arrival"] for c in p.calls.values())
+        return min(times, default=math.inf)
 
     def is_finished(self, rank: int) -> bool:
         """Whether node `rank` has finished training."""
         return rank in self._finished
 
-    def idle_but(self, rank: int) -> bool:
-        """No node but `rank` (the one running) is ready to run or parked."""
-        return not self._ready and not self._parked
+    def _may_run(self, rank: int) -> None:
+        self.queue.run(self._clock_of(rank), rank)
+
+    @property
+    def parked(self) -> bool:
+        """Whether some node waits at the compute rendezvous (fused execution)."""
+        return bool(self._parked)
 
     def sleep(self, rank: int) -> None:
         """Hand the baton back until the post office wakes `rank` (its observation's turn in simulated time)."""
         self._scheduler.switch()
 
     def wake(self, rank: int) -> None:
-        self._ready.append(rank)
+        """`rank` may run again (its observation's turn came)."""
+        self._may_run(rank)
 
     def await_message(self, rank: int, what: str) -> None:
         """Block `rank` until a message it can take arrives (wake_receiver)."""
@@ -389,7 +428,7 @@ class Baton:
 
     def wake_receiver(self, rank: int) -> None:
         del self._receiving[rank]
-        self._ready.append(rank)
+        self._may_run(rank)
 
     def park(self, rank: int, compute: Callable[[list[int]], None]) -> None:
         """The compute rendezvous (fused execution): wait until no node can run any more, when

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from exogym.backends.sim.postevents import message_from_plain, message_plain
+from exogym.backends.sim.events import message_from_plain, message_plain
 from exogym.comm.messages import Message
 
 __all__ = ["Mailboxes", "Want"]

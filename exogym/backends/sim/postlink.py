@@ -96,7 +96,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from exogym.backends.sim.postevents import ARRIVE, FINISH, OBSERVE, START
+from exogym.backends.sim.events import ARRIVE, FINISH, OBSERVE, START
 from exogym.cluster.network import parse_seconds
 from exogym.comm.messages import Message
 
@@ -284,15 +284,18 @@ class Hub:
 
     def ahead(self, at: float, open_here: list, running: float = math.inf) -> bool:
         """Whether the next event, at simulated time `at`, may happen now by the lookahead (module docstring):
-        before every other process's floor and every clock of this process's ready nodes and of the node running
-        (`running`); or an event only a waiting node sees, made the next one (`_promote`). `open_here`: this
-        process's collectives across processes not yet completed here."""
-        if self.post.baton.parked_nodes():
+        before every other process's floor and every clock of this process's nodes that may run, of the node running
+        (`running`) and of those in a collective across processes (`open_here`: the collectives not yet completed
+        here); or an event only a waiting node sees, made the next one (`_promote`)."""
+        baton = self.post.baton
+        if baton.parked:
             return False  # they compute once nothing else runs: quiescence decides
         remote = min((self.floor_of(p) for p in self.remotes), default=math.inf)
+        queue = baton.queue
+        runs = self._clock(queue.first_run()) if queue.has_runs() else math.inf  # the runs are in clock order
         # a member of a collective across processes leaves it at or after its arrival (its clock while it waits)
         crossing = (self._clock(r) for group, _ in open_here for r in group if self.owner[r] == self.me)
-        lowest = min([remote, running, *(self._clock(r) for r in self.post.baton.ready_nodes()), *crossing])
+        lowest = min(remote, running, runs, *crossing)
         if at < lowest:
             if remote < math.inf and running == math.inf:  # counted once, when it happens
                 self.overlapped += 1
@@ -343,25 +346,22 @@ class Hub:
         return -math.inf if node is None else node.clock.now
 
     def on_step(self, rank: int) -> None:
-        """Node `rank` of this process starts a step: it hands over to a ready node with a lower clock, and to the
-        next event while that may happen before it (the lookahead), so that the other processes' nodes waiting on
-        the hub are answered while it computes."""
+        """Node `rank` of this process starts a step: it hands over to a node that may run from a lower clock, and to
+        the next event while that may happen before it (the lookahead), so that the other processes' nodes waiting
+        on the hub are answered while it computes."""
         baton = self.post.baton
+        queue = baton.queue
         while True:
-            mine = (self._clock(rank), rank)
-            if any((self._clock(r), r) < mine for r in baton.ready_nodes()):
-                baton.wake(rank)  # queued behind the ready nodes
-                baton.sleep(rank)
-                continue
-            at = self.post.next_at()
-            if at is None or not self.ahead(at, baton.open_crossings, running=mine[0]):
-                return
-            happened = self.post.progress
-            baton.cut_in = True  # the scheduler takes the event before the ready nodes run (`ahead` agrees again)
-            baton.wake(rank)
+            mine = self._clock(rank)
+            if not (queue.has_runs() and self._clock(queue.first_run()) < mine):
+                at = self.post.next_at()
+                if at is None or at >= mine or not self.ahead(at, baton.open_crossings, running=mine):
+                    return
+            happened, turns = self.post.progress, baton.all_turns
+            baton.wake(rank)  # its run, at its clock: the scheduler takes what comes before it
             baton.sleep(rank)
-            if self.post.progress == happened:
-                return
+            if self.post.progress == happened and baton.all_turns == turns + 1:
+                return  # nothing went before it after all
 
     def unfinished(self) -> bool:
         return any(not (s := self.status.get(p)) or not s.finished for p in self.remotes)

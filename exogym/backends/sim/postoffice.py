@@ -1,37 +1,42 @@
-"""The sim backend's point-to-point messages: when the next event of the message heap may happen, and what the
-nodes' transports call.
+"""The sim backend's point-to-point messages and the transfers on shared links: what each event of the run's one
+queue does, and what the nodes' transports call.
 
-The post office holds the run's event heap (exogym.backends.sim.postevents: messages arriving, the server's timers,
-the nodes' observations), the nodes' mailboxes (exogym.backends.sim.mailboxes) and the server
-(exogym.backends.sim.serverhost). A node that observes at its clock t (a `recv`, an `irecv`'s wait, a `poll` or a
-`read_server`) first lets every event before t (and every message arriving at t) happen.
+The run's one event queue (exogym.backends.sim.events) holds, in simulated-time order, the nodes that may run and
+the events: transfers starting and ending, messages arriving, the server's timers, the nodes' observations. The
+scheduler (exogym.backends.sim.baton) takes its entries in order; the post office says what an event does, and holds
+the nodes' mailboxes (exogym.backends.sim.mailboxes) and the server (exogym.backends.sim.serverhost). A node that
+observes at its clock t (a `recv`, an `irecv`'s wait, a `poll` or a `read_server`) first lets every run and event
+before t (and every message arriving at t) happen.
 
 The invariant: whatever a node or the server reads (a message taken, the server's state) depends on simulated
 time only. A node computes alone between observations, and its computation can reach another node only
-through a message, which arrives at its own time and waits in the heap until every earlier event has
-happened: the hub takes the next event only when no node is ready to run (the nodes that are ready have not
-yet observed anything at their clocks, and every observation goes back through the heap). A two-node
-interleaving that would break it without the heap: node 1 (clock 9) sends at 9 and arrives at 10 while node 0
-(clock 2, not yet run) would send at 2 and arrive at 3; the server handling node 1's message first would apply
-the updates out of order. With the heap, node 1's message waits at 10 while node 0 runs, and node 0's
-arrives first.
+through a message, which arrives at its own time and waits in the queue until every earlier entry has been taken:
+a node that may run from clock c comes before every event after c (it may still send at c or later, never before),
+and every observation goes back through the queue. A two-node interleaving that would break it without the queue:
+node 1 (clock 9) sends at 9 and arrives at 10 while node 0 (clock 2, not yet run) would send at 2 and arrive at 3;
+the server handling node 1's message first would apply the updates out of order. In the queue, node 0's run at 2
+comes before the arrival at 10, and node 0's message arrives first.
 
 On a network with shared links (exogym.cluster.flows) a message is a flow: it starts at its sent_at (a START
 event, in time order like the rest, so no flow starts before one already started), shares its links with the
-flows in flight, and arrives its route's latency after its last byte leaves (a FINISH event: one in the heap, for
-the flow whose last byte leaves first; a flow starting or ending makes it stale and pushes the next one). A sender waiting on its send
-(`send`, an `isend`'s wait) sleeps until its message's FINISH, when its arrival time is known.
+flows in flight, and arrives its route's latency after its last byte leaves (a FINISH event: one in the queue, for
+the flow whose last byte leaves first; a flow starting or ending makes it stale and pushes the next one). A sender
+waiting on its send (`send`, an `isend`'s wait) sleeps until its message's FINISH, when its arrival time is known.
+A collective's transfer is a flow too (`transfer`): it starts at its last member's arrival, and its members wait
+until its FINISH, when their clocks are set (one process, a strategy that sends no messages: `shares_collectives`).
 
 Ties are broken by fixed keys (rank, then the sender's count), so the same seed gives the same bits however
-the host schedules. Collectives and messages in one run: a node blocked in a collective is no event; the
-messages it sends after leaving carry its clock from then on.
+the host schedules. A node blocked in a collective has no entry; the messages it sends after leaving carry its
+clock from then on.
 
 A run over several processes (fit(processes=P), torchrun with backend="sim"): the process holding the server role
-(beside node 0) keeps this one heap, every mailbox and the server (it is the hub); the other processes' post offices
-are proxies (exogym.backends.sim.postproxy) that send it their nodes' messages and observations and run a node
-again when it answers. The hub takes the next event only when the whole run is quiescent, which is the rule above
-with "no node ready" read across every process; exogym.backends.sim.postlink says why the exchange between the
-processes cannot deliver a message out of order, so the run gives the bits one process gives.
+(beside node 0) keeps the queue's events, every mailbox and the server (it is the hub); the other processes' post
+offices are proxies (exogym.backends.sim.postproxy) that send it their nodes' messages and observations and run a
+node again when it answers. The hub takes the next event when no node of any process can still cause an earlier
+one (the lookahead: every other process tells its nodes' least clock as they compute), or else once its own nodes
+have run and the whole run is quiescent, which is the rule above with "no node may run" read across every process;
+exogym.backends.sim.postlink says why the exchange between the processes cannot deliver a message out of order, so
+the run gives the bits one process gives.
 """
 
 from __future__ import annotations
@@ -40,8 +45,8 @@ import math
 from typing import TYPE_CHECKING, Any, Callable
 
 from exogym.backends.sim.mailboxes import Mailboxes
-from exogym.backends.sim.postevents import FINISH, OBSERVE, START, EventHeap, Timer, arrival, message_from_plain, \
-    message_plain
+from exogym.backends.sim.events import FINISH, OBSERVE, START, CollectiveTransfer, EventQueue, Timer, arrival, \
+    message_from_plain, message_plain
 from exogym.backends.sim.postlink import Ask
 from exogym.backends.sim.serverhost import ServerHost, server_state
 from exogym.cluster.flows import FlowModel
@@ -60,7 +65,7 @@ __all__ = ["PostOffice"]
 class PostOffice:
     """The messages in flight, the nodes' mailboxes and the run's server, for the nodes under one baton."""
 
-    def __init__(self, baton: "Baton", num_nodes: int, time_model: "TimeModel | None"):
+    def __init__(self, baton: "Baton", num_nodes: int, time_model: "TimeModel | None", collective_flows: bool = True):
         self.baton, self.num_nodes = baton, num_nodes
         self.network = time_model.network if time_model is not None else None
         self.hub: "Hub | None" = None  # the other processes' nodes, when the run spans processes (set by the backend)
@@ -68,14 +73,17 @@ class PostOffice:
         self.progress = 0  # events that happened (the deadlock check across processes)
         self.active = False  # a message was posted or a server declared: checkpoints pause the clocks
         self._loaded = False  # a checkpoint's state is in (read before any node ran)
-        self._events = EventHeap()
+        self._events = baton.queue  # the run's one queue: the nodes' runs are in it too
         self._boxes = Mailboxes(num_nodes)
         self._host = ServerHost()
         # shared links: the messages' flows, the messages on the wire by (src, seq), the senders waiting on one, and
         # which were posted by another process (process, its token: told their arrival when their flow ends)
         shared = self.network is not None and self.network.shared_links
         self._flows: FlowModel | None = FlowModel() if shared else None
+        self._collective_flows = collective_flows  # False: collectives costed alone (a strategy sending messages)
         self._wire: dict[tuple[int, int], Message] = {}
+        self._collectives: dict[tuple, CollectiveTransfer] = {}  # the collectives' transfers on the wire, by flow key
+        self._transfers = 0  # collective transfers started so far (their flows' keys)
         self._sending: dict[tuple[int, int], int] = {}
         self._posted_by: dict[tuple[int, int], tuple[int, int]] = {}
         self._arrows: dict[tuple[int, int], tuple[list[float], int]] = {}  # the timeline's arrivals to fill in
@@ -90,8 +98,8 @@ class PostOffice:
         return self._host.server
 
     @property
-    def events(self) -> EventHeap:
-        """The run's event heap (the hub's lookahead reads it, exogym.backends.sim.postlink)."""
+    def events(self) -> EventQueue:
+        """The run's event queue (the hub's lookahead reads it, exogym.backends.sim.postlink)."""
         return self._events
 
     @property
@@ -102,27 +110,25 @@ class PostOffice:
     # ---- the baton's questions --------------------------------------------------------------------
     def busy(self) -> bool:
         """Whether the baton must go on for the messages: events to happen, or (the hub) other processes running."""
-        return bool(self._events) or self.hub is not None and self.hub.unfinished()
+        return self._events.has_events() or self.hub is not None and self.hub.unfinished()
 
     def due(self) -> bool:
-        """Whether the next event may happen now (the baton asks when none of its nodes can run, or the hub's when a
-        node handed over to it). In one process: whenever there is one. The hub: when no node of any process can
-        still cause an earlier one (the lookahead), or once the whole run is quiescent (exogym.backends.sim.postlink);
-        then, with nothing left to happen, a node waiting for a message is a deadlock.
+        """Whether the next event may happen now (the baton asks when no node's run comes before it). In one process:
+        whenever there is one. The hub: when no node of any process can still cause an earlier one (the lookahead),
+        or once its own nodes have run and the whole run is quiescent (exogym.backends.sim.postlink); then, with
+        nothing left to happen, a node waiting for a message is a deadlock.
 
         Raises:
             MessageError: the run is quiescent, nothing is in flight, and some node waits in a recv.
         """
         if self.hub is None:
-            return bool(self._events)
+            return self._events.has_events()
         # the lookahead: it happens while other processes' nodes run if none of them can cause an earlier event
-        if self._events and self.hub.ahead(self._events.next_at(), self.baton.open_crossings):
+        if self._events.has_events() and self.hub.ahead(self._events.next_at(), self.baton.open_crossings):
             return True
-        if not self.baton.idle_but(-1):  # a node here is ready: only the lookahead lets an event go before it
+        if self._events.has_runs() or not self.hub.quiet(self.baton.crossings_started, set(self.baton.open_crossings)):
             return False
-        if not self.hub.quiet(self.baton.crossings_started, set(self.baton.open_crossings)):
-            return False
-        if self._events:
+        if self._events.has_events():
             return True
         if self._boxes.wants():
             raise MessageError("deadlock: no message will ever arrive for the nodes waiting in recv (every other node "
@@ -132,7 +138,7 @@ class PostOffice:
 
     def next_at(self) -> float | None:
         """The simulated time of the next event (None: none is waiting)."""
-        return self._events.next_at() if self._events else None
+        return self._events.next_at() if self._events.has_events() else None
 
     def report_idle(self) -> None:
         """The baton has nothing to run (a proxy reports it to the hub; nothing to do here)."""
@@ -153,7 +159,10 @@ class PostOffice:
         if kind == FINISH:
             self._finish(*item)
         elif kind == START:
-            self._start(item)
+            if isinstance(item, CollectiveTransfer):
+                self._start_collective(item)
+            else:
+                self._start(item)
         elif kind == OBSERVE:
             if isinstance(item, Ask):
                 self._answer(item)
@@ -227,16 +236,40 @@ class PostOffice:
         self._flows.start(key, self.network.message_route(message.nbytes, message.src, message.dst), message.sent_at)
         self._schedule()
 
+    @property
+    def shares_collectives(self) -> bool:
+        """Whether a collective's transfer runs as a flow on the shared links (one process with shared links, a
+        strategy that sends no messages), rather than alone by its formula."""
+        return self._flows is not None and self._collective_flows and self.hub is None and not self.undeclared
+
+    def transfer(self, transfer: CollectiveTransfer) -> None:
+        """A collective's transfer (shared_collectives): its flow starts at transfer.start, in time order with the
+        rest; when it ends, transfer.leave sets its members' clocks and transfer.done lets them run."""
+        self._transfers += 1
+        transfer.key = ("collective", transfer.first, self._transfers)
+        self._events.start_collective(transfer.start, transfer.key, transfer)
+
+    def _start_collective(self, transfer: CollectiveTransfer) -> None:
+        self._collectives[transfer.key] = transfer
+        self._flows.start(transfer.key, transfer.route, transfer.start)
+        self._schedule()
+
     def _schedule(self) -> None:
         """The FINISH event of the flow whose last byte leaves first, as the flows stand now."""
         flow = self._flows.next_finish()
         if flow is not None:
             self._events.finish(flow.finish, flow.key, self._flows.version)
 
-    def _finish(self, key: tuple[int, int], version: int) -> None:
+    def _finish(self, key: tuple, version: int) -> None:
         if version != self._flows.version:
             return  # a flow started or ended since: the FINISH event pushed then is the one
         flow = self._flows.finish(key)
+        if key[0] == "collective":
+            transfer = self._collectives.pop(key)
+            transfer.leave(flow)
+            self._schedule()
+            transfer.done()
+            return
         message = self._wire.pop(key)
         message.arrives_at = flow.arrival
         self._events.arrive(message, numbered=True)
@@ -285,8 +318,8 @@ class PostOffice:
     def observe(self, rank: int, at: float) -> None:
         """Node `rank` is about to read something at its clock `at`: every earlier event happens first."""
         self.baton.arrivals += 1  # progress, for the watchdog
-        if self.hub is None and self.baton.idle_but(rank) and not self._events.before(at, rank):
-            return  # nothing is due before it and no node is ready: it reads now, without a switch
+        if self.hub is None and not self.baton.parked and not self._events.before(at, rank):
+            return  # no run and no event comes before it: it reads now, without a switch
         self._events.observe(at, rank, rank)
         self.baton.sleep(rank)
 
@@ -359,8 +392,11 @@ class PostOffice:
 
     def state_dict(self) -> dict[str, Any]:
         """Messages in flight, mailboxes, the senders' counts and the server: plain data and tensors."""
+        if self._collectives:
+            raise RuntimeError(f"collective transfers are on the wire at a checkpoint ({sorted(self._collectives)}): "
+                               "the checkpoint was not taken while every node waited in its collective")
         state = {**self._events.state_dict(), "handled": self._host.handled, "mail": self._boxes.state_dict(),
-                 "server": self._host.state_dict()}
+                 "server": self._host.state_dict(), "active": self.active}
         if self._flows is not None:
             arrows = {**self._saved_arrows, **{key: index for key, (_, index) in self._arrows.items()}}
             state["flows"] = {**self._flows.state_dict(), "wire": [message_plain(m) for m in self._wire.values()],
@@ -384,7 +420,7 @@ class PostOffice:
             self._saved_arrows = {(src, seq): index for src, seq, index in state["flows"].get("arrows", ())}
         self._host.handled = state["handled"]
         self._boxes.load_state_dict(state["mail"])
-        self.active = True
+        self.active = state.get("active", True)  # False: only the links' use of collectives was kept
         self._host.load_state_dict(state["server"])
 
     def check_loaded(self) -> None:

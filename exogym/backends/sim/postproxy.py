@@ -22,11 +22,12 @@ import math
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from exogym.backends.sim.postlink import Ask, Link, Status
-from exogym.backends.sim.postevents import arrival
+from exogym.backends.sim.events import arrival
 from exogym.backends.server_state import ShadowPost, check_readable, load_server
 from exogym.comm.messages import Message, Server, attach_server
 
 if TYPE_CHECKING:
+    from exogym.backends.sim.events import CollectiveTransfer
     from exogym.backends.sim.baton import Baton
     from exogym.backends.sim.exchange import Exchange
     from exogym.backends.sim.transport import SimTransport
@@ -101,13 +102,19 @@ class PostProxy:
         """Node `rank` starts a step (it runs): hand over while packets wait to be taken in or a ready node has a
         lower clock, then tell the floor."""
         while self.exchange.has_news() or self._lower_ready(rank):
-            self.baton.wake(rank)  # queued behind the ready nodes
+            self.baton.wake(rank)  # queued at its clock, behind the lower ones
             self.baton.sleep(rank)
         self.report_floor()
 
     def _lower_ready(self, rank: int) -> bool:
-        mine = (self._resumes_at(rank), rank)
-        return any((self._resumes_at(r), r) < mine for r in self.baton.ready_nodes())
+        """Whether a node that may run comes before `rank` in the run queue (at a lower clock)."""
+        queue = self.baton.queue
+        return queue.has_runs() and self._nodes[queue.first_run()].clock.now < self._nodes[rank].clock.now
+
+    shares_collectives = False  # collectives across processes are costed alone (exogym.backends.sim.postoffice)
+
+    def transfer(self, transfer: "CollectiveTransfer") -> None:
+        raise RuntimeError("a proxy runs no transfer as a flow (shares_collectives is False)")
 
     def report_idle(self) -> None:
         """Nothing to run here: tell the hub, once per change (after every packet sent before, in order)."""

@@ -4,9 +4,12 @@ or the hub) and a proxy forwarding to it (exogym.backends.sim.postproxy) both gi
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from exogym.comm.messages import Message, Server
+
+if TYPE_CHECKING:
+    from exogym.backends.sim.events import CollectiveTransfer
 
 __all__ = ["Messages", "Crossings", "HeapOwner", "Packets"]
 
@@ -45,13 +48,13 @@ class Crossings(Protocol):
 class HeapOwner(Protocol):
     """What the hub's end of the message link hands to the post office holding the run's event heap."""
 
-    baton: Any  # the process's scheduler (exogym.backends.sim.baton.Baton): its ready nodes, for the lookahead
+    baton: Any  # the process's scheduler (exogym.backends.sim.baton.Baton): its nodes that may run, for the lookahead
     network: Any  # the run's Network (None: no time model): its least latency, for the lookahead
     progress: int  # events that happened
 
     @property
     def events(self) -> Any:
-        """The event heap (exogym.backends.sim.postevents.EventHeap)."""
+        """The run's event queue (exogym.backends.sim.events.EventQueue)."""
 
     def next_at(self) -> float | None:
         """The simulated time of the next event (None: none is waiting)."""
@@ -97,6 +100,15 @@ class Messages(Protocol):
         """The message link's packet counts (None: the run is one process's)."""
 
     # ---- what the nodes' transports call ----------------------------------------------------------------------
+    @property
+    def shares_collectives(self) -> bool:
+        """Whether a collective's transfer runs as a flow on the shared links (`transfer`), not alone by its
+        formula."""
+
+    def transfer(self, transfer: "CollectiveTransfer") -> None:
+        """A collective's transfer as a flow: its end sets the members' clocks (transfer.leave) and lets them run
+        (transfer.done)."""
+
     def post(self, message: Message) -> None:
         """Put a message on the wire at message.sent_at."""
 

@@ -11,6 +11,7 @@ import torch
 
 from exogym.runs.checkpoint_checks import CheckpointError
 from exogym.backends.hosting import SERVER_ROLE, Hosting, Peers, ProcessBackend, process_group_timeout
+from exogym.backends.sim.alone import AloneCheck
 from exogym.backends.sim.baton import Baton
 from exogym.backends.sim.exchange import Exchange
 from exogym.backends.sim.fused.choose import choose_execution
@@ -72,7 +73,9 @@ def _post_office(plan: "RunPlan", baton: Baton, exchange: Exchange | None, hub: 
     k, time_model = plan.num_nodes, plan.cfg.time_model
     if exchange is not None and hub is not None and hub != exchange.me:
         return PostProxy(baton, k, time_model, exchange, hub)
-    post = PostOffice(baton, k, time_model)
+    # A strategy that sends messages has its collectives costed alone, by their formula, in every process count: over
+    # processes its messages' flows live in the process holding the server, which sees no collective.
+    post = PostOffice(baton, k, time_model, collective_flows=not plan.strategy.sends_messages)
     if exchange is not None and hub is not None:
         post.hub = Hub(post, exchange, exchange.owner, exchange.me)
     post.undeclared = exchange is not None and hub is None
@@ -128,10 +131,14 @@ def run_sim(plan: "RunPlan", sinks: "RunSinks", *, local: Sequence[int] | None =
         sinks.on_stuck(error)
 
     baton = Baton(k, on_resume=resume, on_pause=pause, node_timeout=plan.node_timeout, step_of=lambda r: comms[r].step,
-                  local=local, exchange=exchange, on_stuck=on_stuck if sinks.on_stuck is not None else None)
+                  local=local, exchange=exchange, on_stuck=on_stuck if sinks.on_stuck is not None else None,
+                  clock_of=lambda r: comms[r].clock.now)
     baton.post = _post_office(plan, baton, exchange, hub)
     owner = exchange.owner if exchange is not None else None
-    comms.update((r, SimTransport(baton, r, k, plan.cfg.time_model, plan.cfg.membership, owner)) for r in local)
+    time_model = plan.cfg.time_model
+    alone = (AloneCheck(baton.floor) if exchange is not None and time_model is not None
+             and time_model.network.shared_links and not plan.strategy.sends_messages else None)
+    comms.update((r, SimTransport(baton, r, k, time_model, plan.cfg.membership, owner, alone)) for r in local)
     # the lookahead across processes: a proxy tells the hub its nodes' least clock as they step, the hub lets events
     # happen while its nodes step (exogym.backends.sim.postlink)
     if isinstance(baton.post, PostProxy):

@@ -13,11 +13,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from exogym.backends.sim.alone import AloneCheck
 from exogym.backends.sim.baton import Baton, CollectiveCall, CollectiveError, Pending
+from exogym.backends.sim.events import CollectiveTransfer
 from exogym.backends.sim.postwork import SimRecvWork, SimSendWork
 from exogym.backends.sim.watchdog import SpinWatch
 from exogym.comm.messages import Message, Server
 from exogym.comm.transport import CommStats, TransportBase, Group, ReduceOp, make_group, payload_nbytes, tensor_nbytes
+from exogym.cluster.flows import Flow
 from exogym.cluster.membership import Membership
 from exogym.cluster.simtime import NodeClock, TimeModel
 
@@ -212,10 +215,12 @@ class SimTransport(TransportBase):
             self.on_step(self.rank)
 
     def __init__(self, baton: Baton, rank: int, num_nodes: int, time_model: TimeModel | None = None,
-                 membership: Membership | None = None, owner: Sequence[int] | None = None):
+                 membership: Membership | None = None, owner: Sequence[int] | None = None,
+                 alone: AloneCheck | None = None):
         super().__init__(rank, num_nodes, membership)
         self.baton, self.time_model = baton, time_model
         self.owner = owner  # each node's process, when the run spans several (None: all in this one)
+        self.alone = alone  # over processes on shared links: the check that a collective costed alone was alone
         self.match_steps = True  # the strategy's collectives_match_steps (set by the node)
         self._spin = SpinWatch(baton.node_timeout)  # polls that spin at one clock (exogym.backends.sim.watchdog)
 
@@ -226,18 +231,13 @@ class SimTransport(TransportBase):
                               match_step=self.match_steps)
         complete = _COMPLETE[name]
         timed = account and self.time_model is not None
-        if timed:
-            def complete(calls: list[CollectiveCall], _compute=complete) -> None:
-                _compute(calls)
-                done_at = self.time_model.settle([(c.args["clock"], c.args["arrival"], c.blocking) for c in calls],
-                                                 name, payload, group.ranks)
-                for c in calls:
-                    c.args["done_at"] = done_at
-
         crossing = self.owner is not None and any(self.owner[r] != self.owner[self.rank] for r in group.ranks)
-        settle = None
+        if timed:
+            complete = functools.partial(self._complete_timed, complete, name, payload, group.ranks)
+        leave_across = None
         if crossing and timed:  # across processes: the members here leave from the last arrival anywhere
-            def settle(calls: list[CollectiveCall], start: float) -> None:
+            def leave_across(calls: list[CollectiveCall], start: float) -> None:
+                self._check_alone(name, payload, group.ranks, start, calls[0].step)
                 done_at = self.time_model.leave([(c.args["clock"], c.args["arrival"], c.blocking) for c in calls],
                                                 start, name, payload, group.ranks)
                 for c in calls:
@@ -255,11 +255,40 @@ class SimTransport(TransportBase):
             fold = functools.partial(_fold_arrivals, ranks=here, stack=ordered and not leader)
         elif name == "all_gather" and group.size > 1:
             fold = _release_gather_outputs
-        pending = self.baton.rendezvous(self.rank, group.ranks, call, complete, fold, settle)
+        pending = self.baton.rendezvous(self.rank, group.ranks, call, complete, fold, leave_across)
         if async_op:
             return SimWork(self, pending, call, timed)
         _restore(call)
         return None
+
+    def _complete_timed(self, compute: Callable[[list[CollectiveCall]], None], op: str, nbytes: int,
+                        ranks: tuple[int, ...], calls: list[CollectiveCall]) -> CollectiveTransfer | None:
+        """A timed collective, its last member arrived: the tensors, then its members' clocks, from the last arrival
+        on: at once by the formula, or (links shared with other transfers) as a flow whose end sets them."""
+        compute(calls)
+        members = [(c.args["clock"], c.args["arrival"], c.blocking) for c in calls]
+        start = max(arrival for _, arrival, _ in members)
+
+        def leave(flow: Flow | None = None) -> None:
+            done_at = (self.time_model.leave(members, start, op, nbytes, ranks) if flow is None
+                       else self.time_model.leave_flow(members, start, flow))
+            for c in calls:
+                c.args["done_at"] = done_at
+
+        route = self.time_model.network.collective_route(op, nbytes, ranks) if self.baton.post.shares_collectives \
+            else None
+        if route is None or not route.nbytes:  # (a barrier puts no bytes on a link: its latency alone, as the formula)
+            self._check_alone(op, nbytes, ranks, start, calls[0].step)
+            leave()
+            return None
+        return CollectiveTransfer(start, route, leave, ranks[0])
+
+    def _check_alone(self, op: str, nbytes: int, ranks: tuple[int, ...], start: float, step: int | None) -> None:
+        """Over processes on shared links: the collective costed alone must have been alone (exogym.backends.sim.
+        alone). `step`: the step it was issued at."""
+        if self.alone is not None:
+            self.alone.check(self.time_model.network.collective_route(op, nbytes, ranks), start,
+                             f"{op} on group {list(ranks)} issued at step {step}")
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, group: Group, *, account: bool = False,
                    async_op: bool = False) -> "SimWork | None":
@@ -351,7 +380,7 @@ class SimTransport(TransportBase):
     def messages_state(self) -> dict[str, Any] | None:
         """The post office's state at the pause (node 0 keeps it in its checkpoint file), or None."""
         post = self.baton.post
-        if not post.active or self.rank != 0:
+        if self.rank != 0 or not (post.active or post.link_usage()):  # (collectives alone on shared links: their use)
             return None
         world = self.world.ranks
         post.cut(world, self.baton.collectives_made(self.rank, world))  # the pause's messages from other processes
