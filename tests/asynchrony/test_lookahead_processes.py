@@ -4,6 +4,7 @@ the update rows, the losses, bytes and simulated times, with and without shared 
 counts the events the hub took while a node of another process could run, so a run that fell back to waiting for
 the whole run to be quiescent fails here."""
 
+import time
 from pathlib import Path
 
 import pytest
@@ -18,11 +19,17 @@ from test_messages_processes import _same  # noqa: E402
 
 class CountsOverlap:
     """Node 0 writes to `out`, at its last step, how many events the hub took by the lookahead while a node of another
-    process could run, and how many arrivals it took ahead of their time (-1: the run has no hub)."""
+    process could run, and how many arrivals it took ahead of their time (-1: the run has no hub). Nodes 2 and up
+    (in the other processes) sleep 2 ms a step, which moves no simulated time."""
 
     def __init__(self, *args, out: str, **kwargs):
         super().__init__(*args, **kwargs)
         self.out = out
+
+    def step(self):
+        if self.rank >= 2:  # the other processes' nodes take a while in wall time: the hub decides events meanwhile
+            time.sleep(0.002)
+        super().step()
 
     def finish(self):
         super().finish()
