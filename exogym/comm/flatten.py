@@ -7,7 +7,7 @@ from typing import Iterable
 
 import torch
 
-__all__ = ["flatten_by_dtype", "unflatten_into", "flat_views", "flat_base"]
+__all__ = ["flatten_by_dtype", "unflatten_into", "flat_views", "flat_base", "flatten_in_place"]
 
 
 def flatten_by_dtype(tensors: Iterable[torch.Tensor]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
@@ -45,3 +45,24 @@ def flat_base(tensors: list[torch.Tensor]) -> torch.Tensor | None:
             return None
         offset += t.numel()
     return base if offset == base.numel() else None
+
+
+@torch.no_grad()
+def flatten_in_place(params: list[torch.Tensor]) -> torch.Tensor | None:
+    """Make `params` consecutive views of one new flat buffer, their values kept (the same Parameter objects, so an
+    optimizer built over them is unaffected), and return the buffer: their flattened copy is then the buffer itself.
+    None, and nothing changed, when they differ in dtype or device.
+
+    Args:
+        params: The parameters (their `.data` is replaced).
+
+    Returns:
+        The 1-D buffer, or None.
+    """
+    if not params or len({(p.dtype, p.device) for p in params}) > 1:
+        return None
+    views = flat_views(params)
+    for p, view in zip(params, views):
+        view.copy_(p)
+        p.data = view
+    return views[0]._base

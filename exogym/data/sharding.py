@@ -138,6 +138,8 @@ class NodeBatches:
         """
         if self.loader:  # the same index lists, loaded by a DataLoader (workers, pinned memory, your collate_fn)
             return iter(DataLoader(self.ds, batch_sampler=_Indices(self, from_step), **self.loader))
+        if isinstance(self.ds, (TensorDataset, _Rows)):  # gathered by index tensors: no list of ints per epoch
+            return (_collate(self.ds, idx) for idx in self._index_tensors(from_step))
         return (_collate(self.ds, idx) for idx in self.index_batches(from_step))
 
     def of_shard(self, shard: int) -> "NodeBatches":
@@ -183,6 +185,40 @@ class NodeBatches:
             for i in range(first, self.steps_per_epoch):
                 yield indices[i * self.batch_size:(i + 1) * self.batch_size]
             epoch, first = epoch + 1, 0
+
+
+    def _index_tensors(self, from_step: int) -> Iterator[torch.Tensor]:
+        """index_batches' batches as int64 tensors: slices of one tensor per epoch (sampler_order)."""
+        epoch, first = divmod(from_step, self.steps_per_epoch)
+        while True:
+            order = sampler_order(self.sampler, epoch)  # [num_samples]
+            for i in range(first, self.steps_per_epoch):
+                yield order[i * self.batch_size:(i + 1) * self.batch_size]
+            epoch, first = epoch + 1, 0
+
+
+def sampler_order(sampler: DistributedSampler, epoch: int) -> torch.Tensor:
+    """The indices `sampler` yields in `epoch`, as one int64 tensor, computed as DistributedSampler.__iter__ computes
+    them (its seeded permutation, padded by repeating it or cut to total_size, every num_replicas-th from rank) but
+    without a Python list of the whole dataset's indices; tests/data checks the two agree.
+
+    Args:
+        sampler: The sampler (its dataset's length, seed, shuffle, drop_last, rank and replicas are read).
+        epoch: The epoch (the sampler's own `set_epoch` is not needed or changed).
+
+    Returns:
+        A tensor of the sampler's num_samples indices.
+    """
+    n = len(sampler.dataset)
+    if sampler.shuffle:
+        g = torch.Generator()
+        g.manual_seed(sampler.seed + epoch)
+        indices = torch.randperm(n, generator=g)
+    else:
+        indices = torch.arange(n)
+    if sampler.total_size > n:  # padded (drop_last=False): the permutation repeated from its start
+        indices = indices.repeat(-(-sampler.total_size // n))
+    return indices[sampler.rank:sampler.total_size:sampler.num_replicas].contiguous()  # its batches: contiguous views
 
 
 class _Length:
@@ -297,8 +333,8 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
     Returns:
         The batch on `device`.
     """
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+    if isinstance(batch, torch.Tensor):  # one already there stays as it is (what .to returns, without the dispatch)
+        return batch if batch.device == device else batch.to(device, non_blocking=True)
     if isinstance(batch, dict):
         return {k: move_to_device(v, device) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):

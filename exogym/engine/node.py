@@ -314,8 +314,8 @@ class TrainNode:
         non-finite loss stops the run (check=False: kept as it is)."""
         computed = [u for u in self._unflushed if u.loss is not None]  # steps the node did not sit out
         names = list(computed[0].metrics) if computed else []
-        losses = iter(torch.stack([u.loss.float() for u in computed]).tolist() if computed else [])
-        metrics = {n: iter(torch.stack([u.metrics[n].float() for u in computed]).tolist()) for n in names}
+        losses = iter(_host_floats([u.loss for u in computed]))
+        metrics = {n: iter(_host_floats([u.metrics[n] for u in computed])) for n in names}
         rows = []
         for u in self._unflushed:
             row: dict[str, float] = {"step": u.step}
@@ -376,6 +376,14 @@ class TrainNode:
             count += n
         model.train(was_training)
         return {k: float(v) / count for k, v in sums.items()}
+
+
+def _host_floats(scalars: list[torch.Tensor]) -> list[float]:
+    """Scalar tensors as Python floats (via float32), in one transfer: log_interval=1 flushes one a step, which
+    item() reads without stacking."""
+    if len(scalars) == 1:
+        return [scalars[0].float().item()]
+    return torch.stack([t.float() for t in scalars]).tolist() if scalars else []
 
 
 def _relative_speeds(time_model: Any) -> tuple[float, ...]:

@@ -51,7 +51,9 @@ class AsyncDiLoCoServer(FlatServer):
 
     def apply(self, message: Message, staleness: int) -> None:
         weight = staleness_weight(staleness, self.rule, self.power)
-        g = message.tensor.to(self.theta.dtype) * weight
+        g = message.tensor.to(self.theta.dtype)  # the message's own tensor when it is theta's dtype: only read here
+        if weight != 1.0:
+            g = g * weight
         self.arrivals += 1
         momentum_step = self.beta > 0 and self.arrivals % self.delay == 0
         self.outer_step(g, momentum_step)
@@ -65,11 +67,15 @@ class AsyncDiLoCoServer(FlatServer):
         if beta == 0:
             theta.sub_(g, alpha=lr)
             return
-        self.buffer.add_(g)
-        mean = self.buffer * (1.0 / n) if momentum_step else None  # Delta / N
+        if n == 1:  # every arrival is a momentum step, and Delta / N is g itself: no buffer to keep
+            mean = g
+        else:
+            self.buffer.add_(g)
+            mean = self.buffer * (1.0 / n) if momentum_step else None  # Delta / N
+            if momentum_step:
+                self.buffer.zero_()
         if momentum_step:
             self.momentum.mul_(beta).add_(mean)
-            self.buffer.zero_()
         if self.outer_rule in ("nesterov", "full_steps"):
             theta.sub_(g + beta * self.momentum if momentum_step else g, alpha=lr)
         elif self.outer_rule == "buffered":

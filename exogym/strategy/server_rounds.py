@@ -25,6 +25,7 @@ import torch
 
 from exogym._validation import check_int, check_number
 from exogym.comm import messages as msg
+from exogym.comm.flatten import flatten_in_place
 from exogym.strategy.async_tasks import SHARD_SAMPLING, ShardLR, ShardReader, ShardSampler, speed_steps
 from exogym.strategy.base import Strategy, frozen_state, trainable_parameters
 from exogym.strategy.lr_schedule import lambda_cosine
@@ -321,6 +322,9 @@ class ServerRoundsStrategy(TimeBudget, ServerStrategy):
         super()._init_node(model, rank, num_nodes)
         self._params = trainable_parameters(model)
         self._names = [n for n, p in model.named_parameters() if p.requires_grad]
+        # One buffer under the parameters: a round's pseudo-gradient and reload are one operation each.
+        self._flat = flatten_in_place(self._params)
+        self._flat_at = [p.data_ptr() for p in self._params]
         start = flat_parameters(model)
         self.server = msg.serve(lambda: self.make_server(start, num_nodes))
         self._start = start  # the global model this round started from
@@ -377,15 +381,31 @@ class ServerRoundsStrategy(TimeBudget, ServerStrategy):
     @torch.no_grad()
     def _exchange(self) -> None:
         """Send the pseudo-gradient Delta = theta_start - theta_node, take the server's theta as the new start."""
-        delta = self._start - flat_parameters(self.model)
+        flat = self._own_flat()
+        if flat is not None:
+            delta = self._start - flat.to(self._start.device)
+        else:
+            flat = flat_parameters(self.model)
+            delta = torch.sub(self._start, flat, out=flat)  # into the flat copy: no second model-sized tensor
         msg.send(delta, msg.SERVER, meta={"version": self._version, "steps": self._steps,
                                           "seconds": msg.now() - self._round_began})
         self._begin_task(msg.recv(src=msg.SERVER))
 
+    def _own_flat(self) -> torch.Tensor | None:
+        """The buffer the parameters are views of, while they still are (fused execution re-homes them)."""
+        if self._flat is None or [p.data_ptr() for p in self._params] != self._flat_at:
+            return None
+        return self._flat
+
     def _begin_task(self, reply: msg.Message) -> None:
         """Start the task the server's reply hands over: its global model, version, steps and shard."""
         self._start = reply.tensor
-        load_flat(self._params, reply.tensor)
+        flat = self._own_flat()
+        if flat is not None:
+            with torch.no_grad():
+                flat.copy_(reply.tensor)
+        else:
+            load_flat(self._params, reply.tensor)
         self._version, self._H = int(reply.meta["version"]), int(reply.meta["H"])
         self._steps, self._round_began = 0, msg.now()
         if "shard" in reply.meta:

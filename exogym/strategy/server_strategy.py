@@ -90,8 +90,8 @@ class ServerStrategy(Strategy):
 
     def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
         super()._init_node(model, rank, num_nodes)
-        start = flat_parameters(model)
-        self.server = msg.serve(lambda: self.make_server(start, num_nodes))
+        # serve() calls make at once where the server is made, and not at all where it exists: one flat copy a run
+        self.server = msg.serve(lambda: self.make_server(flat_parameters(model), num_nodes))
 
     def finish(self) -> None:
         """The nodes meet once, at the end, so every node's last message is in before the global model is read.
