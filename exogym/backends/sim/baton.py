@@ -202,6 +202,9 @@ class Baton:
                         self._wait_for_other_processes()
                         continue
                     # (the hub: its next event waits for the other processes, and its own nodes run first)
+                if crossing and self._exchange.has_news():  # packets that came while the nodes ran (a proxy's answers,
+                    self._exchange.wait(timeout=0)  # exogym.backends.sim.postproxy): in, between turns
+                    continue  # (they may queue an earlier run)
                 rank = queue.pop_run()
                 self._on_resume(rank)
                 self.running = self._turn = rank
@@ -397,6 +400,10 @@ class Baton:
         for p in (*self._pending.values(), *self._across.values()):
             times.extend(c.args["arrival"] for c in p.calls.values())
         return min(times, default=math.inf)
+
+    def is_finished(self, rank: int) -> bool:
+        """Whether node `rank` has finished training."""
+        return rank in self._finished
 
     def _may_run(self, rank: int) -> None:
         self.queue.run(self._clock_of(rank), rank)

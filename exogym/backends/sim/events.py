@@ -149,6 +149,22 @@ class EventQueue:
         return (bool(self._runs) and self._runs[0][0] <= at
                 or bool(self._events) and self._events[0][:3] <= (at, OBSERVE, rank))
 
+    def next_at(self) -> float:
+        """The simulated time of the earliest event, runs aside (there is one)."""
+        return self._events[0][0]
+
+    def entries(self) -> list[tuple]:
+        """The events, runs aside, as (time, kind, rank, sequence, push order, item), in no order (read only)."""
+        return self._events
+
+    def promote(self, entry: tuple) -> None:
+        """Make `entry` (one of `entries()`) the next event, ahead of its time and of every run (the hub's lookahead
+        across processes, exogym.backends.sim.postlink, takes an arrival at a waiting node before events that cannot
+        reach it)."""
+        self._events.remove(entry)  # by identity: the push order makes every other entry differ before the item
+        heapq.heapify(self._events)
+        heapq.heappush(self._events, (-math.inf, *entry[1:]))
+
     def pop(self) -> tuple[int, Any]:
         """The earliest event, runs aside: (its kind, the message, the Timer, the flow's (key, version), the
         collective's start, or what the observation pushed)."""

@@ -160,6 +160,10 @@ class Exchange:
         between the processes (exogym.backends.sim.postlink) wakes the process that waits here."""
         self._events.put(handle)
 
+    def has_news(self) -> bool:
+        """Whether something waits to be handled at the next `wait` (a message, another channel's packet)."""
+        return not self._events.empty()
+
     @property
     def busy(self) -> bool:
         return bool(self._crossings)

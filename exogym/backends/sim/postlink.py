@@ -6,19 +6,61 @@ What goes over it, as pickled packets on torch.distributed point-to-point messag
 exchange's):
 - a proxy to the hub: `post` (a message a node sent, with its arrival time worked out where it was sent), `ask` (a
   node wants to observe at its clock: take a message, every message that has arrived, or the server's state for
-  `read_server`), `status` (the process has nothing to run: how many answers it has taken in, and which collectives
-  across processes it has started and has open), and at its end a last status marked finished;
-- the hub to a proxy: `answer` (what a node asked for; it runs again), `arrived` (shared links: a message the proxy
-  posted has its arrival time, once its flow ended; counted as an answer, since it may run a node waiting on its
-  send) and `bye` (after its last status).
+  `read_server`), `floor` (the least clock at which a node of the process can still cause an event without the
+  hub, and how many answers it has taken in: the lookahead below), `status` (the process has nothing to run: how
+  many answers it has taken in, and which collectives across processes it has started and has open), and at its
+  end a last status marked finished;
+- the hub to a proxy: `answer` (what a node asked for, and the simulated time it is answered at; it runs again),
+  `arrived` (shared links: a message the proxy posted has its arrival time, once its flow ended; counted as an
+  answer, since it may run a node waiting on its send) and `bye` (after its last status).
 
 Why nothing arrives out of order: every packet of one process to the hub goes on one (sender, receiver, tag) pair,
 which torch.distributed delivers in the order sent, and the hub handles a process's packets in that order. So when
 the hub holds a process's status, it holds every message that process posted and every question it asked before it
-ran out of work. The hub lets the next event happen only when the whole run is quiescent (`Hub.quiet`): every
-process has run out of work since the last answer it was sent, and no collective across processes has every holder
-started and some holder still open (its members would run again without the hub). Then no node anywhere can post an
-event the hub has not seen, as in one process, where the hub takes the next event only when no node is ready.
+ran out of work. The hub lets the next event happen when no node anywhere can still post an event that comes before
+it (in one process: when no node is ready), by one of two rules.
+
+The lookahead (`Hub.ahead`, a conservative parallel discrete-event simulation in the manner of Chandy, Misra and
+Bryant, with the floors as its null messages). A node causes events only at or after its clock, and clocks only
+move forward: it sends at its clock (a message starts at its sent_at and arrives later), it observes at its clock,
+and a collective returns it at or after its arrival. A node waiting on the hub (in a recv, a poll, a read_server,
+or on its send's arrival under shared links) causes nothing until the hub answers it, and it runs on from the time
+of that answer (the ask's time, the message's arrival) or later. So each proxy tells its floor: the least clock of
+its nodes that may run without the hub (ready, running, in a collective, parked; not those waiting on the hub, nor
+the finished), infinity when there is none, with the count of answers it had taken in. The hub's floor of process p
+is the least of p's last floor and the time of every answer sent to p that p had not taken in when it told it
+(`Hub.floor_of`). The floor comes after the posts before it on the pair, so when the hub holds it, every event p's
+nodes caused before it is in the heap; every event they cause after it comes at or after the floor, or at or after
+an answer counted in. Let `lowest` be the least of every other process's floor and every clock of the hub's own
+nodes that are ready or in a collective across processes (they leave it at or after their arrival). The hub, with
+no node parked, takes the next event, at time t, when t < lowest. Less, strictly: a
+node at its floor may still start a flow or observe at that very time, and ties go by rank. Then every event with a
+smaller key than this one is already in the heap: it was caused by a node of the hub (a ready one at or after its
+clock; those waiting run again only from later events), by the server (at the times of the events it handles), or
+by another process's node before that process's last floor (in the heap) or after it (at or after the floor, so
+after t). (A node of the hub in a local collective leaves it at or after the last member's arrival, and that member
+is ready, in a collective across processes, or waiting on a later event.) So the event comes off the heap in the order one process takes it, while the other processes' nodes
+compute. Proxies tell their floor at every step of a node while it rises (SimTransport's step hook), as they take
+in answers, and when they run out of work; a node of the hub hands over to the next event at its step when that
+event comes before its clock (`Hub.on_step`), so the nodes of other processes waiting on it are answered while it
+computes.
+
+The latency lookahead (`Hub._promote`): an event that only a node waiting on the hub sees (a message arriving for
+a node waiting in recv, another process's node's recv or poll) may happen ahead of the events before it, when it
+comes at time s < lowest + L, L being the network's least latency (no message from another sender reaches a node
+sooner after it is sent, shared links or not). Every event not yet taken comes at or after `lowest` (the heap's
+next one included), so every message the node has not yet received and that no event in the heap already carries
+to it (an arrival, or its own message on the wire: to itself it takes no time; then it waits) arrives after s; the
+node's mailbox sees its messages in the order one process gives them, and it reads at s what it reads there. The
+events skipped touch other state (the flows, the server, other mailboxes) and come later in the same order among
+themselves; the node runs on from s, after every event it could have caused. The server's events are never taken
+ahead: any node may read the server (read_server) at its clock.
+
+Quiescence (`Hub.quiet`), for what the floors do not decide: the hub takes the next event when every process has
+run out of work since the last answer it was sent, and no collective across processes has every holder started
+and some holder still open (its members would run again without the hub). Then no node anywhere can post an event
+the hub has not seen, as in one process, where the hub takes the next event only when no node is ready. With
+nothing left to happen, a node waiting for a message is then a deadlock.
 
 Why `quiet` cannot be fooled by a stale status (a process reported, then woke up): a process wakes only on an answer
 (counted: the hub waits for the status taking it in) or on a collective across processes completing, which needs
@@ -43,18 +85,25 @@ ended about 2 runs in 12 in a false deadlock while the hub took in process 1's 5
 
 from __future__ import annotations
 
+import math
 import pickle
 import queue
 import threading
+from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
+from exogym.backends.sim.events import ARRIVE, FINISH, OBSERVE, START
+from exogym.cluster.network import parse_seconds
+from exogym.comm.messages import Message
+
 if TYPE_CHECKING:
     from exogym.backends.sim.exchange import Exchange
     from exogym.backends.sim.protocols import HeapOwner
+    from exogym.backends.sim.transport import SimTransport
 
 __all__ = ["Link", "Hub", "Status", "Ask"]
 
@@ -178,6 +227,17 @@ class Hub:
         self.remotes = sorted(set(self.owner) - {me})
         self.status: dict[int, Status] = {}
         self.answered = {p: 0 for p in self.remotes}
+        # the lookahead (module docstring): each process's last floor and answers taken in then, and the answers sent
+        # since (their number and simulated time) that its floor does not count yet
+        self.floors: dict[int, tuple[float, int]] = {}
+        self._told: dict[int, deque[tuple[int, float]]] = {p: deque() for p in self.remotes}
+        self.overlapped = 0  # events taken while some other process's node could run (the lookahead at work)
+        self._nodes: Mapping[int, "SimTransport"] = {}  # this process's nodes (their clocks), once watched
+        self.promoted = 0  # arrivals at waiting nodes taken ahead of their time (the latency lookahead)
+        net = getattr(post, "network", None)  # no message into a node takes less than this (from another sender)
+        self._latency = 0.0 if net is None else min(
+            parse_seconds(net.latency), parse_seconds(net.server_latency if net.server_latency is not None
+                                                      else net.latency, "server_latency"))
         self._holders: dict[tuple[int, ...], set[int]] = {}
         self.exchange = exchange
         self.link = Link(exchange, self.remotes, self._on_packet)
@@ -191,19 +251,117 @@ class Hub:
     def is_remote(self, rank: int) -> bool:
         return rank >= 0 and self.owner[rank] != self.me
 
-    def answer(self, rank: int, payload: Any) -> None:
-        """What node `rank` (in another process) asked for: it runs again there."""
+    def answer(self, rank: int, payload: Any, at: float) -> None:
+        """What node `rank` (in another process) asked for, answered at simulated time `at` (the ask's time, or the
+        arrival of the message it waited for): it runs again there, from `at` or later."""
         process = self.owner[rank]
-        self.answered[process] += 1
-        self.link.send(process, "answer", rank, payload)
+        self._count_answer(process, at)
+        self.link.send(process, "answer", rank, payload, at)
 
     def arrived(self, token: tuple[int, int], at: float) -> None:
         """Shared links: the message process `token[0]` posted as its `token[1]`-th arrives at `at`."""
         process, number = token
         if (s := self.status.get(process)) is not None and s.finished:
             return  # its nodes are done: none waits on the send, and after its goodbye nothing is received there
-        self.answered[process] += 1
+        self._count_answer(process, at)  # a sender waiting on it runs on from `at`
         self.link.send(process, "arrived", number, at)
+
+    def _count_answer(self, process: int, at: float) -> None:
+        self.answered[process] += 1
+        self._told[process].append((self.answered[process], at))
+
+    def floor_of(self, process: int) -> float:
+        """The least simulated time at which a node of `process` can still cause an event the hub has not seen
+        (module docstring): -inf before its first floor, inf once it finished."""
+        s = self.status.get(process)
+        if s is not None and s.finished:
+            return math.inf
+        report = self.floors.get(process)
+        if report is None:
+            return -math.inf
+        told = self._told[process]
+        return min(report[0], min(at for _, at in told)) if told else report[0]
+
+    def ahead(self, at: float, open_here: list, running: float = math.inf) -> bool:
+        """Whether the next event, at simulated time `at`, may happen now by the lookahead (module docstring):
+        before every other process's floor and every clock of this process's nodes that may run, of the node running
+        (`running`) and of those in a collective across processes (`open_here`: the collectives not yet completed
+        here); or an event only a waiting node sees, made the next one (`_promote`)."""
+        baton = self.post.baton
+        if baton.parked:
+            return False  # they compute once nothing else runs: quiescence decides
+        remote = min((self.floor_of(p) for p in self.remotes), default=math.inf)
+        queue = baton.queue
+        runs = self._clock(queue.first_run()) if queue.has_runs() else math.inf  # the runs are in clock order
+        # a member of a collective across processes leaves it at or after its arrival (its clock while it waits)
+        crossing = (self._clock(r) for group, _ in open_here for r in group if self.owner[r] == self.me)
+        lowest = min(remote, running, runs, *crossing)
+        if at < lowest:
+            if remote < math.inf and running == math.inf:  # counted once, when it happens
+                self.overlapped += 1
+            return True
+        return self._latency > 0 and lowest > -math.inf and self._promote(lowest + self._latency)
+
+    def _promote(self, horizon: float) -> bool:
+        """The latency lookahead (module docstring): the earliest event that only a node waiting on the hub sees (a
+        message arriving for a node waiting in recv; another process's node's recv or poll), if it comes before
+        `horizon`, is made the next one (Returns: whether one was)."""
+        waiting = self.post.wants()
+        best = None
+        for entry in self.post.events.entries():
+            if entry[0] >= horizon or best is not None and entry >= best:
+                continue
+            kind, item = entry[1], entry[5]
+            if kind == ARRIVE and isinstance(item, Message) and item.dst in waiting or \
+                    kind == OBSERVE and isinstance(item, Ask) and item.op != "read":
+                best = entry
+        if best is None:
+            return False
+        rank = best[5].dst if best[1] == ARRIVE else best[5].rank
+        if any(e < best and self._reaches(e, rank) for e in self.post.events.entries()):
+            return False  # a message for it arrives first, or may (its own, on the wire: no latency to itself)
+        self.post.events.promote(best)
+        self.promoted += 1
+        return True
+
+    @staticmethod
+    def _reaches(entry: tuple, rank: int) -> bool:
+        """Whether event `entry` is a message arriving for node `rank`, or one of its own messages on the wire (START,
+        FINISH: one it sent itself arrives without latency)."""
+        kind, item = entry[1], entry[5]
+        if kind == ARRIVE:
+            return isinstance(item, Message) and item.dst == rank
+        if kind == START:
+            return item.src == rank
+        return kind == FINISH and item[0][0] == rank
+
+    def watch(self, nodes: Mapping[int, "SimTransport"]) -> None:
+        """This process's nodes (rank -> transport): each step calls `on_step`."""
+        self._nodes = nodes
+        for transport in nodes.values():
+            transport.on_step = self.on_step
+
+    def _clock(self, rank: int) -> float:
+        node = self._nodes.get(rank)
+        return -math.inf if node is None else node.clock.now
+
+    def on_step(self, rank: int) -> None:
+        """Node `rank` of this process starts a step: it hands over to a node that may run from a lower clock, and to
+        the next event while that may happen before it (the lookahead), so that the other processes' nodes waiting
+        on the hub are answered while it computes."""
+        baton = self.post.baton
+        queue = baton.queue
+        while True:
+            mine = self._clock(rank)
+            if not (queue.has_runs() and self._clock(queue.first_run()) < mine):
+                at = self.post.next_at()
+                if at is None or at >= mine or not self.ahead(at, baton.open_crossings, running=mine):
+                    return
+            happened, turns = self.post.progress, baton.all_turns
+            baton.wake(rank)  # its run, at its clock: the scheduler takes what comes before it
+            baton.sleep(rank)
+            if self.post.progress == happened and baton.all_turns == turns + 1:
+                return  # nothing went before it after all
 
     def unfinished(self) -> bool:
         return any(not (s := self.status.get(p)) or not s.finished for p in self.remotes)
@@ -214,6 +372,12 @@ class Hub:
             self.post.push(packet[1], (src, packet[2]) if len(packet) > 2 else None)
         elif kind == "ask":
             self.post.ask(packet[1])
+        elif kind == "floor":  # (floor, answers taken in): the answers counted in leave the ones still told
+            _, floor, taken = packet
+            self.floors[src] = (floor, taken)
+            told = self._told[src]
+            while told and told[0][0] <= taken:
+                told.popleft()
         elif kind == "status":
             self.status[src] = packet[1]
             if packet[1].finished:

@@ -32,10 +32,11 @@ clock from then on.
 A run over several processes (fit(processes=P), torchrun with backend="sim"): the process holding the server role
 (beside node 0) keeps the queue's events, every mailbox and the server (it is the hub); the other processes' post
 offices are proxies (exogym.backends.sim.postproxy) that send it their nodes' messages and observations and run a
-node again when it answers. The hub's own nodes run first, and it takes the next event only when the whole run is
-quiescent, which is the rule above with "no node may run" read across every process; exogym.backends.sim.postlink
-says why the exchange between the processes cannot deliver a message out of order, so the run gives the bits one
-process gives.
+node again when it answers. The hub takes the next event when no node of any process can still cause an earlier
+one (the lookahead: every other process tells its nodes' least clock as they compute), or else once its own nodes
+have run and the whole run is quiescent, which is the rule above with "no node may run" read across every process;
+exogym.backends.sim.postlink says why the exchange between the processes cannot deliver a message out of order, so
+the run gives the bits one process gives.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import math
 from typing import TYPE_CHECKING, Any, Callable
 
 from exogym.backends.sim.mailboxes import Mailboxes
-from exogym.backends.sim.events import FINISH, OBSERVE, START, CollectiveTransfer, Timer, arrival, \
+from exogym.backends.sim.events import FINISH, OBSERVE, START, CollectiveTransfer, EventQueue, Timer, arrival, \
     message_from_plain, message_plain
 from exogym.backends.sim.postlink import Ask
 from exogym.backends.sim.serverhost import ServerHost, server_state
@@ -98,6 +99,11 @@ class PostOffice:
         return self._host.server
 
     @property
+    def events(self) -> EventQueue:
+        """The run's event queue (the hub's lookahead reads it, exogym.backends.sim.postlink)."""
+        return self._events
+
+    @property
     def handling(self) -> tuple[str, str] | None:
         """(the server's class, what it handles) while a handler runs: the watchdog reads it from its thread."""
         return self._host.handling
@@ -109,15 +115,18 @@ class PostOffice:
 
     def due(self) -> bool:
         """Whether the next event may happen now (the baton asks when no node's run comes before it). In one process:
-        whenever there is one. The hub: once its own nodes have run and the whole run is quiescent
-        (exogym.backends.sim.postlink); then, with nothing left to happen, a node waiting for a message is a
-        deadlock.
+        whenever there is one. The hub: when no node of any process can still cause an earlier one (the lookahead),
+        or once its own nodes have run and the whole run is quiescent (exogym.backends.sim.postlink); then, with
+        nothing left to happen, a node waiting for a message is a deadlock.
 
         Raises:
             MessageError: the run is quiescent, nothing is in flight, and some node waits in a recv.
         """
         if self.hub is None:
             return self._events.has_events()
+        # the lookahead: it happens while other processes' nodes run if none of them can cause an earlier event
+        if self._events.has_events() and self.hub.ahead(self._events.next_at(), self.baton.open_crossings):
+            return True
         if self._events.has_runs() or not self.hub.quiet(self.baton.crossings_started, set(self.baton.open_crossings)):
             return False
         if self._events.has_events():
@@ -127,6 +136,10 @@ class PostOffice:
                                "is finished or waits itself, and nothing is in flight):\n"
                                + "\n".join(self.describe_waiting()))
         return False
+
+    def next_at(self) -> float | None:
+        """The simulated time of the next event (None: none is waiting)."""
+        return self._events.next_at() if self._events.has_events() else None
 
     def report_idle(self) -> None:
         """The baton has nothing to run (a proxy reports it to the hub; nothing to do here)."""
@@ -311,7 +324,7 @@ class PostOffice:
         if want is None:
             return
         if self.hub is not None and self.hub.is_remote(message.dst):
-            self.hub.answer(message.dst, self._boxes.first(message.dst, want[0], want[1]))
+            self.hub.answer(message.dst, self._boxes.first(message.dst, want[0], want[1]), message.arrives_at)
         else:
             self.baton.wake_receiver(message.dst)
 
@@ -331,14 +344,15 @@ class PostOffice:
 
     def _answer(self, ask: Ask) -> None:
         if ask.op == "read":  # the server's state now, at the node's turn, as a node here would read it
-            self.hub.answer(ask.rank, None if self.server is None else server_state(self.server, since=ask.known))
+            self.hub.answer(ask.rank, None if self.server is None else server_state(self.server, since=ask.known),
+                            ask.at)
             return
         if ask.op == "poll":
-            self.hub.answer(ask.rank, self._boxes.take_arrived(ask.rank, ask.src, ask.tag))
+            self.hub.answer(ask.rank, self._boxes.take_arrived(ask.rank, ask.src, ask.tag), ask.at)
             return
         m = self._boxes.first(ask.rank, ask.src, ask.tag)
         if m is not None:
-            self.hub.answer(ask.rank, m)
+            self.hub.answer(ask.rank, m, ask.at)
         else:
             self._boxes.wait(ask.rank, ask.src, ask.tag, ask.what)
 

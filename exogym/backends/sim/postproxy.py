@@ -3,6 +3,12 @@ observations to the hub (the process holding the server, beside node 0, exogym.b
 again when the hub answers. Nodes compute here in parallel with the other processes; everything they read goes
 through the hub's one event heap, in simulated-time order, as in one process.
 
+The lookahead (exogym.backends.sim.postlink): the proxy tells the hub its floor, the least clock of its nodes that may
+run without the hub, at each step of a node while it rises, as it takes answers in and when it runs out of work, so
+the hub takes events while the nodes here compute. To keep its floor rising, at the start of each step a node hands
+over to a ready node with a lower clock (the order nodes take turns changes no bit), and to the scheduler when packets
+wait, which takes them in between turns: an answered node then runs within a step, not after the others' rounds.
+
 The server runs with the hub; `serve` here returns a shadow of it (made by the same factory), which `read_server`
 loads with the server's state as the hub answers it at the node's turn (the server's `state_dict()`, its clock, its
 update rows and byte counts) before handing it to the reader. So a read gives what it gives in one process; the
@@ -12,7 +18,8 @@ message or sends one.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+import math
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from exogym.backends.sim.postlink import Ask, Link, Status
 from exogym.backends.sim.events import arrival
@@ -23,6 +30,7 @@ if TYPE_CHECKING:
     from exogym.backends.sim.events import CollectiveTransfer
     from exogym.backends.sim.baton import Baton
     from exogym.backends.sim.exchange import Exchange
+    from exogym.backends.sim.transport import SimTransport
     from exogym.cluster.simtime import TimeModel
 
 __all__ = ["PostProxy"]
@@ -48,6 +56,11 @@ class PostProxy:
         self._posted = 0
         self._awaiting: set[int] = set()
         self._reported: Status | None = None
+        # the lookahead: the nodes' transports (their clocks), the time each was last answered at (it runs on from
+        # then), and the floor last told with the answers taken in then
+        self._nodes: Mapping[int, "SimTransport"] = {}
+        self._answered_at: dict[int, float] = {}
+        self._told: tuple[float, int] | None = None
         self._bye = False
         self.link = Link(exchange, [hub], self._on_packet)
         self._server_home = f"the process holding node 0 (process {hub})"  # for the shadow's errors
@@ -59,6 +72,45 @@ class PostProxy:
     def due(self) -> bool:
         return False  # the hub's heap decides
 
+    def watch(self, nodes: Mapping[int, "SimTransport"]) -> None:
+        """This process's nodes (rank -> transport): their clocks make the floor, and each step calls `on_step`."""
+        self._nodes = nodes
+        for transport in nodes.values():
+            transport.on_step = self.on_step
+
+    def _resumes_at(self, rank: int) -> float:
+        """The least clock node `rank` causes anything at from now on (running or ready)."""
+        return max(self._nodes[rank].clock.now, self._answered_at.get(rank, -math.inf))
+
+    def floor(self) -> float:
+        """The least clock at which a node here can cause an event without the hub (inf: none can; -inf before the
+        nodes are watched)."""
+        floor = math.inf if self._nodes else -math.inf
+        for rank in self._nodes:
+            if rank not in self._awaiting and not self.baton.is_finished(rank):
+                floor = min(floor, self._resumes_at(rank))
+        return floor
+
+    def report_floor(self) -> None:
+        """Tell the hub the floor and the answers taken in, when either changed (after the packets sent before)."""
+        told = (self.floor(), self.progress)
+        if told != self._told:
+            self._told = told
+            self.link.send(self.hub_process, "floor", *told)
+
+    def on_step(self, rank: int) -> None:
+        """Node `rank` starts a step (it runs): hand over while packets wait to be taken in or a ready node has a
+        lower clock, then tell the floor."""
+        while self.exchange.has_news() or self._lower_ready(rank):
+            self.baton.wake(rank)  # queued at its clock, behind the lower ones
+            self.baton.sleep(rank)
+        self.report_floor()
+
+    def _lower_ready(self, rank: int) -> bool:
+        """Whether a node that may run comes before `rank` in the run queue (at a lower clock)."""
+        queue = self.baton.queue
+        return queue.has_runs() and self._nodes[queue.first_run()].clock.now < self._nodes[rank].clock.now
+
     shares_collectives = False  # collectives across processes are costed alone (exogym.backends.sim.postoffice)
 
     def transfer(self, transfer: "CollectiveTransfer") -> None:
@@ -66,6 +118,7 @@ class PostProxy:
 
     def report_idle(self) -> None:
         """Nothing to run here: tell the hub, once per change (after every packet sent before, in order)."""
+        self.report_floor()
         status = Status(self.progress, dict(self.baton.crossings_started), frozenset(self.baton.open_crossings))
         if status != self._reported:
             self._reported = status
@@ -99,12 +152,14 @@ class PostProxy:
                 arrow[0][arrow[1]] = at
             rank = self._sending.pop(token, None)
             if rank is not None:
+                self._answered_at[rank] = at
                 self._awaiting.discard(rank)
                 self.baton.wake_receiver(rank)
             return
-        _, rank, payload = packet  # "answer"
+        _, rank, payload, at = packet  # "answer"
         self.progress += 1
         self._answers[rank] = payload
+        self._answered_at[rank] = at
         self._awaiting.discard(rank)
         self.baton.wake_receiver(rank)
 

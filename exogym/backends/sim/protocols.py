@@ -48,6 +48,17 @@ class Crossings(Protocol):
 class HeapOwner(Protocol):
     """What the hub's end of the message link hands to the post office holding the run's event heap."""
 
+    baton: Any  # the process's scheduler (exogym.backends.sim.baton.Baton): its nodes that may run, for the lookahead
+    network: Any  # the run's Network (None: no time model): its least latency, for the lookahead
+    progress: int  # events that happened
+
+    @property
+    def events(self) -> Any:
+        """The run's event queue (exogym.backends.sim.events.EventQueue)."""
+
+    def next_at(self) -> float | None:
+        """The simulated time of the next event (None: none is waiting)."""
+
     def push(self, message: Message, token: tuple[int, int] | None = None) -> None:
         """A message another process posted: its arrival time set, or (shared links) `token`, (the process, its
         number there), under which the hub tells the process its arrival once its flow ends."""

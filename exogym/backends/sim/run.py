@@ -139,6 +139,12 @@ def run_sim(plan: "RunPlan", sinks: "RunSinks", *, local: Sequence[int] | None =
     alone = (AloneCheck(baton.floor) if exchange is not None and time_model is not None
              and time_model.network.shared_links and not plan.strategy.sends_messages else None)
     comms.update((r, SimTransport(baton, r, k, time_model, plan.cfg.membership, owner, alone)) for r in local)
+    # the lookahead across processes: a proxy tells the hub its nodes' least clock as they step, the hub lets events
+    # happen while its nodes step (exogym.backends.sim.postlink)
+    if isinstance(baton.post, PostProxy):
+        baton.post.watch(comms)
+    elif isinstance(baton.post, PostOffice) and baton.post.hub is not None:
+        baton.post.hub.watch(comms)
     execution = SequentialExecution() if plan.execution == "sequential" else FusedExecution(FusedEngine(
         plan.model, len(local), plan.devices[local[0]], minibatch_size=plan.cfg.minibatch_size,
         autocast=plan.cfg.autocast, seed=plan.seed, baton=baton, first_rank=local[0]))

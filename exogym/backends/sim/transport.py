@@ -201,6 +201,19 @@ _COMPLETE: dict[str, Callable[[list[CollectiveCall]], None]] = {
 class SimTransport(TransportBase):
     """Node `rank`'s side of the sim backend (implements `exogym.comm.transport.Transport`)."""
 
+    on_step: Callable[[int], None] | None = None  # called with the rank as each step starts (the lookahead, postlink)
+
+    @property
+    def step(self) -> int | None:
+        """The node's current step (from 1); setting it starts the step."""
+        return self._step
+
+    @step.setter
+    def step(self, value: int | None) -> None:
+        self._step = value
+        if self.on_step is not None:  # over several processes: the floor to the hub, or an event cut in (postlink)
+            self.on_step(self.rank)
+
     def __init__(self, baton: Baton, rank: int, num_nodes: int, time_model: TimeModel | None = None,
                  membership: Membership | None = None, owner: Sequence[int] | None = None,
                  alone: AloneCheck | None = None):
