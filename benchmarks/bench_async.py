@@ -9,10 +9,10 @@ runs interleaved in one process (the fastest of --repeat counts).
 
 With --processes P: asynchronous DiLoCo on one process against the same run over P processes (fit(processes=P): the
 process holding node 0 keeps the event heap, the others forward to it; exogym.backends.sim.postlink), its wall
-seconds per node-step and the ratio, with the machine's load average (the runs give the same bits; the hub takes
+seconds per node-step and the ratio, with the machine's load average (the runs give the same bits; the keeper takes
 an event while other processes' nodes compute when none of them can cause an earlier one, the lookahead).
 --model cnn: the small CNN of benchmarks/workload.py instead (more compute per step, against the same round trips
-to the hub).
+to the keeper).
 Usage: python benchmarks/bench_async.py [--nodes 16] [--steps 100] [--repeat 3] [--processes P] [--model mlp|cnn]
 """
 

@@ -301,7 +301,7 @@ def test_async_gossip_over_1024_nodes_ends_with_its_pushes_as_its_bytes():
                     "about a minute on 2 cores")
 def test_a_thousand_nodes_with_a_server_over_two_processes_end_without_a_false_deadlock():
     """Issue 46 (3): AsyncDiLoCo on 1,024 nodes over two processes ended about 2 runs in 12 with 'deadlock across
-    processes ... node 512: waits in read_server' while process 1's questions were still on their way to the hub;
+    processes ... node 512: waits in read_server' while process 1's questions were still on their way to the keeper;
     the run completes, with one process's updates."""
     import toy
     from exogym import Trainer

@@ -98,8 +98,8 @@ def _numpy_turn(rank: int, turn: int) -> list[float]:
     return out
 
 
-def _hub_draws() -> None:
-    """What runs between turns (the sim's hub) may draw too, leaving a Gaussian cached."""
+def _keeper_draws() -> None:
+    """What runs between turns (the sim's keeper) may draw too, leaving a Gaussian cached."""
     np.random.randn(3)
 
 
@@ -117,7 +117,7 @@ def _get_state_set_state(k: int, seed: int, order: list[int]) -> tuple[list, lis
             np.random.set_state(states[r])
         got[r].append(_numpy_turn(r, len(got[r])))
         states[r] = np.random.get_state()
-        _hub_draws()
+        _keeper_draws()
     return got, states, cached
 
 
@@ -130,7 +130,7 @@ def _node_rngs(k: int, seed: int, order: list[int], swap: bool) -> tuple[list, l
         rngs[r].activate()
         got[r].append(_numpy_turn(r, len(got[r])))
         rngs[r].deactivate()
-        _hub_draws()
+        _keeper_draws()
     states = []
     for r in range(k):  # each node's stream as it stands, read in one more turn
         rngs[r].activate()

@@ -1,7 +1,7 @@
-"""The lookahead across processes (exogym.backends.sim.postlink): the hub takes events while other processes' nodes
+"""The lookahead across processes (exogym.backends.sim.postlink): the keeper takes events while other processes' nodes
 compute, whenever none of them can still cause an earlier one, and the run gives one process's bits: the model,
 the update rows, the losses, bytes and simulated times, with and without shared links and node speeds. Each run
-counts the events the hub took while a node of another process could run, so a run that fell back to waiting for
+counts the events the keeper took while a node of another process could run, so a run that fell back to waiting for
 the whole run to be quiescent fails here."""
 
 import time
@@ -18,8 +18,8 @@ from test_messages_processes import _same  # noqa: E402
 
 
 class CountsOverlap:
-    """Node 0 writes to `out`, at its last step, how many events the hub took by the lookahead while a node of another
-    process could run, and how many arrivals it took ahead of their time (-1: the run has no hub). Nodes 2 and up
+    """Node 0 writes to `out`, at its last step, how many events the keeper took by the lookahead while a node of another
+    process could run, and how many arrivals it took ahead of their time (-1: the run has no keeper). Nodes 2 and up
     (in the other processes) sleep 2 ms a step, which moves no simulated time."""
 
     def __init__(self, *args, out: str, **kwargs):
@@ -27,15 +27,15 @@ class CountsOverlap:
         self.out = out
 
     def step(self):
-        if self.rank >= 2:  # the other processes' nodes take a while in wall time: the hub decides events meanwhile
+        if self.rank >= 2:  # the other processes' nodes take a while in wall time: the keeper decides events meanwhile
             time.sleep(0.002)
         super().step()
 
     def finish(self):
         super().finish()
         if self.rank == 0:
-            hub = getattr(current_transport().baton.post, "hub", None)
-            Path(self.out).write_text("-1" if hub is None else f"{hub.overlapped} {hub.promoted}")
+            keeper = getattr(current_transport().baton.post, "keeper", None)
+            Path(self.out).write_text("-1" if keeper is None else f"{keeper.overlapped} {keeper.promoted}")
 
 
 class AsyncDiLoCo(CountsOverlap, AsyncDiLoCoStrategy):
@@ -82,4 +82,4 @@ def test_processes_overlap_their_nodes_compute_and_give_one_process_bits(case, t
         out = tmp_path / f"p{processes}"
         _same(one, _run(case, processes, out))
         overlapped, promoted = map(int, out.read_text().split())
-        assert overlapped + promoted > 0, f"processes={processes}: the hub never took an event while others computed"
+        assert overlapped + promoted > 0, f"processes={processes}: the keeper never took an event while others computed"

@@ -1,5 +1,5 @@
 """Messages and the server when the sim spans processes (fit(processes=P)): the process holding node 0 keeps the
-run's one event heap (the hub), the others forward to it, and the run gives the same bits as one process:
+run's one event heap (the keeper), the others forward to it, and the run gives the same bits as one process:
 parameters, updates, losses, bytes and simulated times; a checkpoint with messages in flight resumes exactly; a
 recv nothing will match, a server that raises and a process that dies are errors naming them."""
 
@@ -151,7 +151,7 @@ class StopsOnNode2(AsyncDiLoCoStrategy):
 
 @pytest.mark.spawns
 @pytest.mark.parametrize("how", ["dies", "stops"])
-def test_a_process_that_dies_or_stops_while_the_hub_waits_is_named(how):
+def test_a_process_that_dies_or_stops_while_the_keeper_waits_is_named(how):
     started = time.monotonic()
     with pytest.raises(Exception) as info:
         # peer_timeout at its least (5 s): the stopped process is named by its silence, not after the default 30 s
@@ -160,7 +160,7 @@ def test_a_process_that_dies_or_stops_while_the_hub_waits_is_named(how):
     assert time.monotonic() - started < 60, text
     if how == "dies":
         assert "process 1 (nodes 2-2)'s process exited (code 3)" in text, text
-    else:  # the hub (node 0's process) waited for its status, and named it once its heartbeat stopped
+    else:  # the keeper (node 0's process) waited for its status, and named it once its heartbeat stopped
         assert "process 1 (node 2) stopped responding" in text, text
 
 
@@ -202,7 +202,7 @@ def test_two_processes_compute_with_the_callers_threads_and_give_one_process_bit
 
 def test_every_process_waiting_is_no_deadlock_while_a_link_packet_is_in_flight():
     """Issue 46 (3): 1,024 nodes over two processes ended now and then in a 'deadlock across processes' while the
-    hub took in process 1's 512 read_server questions and its status (each process waited with its progress
+    keeper took in process 1's 512 read_server questions and its status (each process waited with its progress
     unchanged for a second, the packets still on their way on a loaded machine). A deadlock now also needs every
     packet sent to have been taken in."""
     from torch.distributed import HashStore
@@ -210,13 +210,13 @@ def test_every_process_waiting_is_no_deadlock_while_a_link_packet_is_in_flight()
     from exogym.backends.sim import exchange as ex
 
     store, owner = HashStore(), [0, 0, 1, 1]
-    hub, proxy = ex.Exchange(owner, 0, store, "run"), ex.Exchange(owner, 1, store, "run")
+    keeper, proxy = ex.Exchange(owner, 0, store, "run"), ex.Exchange(owner, 1, store, "run")
     try:
         proxy.report_stall("  node 2: waits in read_server at 0 s", 2, ({0: 3}, {0: 0}))  # 3 packets sent
-        assert hub.report_stall("  not waiting: nodes [0, 1]", 0, ({1: 0}, {1: 2})) is None  # 2 of them taken in
+        assert keeper.report_stall("  not waiting: nodes [0, 1]", 0, ({1: 0}, {1: 2})) is None  # 2 of them taken in
         proxy.report_stall("  node 2: waits in read_server at 0 s", 2, ({0: 3}, {0: 0}))
-        everyone = hub.report_stall("  not waiting: nodes [0, 1]", 0, ({1: 0}, {1: 3}))  # all in: a deadlock
+        everyone = keeper.report_stall("  not waiting: nodes [0, 1]", 0, ({1: 0}, {1: 3}))  # all in: a deadlock
         assert everyone is not None and "node 2: waits in read_server" in everyone
     finally:
-        hub.close()
+        keeper.close()
         proxy.close()

@@ -1,5 +1,5 @@
-"""read_server from every node in every process (sim): a node outside the hub's process reads the server's state as
-the hub has it at the node's turn in simulated time, so a strategy reading the server gives the same bits over
+"""read_server from every node in every process (sim): a node outside the keeper's process reads the server's state as
+the keeper has it at the node's turn in simulated time, so a strategy reading the server gives the same bits over
 processes=1, 2 and 3; and the global model's server entries are the server's when node 0 is down."""
 
 import pytest

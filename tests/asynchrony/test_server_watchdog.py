@@ -1,5 +1,5 @@
 """A server stuck in its handler ends the run as stuck within node_timeout, naming the server and the message it
-was handling: on the sim backend (the handler runs on the hub, between the nodes' turns) and on the torch backend
+was handling: on the sim backend (the handler runs on the keeper, between the nodes' turns) and on the torch backend
 (the server's thread in rank 0's process), also under torchrun."""
 
 import json

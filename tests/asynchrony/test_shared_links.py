@@ -114,4 +114,4 @@ def test_overlapping_flows_over_two_processes_give_one_process_bits():
     one, two = _uploads(starts, net), _uploads(starts, net, processes=2)
     assert two.config["processes"] == 2
     assert one.updates == two.updates and one.sim_time_per_node == two.sim_time_per_node
-    assert one.links == two.links and one.timeline == two.timeline  # the hub keeps the link lanes too
+    assert one.links == two.links and one.timeline == two.timeline  # the keeper keeps the link lanes too

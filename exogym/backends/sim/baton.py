@@ -111,7 +111,7 @@ class Baton:
         self.crossings_started: dict[tuple[int, ...], int] = {}  # group -> collectives on it sent across so far
         self._finished: set[int] = set()
         self._scheduler: greenlet.greenlet | None = None
-        self.post: "Messages | None" = None  # point-to-point messages on the simulated clock (set by the backend)
+        self.messages: "Messages | None" = None  # point-to-point messages on the simulated clock (set by the backend)
         self._receiving: dict[int, str] = {}  # rank -> the message it waits for
 
     def run(self, node_fns: list[Callable[[], Any]]) -> list[Any]:
@@ -164,7 +164,7 @@ class Baton:
         rank, batched = self.running, self._batched
         if rank is None and batched:
             return batched[0], self.arrivals, self._step_of(batched[0]), batched
-        handling = getattr(self.post, "handling", None) if rank is None else None
+        handling = getattr(self.messages, "handling", None) if rank is None else None
         if handling is not None:
             return SERVER, self.arrivals, handling, None
         return rank, self.arrivals, None if rank is None else self._step_of(rank), None
@@ -179,7 +179,7 @@ class Baton:
 
         nodes = {r: greenlet.greenlet(lambda r=r, fn=fn: body(r, fn)) for r, fn in zip(self.local, node_fns)}
         crossing = self._exchange is not None
-        post, queue = self.post, self.queue
+        post, queue = self.messages, self.queue
         try:
             while (queue.has_runs() or self._parked or post is not None and post.busy()
                    or crossing and self._exchange.busy):
@@ -201,7 +201,7 @@ class Baton:
                         self._turn = "this process's nodes waited for nodes in other processes"
                         self._wait_for_other_processes()
                         continue
-                    # (the hub: its next event waits for the other processes, and its own nodes run first)
+                    # (the keeper: its next event waits for the other processes, and its own nodes run first)
                 if crossing and self._exchange.has_news():  # packets that came while the nodes ran (a proxy's answers,
                     self._exchange.wait(timeout=0)  # exogym.backends.sim.postproxy): in, between turns
                     continue  # (they may queue an earlier run)
@@ -238,13 +238,13 @@ class Baton:
     def _wait_for_other_processes(self) -> None:
         """Wait for crossings to complete; when nothing moves anywhere, a deadlock across processes is an error."""
         since, stalled = time.monotonic(), False  # real time: a wait may take in many packets before its nodes run
-        post = self.post
-        # (a hub also waits while other processes run: until one of its nodes can run, an event is due, or nothing
+        post = self.messages
+        # (a keeper also waits while other processes run: until one of its nodes can run, an event is due, or nothing
         # is left to wait for)
         while not self.queue.has_runs() and (self._exchange.busy or post is not None and post.busy()):
             if post is not None:
-                post.report_idle()  # a proxy tells the hub it has nothing to run (exogym.backends.sim.postlink)
-                if post.due():  # the hub: the run is quiescent, the next event happens
+                post.report_idle()  # a proxy tells the keeper it has nothing to run (exogym.backends.sim.postlink)
+                if post.due():  # the keeper: the run is quiescent, the next event happens
                     break
             self._exchange.wait(timeout=0.25)  # completed crossings let their waiting members run
             if self.queue.has_runs():
@@ -335,7 +335,7 @@ class Baton:
         transfer = complete([pending.calls[r] for r in group])
         if transfer is not None:  # its transfer shares the links: the members wait until its flow ends
             transfer.done = lambda: self._transferred(pending)
-            self.post.transfer(transfer)
+            self.messages.transfer(transfer)
             if call.blocking:
                 self.wait(rank, pending)
             return pending

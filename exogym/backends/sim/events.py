@@ -15,7 +15,7 @@ Entries, ordered by (simulated time, kind, rank, sequence, the order they were p
   `Message.seq`);
 - a server timer (kind ARRIVE, from SERVER with count -1: before the server's messages at its time);
 - a node that wants to observe at its clock (kind OBSERVE, ordered by rank): a `recv`, a `poll` or a `read_server`,
-  of a node of this process or (the hub) of another process's.
+  of a node of this process or (the keeper) of another process's.
 
 Every key is fixed by simulated time, ranks and counts, never by the host's scheduling, so the same seed pops the
 same entries in the same order. The runs are kept in a heap of their own beside the rest (a node is in it at most
@@ -158,7 +158,7 @@ class EventQueue:
         return self._events
 
     def promote(self, entry: tuple) -> None:
-        """Make `entry` (one of `entries()`) the next event, ahead of its time and of every run (the hub's lookahead
+        """Make `entry` (one of `entries()`) the next event, ahead of its time and of every run (the keeper's lookahead
         across processes, exogym.backends.sim.postlink, takes an arrival at a waiting node before events that cannot
         reach it)."""
         self._events.remove(entry)  # by identity: the push order makes every other entry differ before the item

@@ -323,7 +323,7 @@ class Exchange:
 
 def in_flight(stalls: dict[int, tuple[int, str, Packets | None]]) -> bool:
     """Whether a packet of the message link is on its way: some process sent another more packets than that one has
-    taken in. Such a packet (an answer, a status, a question) wakes its receiver or lets the hub go on, however
+    taken in. Such a packet (an answer, a status, a question) wakes its receiver or lets the keeper go on, however
     long it takes to arrive on a loaded machine, so every process waiting is no deadlock yet. A process that
     finished (no counts) took in every packet sent to it before its goodbye."""
     for p, (_, _, packets) in stalls.items():

@@ -1,51 +1,51 @@
-"""The message channel of a sim run that spans processes: between the hub (the process holding the server, beside
+"""The message channel of a sim run that spans processes: between the keeper (the process holding the server, beside
 node 0: its post office keeps the run's one event heap, every node's mailbox and the server) and the other processes,
 whose post offices are proxies (exogym.backends.sim.postproxy).
 
 What goes over it, as pickled packets on torch.distributed point-to-point messages (gloo, tags of their own beside the
 exchange's):
-- a proxy to the hub: `post` (a message a node sent, with its arrival time worked out where it was sent), `ask` (a
+- a proxy to the keeper: `post` (a message a node sent, with its arrival time worked out where it was sent), `ask` (a
   node wants to observe at its clock: take a message, every message that has arrived, or the server's state for
   `read_server`), `floor` (the least clock at which a node of the process can still cause an event without the
-  hub, and how many answers it has taken in: the lookahead below), `status` (the process has nothing to run: how
+  keeper, and how many answers it has taken in: the lookahead below), `status` (the process has nothing to run: how
   many answers it has taken in, and which collectives across processes it has started and has open), and at its
   end a last status marked finished;
-- the hub to a proxy: `answer` (what a node asked for, and the simulated time it is answered at; it runs again),
+- the keeper to a proxy: `answer` (what a node asked for, and the simulated time it is answered at; it runs again),
   `arrived` (shared links: a message the proxy posted has its arrival time, once its flow ended; counted as an
   answer, since it may run a node waiting on its send) and `bye` (after its last status).
 
-Why nothing arrives out of order: every packet of one process to the hub goes on one (sender, receiver, tag) pair,
-which torch.distributed delivers in the order sent, and the hub handles a process's packets in that order. So when
-the hub holds a process's status, it holds every message that process posted and every question it asked before it
-ran out of work. The hub lets the next event happen when no node anywhere can still post an event that comes before
+Why nothing arrives out of order: every packet of one process to the keeper goes on one (sender, receiver, tag) pair,
+which torch.distributed delivers in the order sent, and the keeper handles a process's packets in that order. So when
+the keeper holds a process's status, it holds every message that process posted and every question it asked before it
+ran out of work. The keeper lets the next event happen when no node anywhere can still post an event that comes before
 it (in one process: when no node is ready), by one of two rules.
 
-The lookahead (`Hub.ahead`, a conservative parallel discrete-event simulation in the manner of Chandy, Misra and
+The lookahead (`Keeper.ahead`, a conservative parallel discrete-event simulation in the manner of Chandy, Misra and
 Bryant, with the floors as its null messages). A node causes events only at or after its clock, and clocks only
 move forward: it sends at its clock (a message starts at its sent_at and arrives later), it observes at its clock,
-and a collective returns it at or after its arrival. A node waiting on the hub (in a recv, a poll, a read_server,
-or on its send's arrival under shared links) causes nothing until the hub answers it, and it runs on from the time
+and a collective returns it at or after its arrival. A node waiting on the keeper (in a recv, a poll, a read_server,
+or on its send's arrival under shared links) causes nothing until the keeper answers it, and it runs on from the time
 of that answer (the ask's time, the message's arrival) or later. So each proxy tells its floor: the least clock of
-its nodes that may run without the hub (ready, running, in a collective, parked; not those waiting on the hub, nor
-the finished), infinity when there is none, with the count of answers it had taken in. The hub's floor of process p
+its nodes that may run without the keeper (ready, running, in a collective, parked; not those waiting on the keeper, nor
+the finished), infinity when there is none, with the count of answers it had taken in. The keeper's floor of process p
 is the least of p's last floor and the time of every answer sent to p that p had not taken in when it told it
-(`Hub.floor_of`). The floor comes after the posts before it on the pair, so when the hub holds it, every event p's
+(`Keeper.floor_of`). The floor comes after the posts before it on the pair, so when the keeper holds it, every event p's
 nodes caused before it is in the heap; every event they cause after it comes at or after the floor, or at or after
-an answer counted in. Let `lowest` be the least of every other process's floor and every clock of the hub's own
-nodes that are ready or in a collective across processes (they leave it at or after their arrival). The hub, with
+an answer counted in. Let `lowest` be the least of every other process's floor and every clock of the keeper's own
+nodes that are ready or in a collective across processes (they leave it at or after their arrival). The keeper, with
 no node parked, takes the next event, at time t, when t < lowest. Less, strictly: a
 node at its floor may still start a flow or observe at that very time, and ties go by rank. Then every event with a
-smaller key than this one is already in the heap: it was caused by a node of the hub (a ready one at or after its
+smaller key than this one is already in the heap: it was caused by a node of the keeper (a ready one at or after its
 clock; those waiting run again only from later events), by the server (at the times of the events it handles), or
 by another process's node before that process's last floor (in the heap) or after it (at or after the floor, so
-after t). (A node of the hub in a local collective leaves it at or after the last member's arrival, and that member
+after t). (A node of the keeper in a local collective leaves it at or after the last member's arrival, and that member
 is ready, in a collective across processes, or waiting on a later event.) So the event comes off the heap in the order one process takes it, while the other processes' nodes
 compute. Proxies tell their floor at every step of a node while it rises (SimTransport's step hook), as they take
-in answers, and when they run out of work; a node of the hub hands over to the next event at its step when that
-event comes before its clock (`Hub.on_step`), so the nodes of other processes waiting on it are answered while it
+in answers, and when they run out of work; a node of the keeper hands over to the next event at its step when that
+event comes before its clock (`Keeper.on_step`), so the nodes of other processes waiting on it are answered while it
 computes.
 
-The latency lookahead (`Hub._promote`): an event that only a node waiting on the hub sees (a message arriving for
+The latency lookahead (`Keeper._promote`): an event that only a node waiting on the keeper sees (a message arriving for
 a node waiting in recv, another process's node's recv or poll) may happen ahead of the events before it, when it
 comes at time s < lowest + L, L being the network's least latency (no message from another sender reaches a node
 sooner after it is sent, shared links or not). Every event not yet taken comes at or after `lowest` (the heap's
@@ -56,31 +56,31 @@ events skipped touch other state (the flows, the server, other mailboxes) and co
 themselves; the node runs on from s, after every event it could have caused. The server's events are never taken
 ahead: any node may read the server (read_server) at its clock.
 
-Quiescence (`Hub.quiet`), for what the floors do not decide: the hub takes the next event when every process has
+Quiescence (`Keeper.quiet`), for what the floors do not decide: the keeper takes the next event when every process has
 run out of work since the last answer it was sent, and no collective across processes has every holder started
-and some holder still open (its members would run again without the hub). Then no node anywhere can post an event
-the hub has not seen, as in one process, where the hub takes the next event only when no node is ready. With
+and some holder still open (its members would run again without the keeper). Then no node anywhere can post an event
+the keeper has not seen, as in one process, where the keeper takes the next event only when no node is ready. With
 nothing left to happen, a node waiting for a message is then a deadlock.
 
 Why `quiet` cannot be fooled by a stale status (a process reported, then woke up): a process wakes only on an answer
-(counted: the hub waits for the status taking it in) or on a collective across processes completing, which needs
-every holder to have started it. If a holder's last status shows it open, the rule makes the hub wait unless some
+(counted: the keeper waits for the status taking it in) or on a collective across processes completing, which needs
+every holder to have started it. If a holder's last status shows it open, the rule makes the keeper wait unless some
 holder's status shows it not started; that holder then started it after its status, so it ran after its status, so
 it was woken after its status, by an earlier completion or answer: following the causes back in time must end at a
 process that woke with nothing to wake it, which cannot be.
 
 `read_server` is an observation like a `recv`: a node of another process asks (`ask`, op "read") at its clock and
-waits, so its process cannot post anything that node would do next until the hub answers; the hub answers at the
+waits, so its process cannot post anything that node would do next until the keeper answers; the keeper answers at the
 ask's turn in the heap, when every earlier event has happened and the run is quiescent, with the server's state as it
-stands then. So the reader sees what it sees in one process, and a read never lets the hub run ahead of it.
+stands then. So the reader sees what it sees in one process, and a read never lets the keeper run ahead of it.
 
 Packets travel in batches: what queued up for a peer while the last batch was on its way goes as one transfer, in
 order. Each side counts the packets it sent to each peer and those it took in from each (`Link.counts`); the deadlock
 check across processes (exogym.backends.sim.exchange) declares a deadlock only when every process waits with
 nothing to run, nothing changed for a second, and no packet is in flight (every count sent equals the receiver's
-count taken in): a packet on its way is a question, an answer or a status that wakes its receiver or lets the hub go
+count taken in): a packet on its way is a question, an answer or a status that wakes its receiver or lets the keeper go
 on, however slowly a loaded machine delivers it. (Without the counts, AsyncDiLoCo on 1,024 nodes over two processes
-ended about 2 runs in 12 in a false deadlock while the hub took in process 1's 512 read_server questions.)
+ended about 2 runs in 12 in a false deadlock while the keeper took in process 1's 512 read_server questions.)
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ if TYPE_CHECKING:
     from exogym.backends.sim.protocols import HeapOwner
     from exogym.backends.sim.transport import SimTransport
 
-__all__ = ["Link", "Hub", "Status", "Ask"]
+__all__ = ["Link", "Keeper", "Status", "Ask"]
 
 # gloo's tags are 32-bit; the exchange's stay below 2**30 (exogym.backends.sim.exchange._tag)
 _HEADER_TAG, _BODY_TAG = (1 << 30) | 1, (1 << 30) | 2
@@ -113,7 +113,7 @@ _HEADER_TAG, _BODY_TAG = (1 << 30) | 1, (1 << 30) | 2
 
 @dataclass(frozen=True)
 class Ask:
-    """A node's observation, asked of the hub: at its clock `at`, `op` "recv" (the first matching message, or wait for
+    """A node's observation, asked of the keeper: at its clock `at`, `op` "recv" (the first matching message, or wait for
     one), "poll" (every matching message that has arrived) or "read" (the server's state, its update rows from row
     `known` on: exogym.backends.sim.serverhost.server_state)."""
 
@@ -138,7 +138,7 @@ class Status:
 
 
 class Link:
-    """Packets between this process and the others of the link (the hub talks to every process, a proxy to the hub).
+    """Packets between this process and the others of the link (the keeper talks to every process, a proxy to the keeper).
 
     Each peer's packets are sent by a thread of their own, in the order `send` was called (the process's own thread
     never blocks on a peer that stopped), and received by another, in order, and handed to `on_packet(src, packet)`
@@ -218,9 +218,9 @@ class Link:
             t.join(timeout)
 
 
-class Hub:
-    """The hub's side of the link: the other processes' statuses and the answers sent to them, and whether the run
-    is quiescent (module docstring). `post` is the hub's post office (exogym.backends.sim.postoffice.PostOffice)."""
+class Keeper:
+    """The keeper's side of the link: the other processes' statuses and the answers sent to them, and whether the run
+    is quiescent (module docstring). `post` is the keeper's post office (exogym.backends.sim.postoffice.PostOffice)."""
 
     def __init__(self, post: "HeapOwner", exchange: "Exchange", owner: list[int], me: int):
         self.post, self.owner, self.me = post, list(owner), me
@@ -271,7 +271,7 @@ class Hub:
         self._told[process].append((self.answered[process], at))
 
     def floor_of(self, process: int) -> float:
-        """The least simulated time at which a node of `process` can still cause an event the hub has not seen
+        """The least simulated time at which a node of `process` can still cause an event the keeper has not seen
         (module docstring): -inf before its first floor, inf once it finished."""
         s = self.status.get(process)
         if s is not None and s.finished:
@@ -303,7 +303,7 @@ class Hub:
         return self._latency > 0 and lowest > -math.inf and self._promote(lowest + self._latency)
 
     def _promote(self, horizon: float) -> bool:
-        """The latency lookahead (module docstring): the earliest event that only a node waiting on the hub sees (a
+        """The latency lookahead (module docstring): the earliest event that only a node waiting on the keeper sees (a
         message arriving for a node waiting in recv; another process's node's recv or poll), if it comes before
         `horizon`, is made the next one (Returns: whether one was)."""
         waiting = self.post.wants()
@@ -348,7 +348,7 @@ class Hub:
     def on_step(self, rank: int) -> None:
         """Node `rank` of this process starts a step: it hands over to a node that may run from a lower clock, and to
         the next event while that may happen before it (the lookahead), so that the other processes' nodes waiting
-        on the hub are answered while it computes."""
+        on the keeper are answered while it computes."""
         baton = self.post.baton
         queue = baton.queue
         while True:
@@ -396,7 +396,7 @@ class Hub:
         for _, open_ in views.values():
             for group, seq in open_:
                 if all(views[h][0].get(group, 0) > seq for h in self._holders_of(group)):
-                    return False  # every holder started it: it completes without the hub, and its members run
+                    return False  # every holder started it: it completes without the keeper, and its members run
         return True
 
     def _holders_of(self, group: tuple[int, ...]) -> set[int]:

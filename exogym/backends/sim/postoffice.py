@@ -30,9 +30,9 @@ the host schedules. A node blocked in a collective has no entry; the messages it
 clock from then on.
 
 A run over several processes (fit(processes=P), torchrun with backend="sim"): the process holding the server role
-(beside node 0) keeps the queue's events, every mailbox and the server (it is the hub); the other processes' post
+(beside node 0) keeps the queue's events, every mailbox and the server (it is the keeper); the other processes' post
 offices are proxies (exogym.backends.sim.postproxy) that send it their nodes' messages and observations and run a
-node again when it answers. The hub takes the next event when no node of any process can still cause an earlier
+node again when it answers. The keeper takes the next event when no node of any process can still cause an earlier
 one (the lookahead: every other process tells its nodes' least clock as they compute), or else once its own nodes
 have run and the whole run is quiescent, which is the rule above with "no node may run" read across every process;
 exogym.backends.sim.postlink says why the exchange between the processes cannot deliver a message out of order, so
@@ -56,7 +56,7 @@ from exogym.comm.transport import MessageError
 
 if TYPE_CHECKING:
     from exogym.backends.sim.baton import Baton
-    from exogym.backends.sim.postlink import Hub
+    from exogym.backends.sim.postlink import Keeper
     from exogym.cluster.simtime import TimeModel
 
 __all__ = ["PostOffice"]
@@ -68,8 +68,8 @@ class PostOffice:
     def __init__(self, baton: "Baton", num_nodes: int, time_model: "TimeModel | None", collective_flows: bool = True):
         self.baton, self.num_nodes = baton, num_nodes
         self.network = time_model.network if time_model is not None else None
-        self.hub: "Hub | None" = None  # the other processes' nodes, when the run spans processes (set by the backend)
-        self.undeclared = False  # the run spans processes without a hub: a message is an error (set by the backend)
+        self.keeper: "Keeper | None" = None  # the other processes' nodes, when the run spans processes (set by the backend)
+        self.undeclared = False  # the run spans processes without a keeper: a message is an error (set by the backend)
         self.progress = 0  # events that happened (the deadlock check across processes)
         self.active = False  # a message was posted or a server declared: checkpoints pause the clocks
         self._loaded = False  # a checkpoint's state is in (read before any node ran)
@@ -100,7 +100,7 @@ class PostOffice:
 
     @property
     def events(self) -> EventQueue:
-        """The run's event queue (the hub's lookahead reads it, exogym.backends.sim.postlink)."""
+        """The run's event queue (the keeper's lookahead reads it, exogym.backends.sim.postlink)."""
         return self._events
 
     @property
@@ -110,24 +110,24 @@ class PostOffice:
 
     # ---- the baton's questions --------------------------------------------------------------------
     def busy(self) -> bool:
-        """Whether the baton must go on for the messages: events to happen, or (the hub) other processes running."""
-        return self._events.has_events() or self.hub is not None and self.hub.unfinished()
+        """Whether the baton must go on for the messages: events to happen, or (the keeper) other processes running."""
+        return self._events.has_events() or self.keeper is not None and self.keeper.unfinished()
 
     def due(self) -> bool:
         """Whether the next event may happen now (the baton asks when no node's run comes before it). In one process:
-        whenever there is one. The hub: when no node of any process can still cause an earlier one (the lookahead),
+        whenever there is one. The keeper: when no node of any process can still cause an earlier one (the lookahead),
         or once its own nodes have run and the whole run is quiescent (exogym.backends.sim.postlink); then, with
         nothing left to happen, a node waiting for a message is a deadlock.
 
         Raises:
             MessageError: the run is quiescent, nothing is in flight, and some node waits in a recv.
         """
-        if self.hub is None:
+        if self.keeper is None:
             return self._events.has_events()
         # the lookahead: it happens while other processes' nodes run if none of them can cause an earlier event
-        if self._events.has_events() and self.hub.ahead(self._events.next_at(), self.baton.open_crossings):
+        if self._events.has_events() and self.keeper.ahead(self._events.next_at(), self.baton.open_crossings):
             return True
-        if self._events.has_runs() or not self.hub.quiet(self.baton.crossings_started, set(self.baton.open_crossings)):
+        if self._events.has_runs() or not self.keeper.quiet(self.baton.crossings_started, set(self.baton.open_crossings)):
             return False
         if self._events.has_events():
             return True
@@ -142,19 +142,19 @@ class PostOffice:
         return self._events.next_at() if self._events.has_events() else None
 
     def report_idle(self) -> None:
-        """The baton has nothing to run (a proxy reports it to the hub; nothing to do here)."""
+        """The baton has nothing to run (a proxy reports it to the keeper; nothing to do here)."""
 
     def finish(self) -> None:
-        """The baton's nodes are done: the hub waits for the link's threads."""
-        if self.hub is not None:
-            self.hub.close()
+        """The baton's nodes are done: the keeper waits for the link's threads."""
+        if self.keeper is not None:
+            self.keeper.close()
 
     def packets(self) -> tuple[dict[int, int], dict[int, int]] | None:
         """The link's packets sent and taken in, per process (None: the run is one process's)."""
-        return None if self.hub is None else self.hub.link.counts()
+        return None if self.keeper is None else self.keeper.link.counts()
 
     def next_event(self) -> None:
-        """Let the earliest event happen (the hub calls it when no node is ready)."""
+        """Let the earliest event happen (the keeper calls it when no node is ready)."""
         kind, item = self._events.pop()
         self.progress += 1
         if kind == FINISH:
@@ -254,7 +254,7 @@ class PostOffice:
     def shares_collectives(self) -> bool:
         """Whether a collective's transfer runs as a flow on the shared links (one process with shared links, a
         strategy that sends no messages), rather than alone by its formula."""
-        return self._flows is not None and self._collective_flows and self.hub is None and not self.undeclared
+        return self._flows is not None and self._collective_flows and self.keeper is None and not self.undeclared
 
     def transfer(self, transfer: CollectiveTransfer) -> None:
         """A collective's transfer (shared_collectives): its flow starts at transfer.start, in time order with the
@@ -298,7 +298,7 @@ class PostOffice:
             self.baton.wake_receiver(rank)
         token = self._posted_by.pop(key, None)
         if token is not None:
-            self.hub.arrived(token, message.arrives_at)
+            self.keeper.arrived(token, message.arrives_at)
 
     def log_arrivals(self, rank: int, arrives: list[float]) -> None:
         """A resumed node's timeline log of its messages' arrivals: those on the wire at the checkpoint are filled
@@ -323,8 +323,8 @@ class PostOffice:
         want = self._boxes.deliver(message)
         if want is None:
             return
-        if self.hub is not None and self.hub.is_remote(message.dst):
-            self.hub.answer(message.dst, self._boxes.first(message.dst, want[0], want[1]), message.arrives_at)
+        if self.keeper is not None and self.keeper.is_remote(message.dst):
+            self.keeper.answer(message.dst, self._boxes.first(message.dst, want[0], want[1]), message.arrives_at)
         else:
             self.baton.wake_receiver(message.dst)
 
@@ -332,27 +332,27 @@ class PostOffice:
     def observe(self, rank: int, at: float) -> None:
         """Node `rank` is about to read something at its clock `at`: every earlier event happens first."""
         self.baton.arrivals += 1  # progress, for the watchdog
-        if self.hub is None and not self.baton.parked and not self._events.before(at, rank):
+        if self.keeper is None and not self.baton.parked and not self._events.before(at, rank):
             return  # no run and no event comes before it: it reads now, without a switch
         self._events.observe(at, rank, rank)
         self.baton.sleep(rank)
 
     def ask(self, ask: Ask) -> None:
-        """A node of another process observes at its clock (the hub): its turn comes in simulated-time order, as a
+        """A node of another process observes at its clock (the keeper): its turn comes in simulated-time order, as a
         node's here."""
         self._events.observe(ask.at, ask.rank, ask)
 
     def _answer(self, ask: Ask) -> None:
         if ask.op == "read":  # the server's state now, at the node's turn, as a node here would read it
-            self.hub.answer(ask.rank, None if self.server is None else server_state(self.server, since=ask.known),
+            self.keeper.answer(ask.rank, None if self.server is None else server_state(self.server, since=ask.known),
                             ask.at)
             return
         if ask.op == "poll":
-            self.hub.answer(ask.rank, self._boxes.take_arrived(ask.rank, ask.src, ask.tag), ask.at)
+            self.keeper.answer(ask.rank, self._boxes.take_arrived(ask.rank, ask.src, ask.tag), ask.at)
             return
         m = self._boxes.first(ask.rank, ask.src, ask.tag)
         if m is not None:
-            self.hub.answer(ask.rank, m, ask.at)
+            self.keeper.answer(ask.rank, m, ask.at)
         else:
             self._boxes.wait(ask.rank, ask.src, ask.tag, ask.what)
 
@@ -395,14 +395,14 @@ class PostOffice:
 
     def describe_waiting(self) -> list[str]:
         local = self.baton.describe_waiting()
-        return ([local] if local else []) + ([] if self.hub is None else self.hub.describe_waiting())
+        return ([local] if local else []) + ([] if self.keeper is None else self.keeper.describe_waiting())
 
     # ---- checkpoints: the state at a pause (every node waits in the checkpoint's collective) -----------
     def cut(self, group: tuple[int, ...], count: int) -> None:
         """A checkpoint's pause: every node has met in its `count`-th collective on `group`; before the state is
         read, every message the other processes posted before it is in (their statuses follow their posts)."""
-        if self.hub is not None:
-            self.hub.wait_for(lambda s: s.started.get(group, 0) >= count)
+        if self.keeper is not None:
+            self.keeper.wait_for(lambda s: s.started.get(group, 0) >= count)
 
     def state_dict(self) -> dict[str, Any]:
         """Messages in flight, mailboxes, the senders' counts and the server: plain data and tensors."""

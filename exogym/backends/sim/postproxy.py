@@ -1,16 +1,16 @@
-"""The post office of a process of a sim run that does not hold the hub: it forwards its nodes' messages and
-observations to the hub (the process holding the server, beside node 0, exogym.backends.sim.postlink) and runs a node
-again when the hub answers. Nodes compute here in parallel with the other processes; everything they read goes
-through the hub's one event heap, in simulated-time order, as in one process.
+"""The post office of a process of a sim run that does not hold the keeper: it forwards its nodes' messages and
+observations to the keeper (the process holding the server, beside node 0, exogym.backends.sim.postlink) and runs a node
+again when the keeper answers. Nodes compute here in parallel with the other processes; everything they read goes
+through the keeper's one event heap, in simulated-time order, as in one process.
 
-The lookahead (exogym.backends.sim.postlink): the proxy tells the hub its floor, the least clock of its nodes that may
-run without the hub, at each step of a node while it rises, as it takes answers in and when it runs out of work, so
-the hub takes events while the nodes here compute. To keep its floor rising, at the start of each step a node hands
+The lookahead (exogym.backends.sim.postlink): the proxy tells the keeper its floor, the least clock of its nodes that may
+run without the keeper, at each step of a node while it rises, as it takes answers in and when it runs out of work, so
+the keeper takes events while the nodes here compute. To keep its floor rising, at the start of each step a node hands
 over to a ready node with a lower clock (the order nodes take turns changes no bit), and to the scheduler when packets
 wait, which takes them in between turns: an answered node then runs within a step, not after the others' rounds.
 
-The server runs with the hub; `serve` here returns a shadow of it (made by the same factory), which `read_server`
-loads with the server's state as the hub answers it at the node's turn (the server's `state_dict()`, its clock, its
+The server runs with the keeper; `serve` here returns a shadow of it (made by the same factory), which `read_server`
+loads with the server's state as the keeper answers it at the node's turn (the server's `state_dict()`, its clock, its
 update rows and byte counts) before handing it to the reader. So a read gives what it gives in one process; the
 shadow's attributes are only as fresh as the last read of a node of this process, and the shadow never handles a
 message or sends one.
@@ -37,17 +37,17 @@ __all__ = ["PostProxy"]
 
 
 class PostProxy:
-    """The messages of this process's nodes, by way of the hub in process `hub` (same calls as PostOffice)."""
+    """The messages of this process's nodes, by way of the keeper in process `keeper` (same calls as PostOffice)."""
 
-    def __init__(self, baton: "Baton", num_nodes: int, time_model: "TimeModel | None", exchange: "Exchange", hub: int):
-        self.baton, self.num_nodes, self.hub_process, self.exchange = baton, num_nodes, hub, exchange
+    def __init__(self, baton: "Baton", num_nodes: int, time_model: "TimeModel | None", exchange: "Exchange", keeper: int):
+        self.baton, self.num_nodes, self.keeper_process, self.exchange = baton, num_nodes, keeper, exchange
         self.network = time_model.network if time_model is not None else None
-        self.server: Server | None = None  # the server's shadow here, once a node declared it (it runs with the hub)
+        self.server: Server | None = None  # the server's shadow here, once a node declared it (it runs with the keeper)
         self._rows: list[dict[str, float]] = []  # the server's update rows as far as an answer showed them
         self.active = False  # a message was posted or a server declared: checkpoints pause the clocks
         self.progress = 0  # answers taken in (the deadlock check across processes)
-        self._answers: dict[int, Any] = {}  # rank -> what the hub answered it, until it runs
-        # shared links: the messages posted whose arrival the hub has not told yet, by number, and who waits on one
+        self._answers: dict[int, Any] = {}  # rank -> what the keeper answered it, until it runs
+        # shared links: the messages posted whose arrival the keeper has not told yet, by number, and who waits on one
         self._shared = self.network is not None and self.network.shared_links
         self._on_wire: dict[int, Message] = {}
         self._token_of: dict[int, int] = {}  # id(message) -> its number, while on the wire
@@ -62,15 +62,15 @@ class PostProxy:
         self._answered_at: dict[int, float] = {}
         self._told: tuple[float, int] | None = None
         self._bye = False
-        self.link = Link(exchange, [hub], self._on_packet)
-        self._server_home = f"the process holding node 0 (process {hub})"  # for the shadow's errors
+        self.link = Link(exchange, [keeper], self._on_packet)
+        self._server_home = f"the process holding node 0 (process {keeper})"  # for the shadow's errors
 
     # ---- the baton's questions ------------------------------------------------------------------
     def busy(self) -> bool:
         return bool(self._awaiting)
 
     def due(self) -> bool:
-        return False  # the hub's heap decides
+        return False  # the keeper's heap decides
 
     def watch(self, nodes: Mapping[int, "SimTransport"]) -> None:
         """This process's nodes (rank -> transport): their clocks make the floor, and each step calls `on_step`."""
@@ -83,7 +83,7 @@ class PostProxy:
         return max(self._nodes[rank].clock.now, self._answered_at.get(rank, -math.inf))
 
     def floor(self) -> float:
-        """The least clock at which a node here can cause an event without the hub (inf: none can; -inf before the
+        """The least clock at which a node here can cause an event without the keeper (inf: none can; -inf before the
         nodes are watched)."""
         floor = math.inf if self._nodes else -math.inf
         for rank in self._nodes:
@@ -92,11 +92,11 @@ class PostProxy:
         return floor
 
     def report_floor(self) -> None:
-        """Tell the hub the floor and the answers taken in, when either changed (after the packets sent before)."""
+        """Tell the keeper the floor and the answers taken in, when either changed (after the packets sent before)."""
         told = (self.floor(), self.progress)
         if told != self._told:
             self._told = told
-            self.link.send(self.hub_process, "floor", *told)
+            self.link.send(self.keeper_process, "floor", *told)
 
     def on_step(self, rank: int) -> None:
         """Node `rank` starts a step (it runs): hand over while packets wait to be taken in or a ready node has a
@@ -117,16 +117,16 @@ class PostProxy:
         raise RuntimeError("a proxy runs no transfer as a flow (shares_collectives is False)")
 
     def report_idle(self) -> None:
-        """Nothing to run here: tell the hub, once per change (after every packet sent before, in order)."""
+        """Nothing to run here: tell the keeper, once per change (after every packet sent before, in order)."""
         self.report_floor()
         status = Status(self.progress, dict(self.baton.crossings_started), frozenset(self.baton.open_crossings))
         if status != self._reported:
             self._reported = status
-            self.link.send(self.hub_process, "status", status)
+            self.link.send(self.keeper_process, "status", status)
 
     def finish(self) -> None:
-        """Every node here is done: the last status, then the hub's goodbye (no receive is left posted)."""
-        self.link.send(self.hub_process, "status", Status(self.progress, dict(self.baton.crossings_started),
+        """Every node here is done: the last status, then the keeper's goodbye (no receive is left posted)."""
+        self.link.send(self.keeper_process, "status", Status(self.progress, dict(self.baton.crossings_started),
                                                           frozenset(), finished=True))
         while not self._bye:
             self.exchange.wait(timeout=0.25)
@@ -134,14 +134,14 @@ class PostProxy:
         self.link.join()
 
     def packets(self) -> tuple[dict[int, int], dict[int, int]]:
-        """The link's packets sent to the hub and taken in from it."""
+        """The link's packets sent to the keeper and taken in from it."""
         return self.link.counts()
 
     def _on_packet(self, src: int, packet: tuple) -> None:
         if packet[0] == "bye":
             self._bye = True
             return
-        if packet[0] == "arrived":  # a message's flow ended at the hub: its arrival time
+        if packet[0] == "arrived":  # a message's flow ended at the keeper: its arrival time
             _, token, at = packet
             self.progress += 1
             message = self._on_wire.pop(token)
@@ -168,44 +168,44 @@ class PostProxy:
         self.active = True
         if not self._shared:
             message.arrives_at = arrival(self.network, message)
-            self.link.send(self.hub_process, "post", message)
+            self.link.send(self.keeper_process, "post", message)
             return
-        self._posted += 1  # shared links: the hub runs its flow and tells its arrival under this number
+        self._posted += 1  # shared links: the keeper runs its flow and tells its arrival under this number
         self._on_wire[self._posted] = message
         self._token_of[id(message)] = self._posted
-        self.link.send(self.hub_process, "post", message, self._posted)
+        self.link.send(self.keeper_process, "post", message, self._posted)
 
     def arrow(self, message: Message, arrives: list[float], index: int) -> None:
-        """The timeline logs `message` at `arrives[index]`: with shared links, its arrival is put there when the hub
+        """The timeline logs `message` at `arrives[index]`: with shared links, its arrival is put there when the keeper
         tells it (a process whose nodes have all finished is told no more: those arrows are left out)."""
         token = self._token_of.get(id(message))
         if token is not None:
             self._arrows[token] = (arrives, index)
 
     def log_arrivals(self, rank: int, arrives: list[float]) -> None:
-        """Nothing: the hub does not tell this process the arrivals of its messages on the wire at the checkpoint
+        """Nothing: the keeper does not tell this process the arrivals of its messages on the wire at the checkpoint
         (their arrows are left out of the timeline)."""
 
     def sent(self, rank: int, message: Message) -> None:
-        """Node `rank` waits on its send: with shared links, until the hub tells its arrival."""
+        """Node `rank` waits on its send: with shared links, until the keeper tells its arrival."""
         token = self._token_of.get(id(message))
         if token is None:
             return
         self._sending[token] = rank
         self._awaiting.add(rank)
-        self.baton.await_message(rank, f"its send of {message.nbytes} bytes, on the wire (told by the hub)")
+        self.baton.await_message(rank, f"its send of {message.nbytes} bytes, on the wire (told by the keeper)")
 
     def link_usage(self) -> None:
-        """The hub keeps the links' use (node 0's log)."""
+        """The keeper keeps the links' use (node 0's log)."""
         return None
 
     def link_spans(self) -> None:
-        """The hub keeps the links' spans (node 0's log)."""
+        """The keeper keeps the links' spans (node 0's log)."""
         return None
 
     def _ask(self, rank: int, at: float, op: str, src: int | None, tag: int | None, what: str, known: int = 0) -> Any:
         self.baton.arrivals += 1  # progress, for the watchdog
-        self.link.send(self.hub_process, "ask", Ask(rank, at, op, src, tag, what, known))
+        self.link.send(self.keeper_process, "ask", Ask(rank, at, op, src, tag, what, known))
         self._awaiting.add(rank)
         self.baton.await_message(rank, what)
         return self._answers.pop(rank)
@@ -217,7 +217,7 @@ class PostProxy:
         return self._ask(rank, at, "poll", src, tag, f"poll at {at:.6g} s")
 
     def read(self, rank: int, at: float, read: Callable[[Server], Any]) -> Any:
-        """`read(server)` as of node `rank`'s clock `at`: the hub's server state at the node's turn, in the shadow.
+        """`read(server)` as of node `rank`'s clock `at`: the keeper's server state at the node's turn, in the shadow.
 
         Raises:
             RuntimeError: the run has no server, or its class does not define state_dict and load_state_dict (what a
@@ -230,7 +230,7 @@ class PostProxy:
         state = self._ask(rank, at, "read", None, None, f"read_server at {at:.6g} s", known)
         if state is None:
             raise RuntimeError(f"read_server: the run has no server in the process holding node 0 (process "
-                               f"{self.hub_process}); every node declares it with exogym.comm.serve in its setup")
+                               f"{self.keeper_process}); every node declares it with exogym.comm.serve in its setup")
         # The rows only grow: keep the longest prefix any answer showed, and hand this reader the rows it was shown
         # (another node's answer may have been taken in since this one was asked, with more rows or fewer).
         count = known + len(state["updates"])
@@ -247,13 +247,13 @@ class PostProxy:
         return self.server
 
     def cut(self, group: tuple[int, ...], count: int) -> None:
-        """A checkpoint's pause: the hub takes in this process's messages (node 0 keeps the state)."""
+        """A checkpoint's pause: the keeper takes in this process's messages (node 0 keeps the state)."""
 
     def state_dict(self) -> dict[str, Any]:
-        raise RuntimeError("the messages' state is kept by node 0, with the hub")
+        raise RuntimeError("the messages' state is kept by node 0, with the keeper")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Nothing: the hub reads the messages' state."""
+        """Nothing: the keeper reads the messages' state."""
 
     def check_loaded(self) -> None:
-        """Nothing: the hub reads the messages' state."""
+        """Nothing: the keeper reads the messages' state."""

@@ -60,7 +60,7 @@ class SimRecvWork:
     def wait(self, timeout: Any = None) -> Message:
         if self._message is not None:
             return self._message
-        t, post = self._t, self._t.baton.post
+        t, post = self._t, self._t.baton.messages
         who = "any node" if self._src is None else "the server" if self._src == SERVER else f"node {self._src}"
         m = post.receive(t.rank, t.clock.now, self._src, self._tag, lambda: (
             f"recv from {who}" + ("" if self._tag is None else f" with tag {self._tag}")

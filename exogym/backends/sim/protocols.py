@@ -1,6 +1,6 @@
 """What the sim's scheduler (exogym.backends.sim.baton) and the nodes' transports ask of a process's messages, as one
 declared interface: the post office where the run's event heap lives (exogym.backends.sim.postoffice, one process
-or the hub) and a proxy forwarding to it (exogym.backends.sim.postproxy) both give it."""
+or the keeper) and a proxy forwarding to it (exogym.backends.sim.postproxy) both give it."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ class Crossings(Protocol):
 
 
 class HeapOwner(Protocol):
-    """What the hub's end of the message link hands to the post office holding the run's event heap."""
+    """What the keeper's end of the message link hands to the post office holding the run's event heap."""
 
     baton: Any  # the process's scheduler (exogym.backends.sim.baton.Baton): its nodes that may run, for the lookahead
     network: Any  # the run's Network (None: no time model): its least latency, for the lookahead
@@ -61,7 +61,7 @@ class HeapOwner(Protocol):
 
     def push(self, message: Message, token: tuple[int, int] | None = None) -> None:
         """A message another process posted: its arrival time set, or (shared links) `token`, (the process, its
-        number there), under which the hub tells the process its arrival once its flow ends."""
+        number there), under which the keeper tells the process its arrival once its flow ends."""
 
     def ask(self, ask: Any) -> None:
         """A node of another process observes at its clock (a postlink.Ask)."""
@@ -91,7 +91,7 @@ class Messages(Protocol):
         """Let the earliest event happen."""
 
     def report_idle(self) -> None:
-        """The process has nothing to run (a proxy tells the hub)."""
+        """The process has nothing to run (a proxy tells the keeper)."""
 
     def finish(self) -> None:
         """Every node of the process is done."""

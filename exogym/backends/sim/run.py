@@ -17,7 +17,7 @@ from exogym.backends.sim.exchange import Exchange
 from exogym.backends.sim.fused.choose import choose_execution
 from exogym.backends.sim.fused.engine import FusedEngine
 from exogym.backends.sim.fused.execution import FusedExecution
-from exogym.backends.sim.postlink import Hub
+from exogym.backends.sim.postlink import Keeper
 from exogym.backends.sim.postoffice import PostOffice
 from exogym.backends.sim.postproxy import PostProxy
 from exogym.backends.sim.transport import SimTransport
@@ -67,18 +67,18 @@ class _NodeModes:
             torch.set_autocast_dtype(d, dtype)
 
 
-def _post_office(plan: "RunPlan", baton: Baton, exchange: Exchange | None, hub: int | None) -> "Messages":
-    """The nodes' post office: the one event heap and the server (one process, or the hub: the process hosting the
-    server role), or a proxy forwarding to the hub (exogym.backends.sim.postlink)."""
+def _post_office(plan: "RunPlan", baton: Baton, exchange: Exchange | None, keeper: int | None) -> "Messages":
+    """The nodes' post office: the one event heap and the server (one process, or the keeper: the process hosting the
+    server role), or a proxy forwarding to the keeper (exogym.backends.sim.postlink)."""
     k, time_model = plan.num_nodes, plan.cfg.time_model
-    if exchange is not None and hub is not None and hub != exchange.me:
-        return PostProxy(baton, k, time_model, exchange, hub)
+    if exchange is not None and keeper is not None and keeper != exchange.me:
+        return PostProxy(baton, k, time_model, exchange, keeper)
     # A strategy that sends messages has its collectives costed alone, by their formula, in every process count: over
     # processes its messages' flows live in the process holding the server, which sees no collective.
     post = PostOffice(baton, k, time_model, collective_flows=not plan.strategy.sends_messages)
-    if exchange is not None and hub is not None:
-        post.hub = Hub(post, exchange, exchange.owner, exchange.me)
-    post.undeclared = exchange is not None and hub is None
+    if exchange is not None and keeper is not None:
+        post.keeper = Keeper(post, exchange, exchange.owner, exchange.me)
+    post.undeclared = exchange is not None and keeper is None
     saved = plan.resume[0] if plan.resume is not None else None
     if saved is not None and "messages" in saved.strategy:  # in before any node runs (or another process posts)
         try:
@@ -91,7 +91,7 @@ def _post_office(plan: "RunPlan", baton: Baton, exchange: Exchange | None, hub: 
 
 
 def run_sim(plan: "RunPlan", sinks: "RunSinks", *, local: Sequence[int] | None = None,
-            exchange: Exchange | None = None, hub: int | None = None) -> list[Any]:
+            exchange: Exchange | None = None, keeper: int | None = None) -> list[Any]:
     """Run the plan's nodes under one baton on this thread.
 
     Args:
@@ -99,7 +99,7 @@ def run_sim(plan: "RunPlan", sinks: "RunSinks", *, local: Sequence[int] | None =
         sinks: where the nodes report (the run's live log; on_stuck, which lets the watchdog end the process).
         local: the block of nodes this process runs (default: all of them).
         exchange: the crossings to the other processes' nodes, when local is a block.
-        hub: the process hosting the server role, whose post office holds the run's event heap (None: the run has no
+        keeper: the process hosting the server role, whose post office holds the run's event heap (None: the run has no
             messages across processes).
 
     Returns:
@@ -133,18 +133,18 @@ def run_sim(plan: "RunPlan", sinks: "RunSinks", *, local: Sequence[int] | None =
     baton = Baton(k, on_resume=resume, on_pause=pause, node_timeout=plan.node_timeout, step_of=lambda r: comms[r].step,
                   local=local, exchange=exchange, on_stuck=on_stuck if sinks.on_stuck is not None else None,
                   clock_of=lambda r: comms[r].clock.now)
-    baton.post = _post_office(plan, baton, exchange, hub)
+    baton.messages = _post_office(plan, baton, exchange, keeper)
     owner = exchange.owner if exchange is not None else None
     time_model = plan.cfg.time_model
     alone = (AloneCheck(baton.floor) if exchange is not None and time_model is not None
              and time_model.network.shared_links and not plan.strategy.sends_messages else None)
     comms.update((r, SimTransport(baton, r, k, time_model, plan.cfg.membership, owner, alone)) for r in local)
-    # the lookahead across processes: a proxy tells the hub its nodes' least clock as they step, the hub lets events
+    # the lookahead across processes: a proxy tells the keeper its nodes' least clock as they step, the keeper lets events
     # happen while its nodes step (exogym.backends.sim.postlink)
-    if isinstance(baton.post, PostProxy):
-        baton.post.watch(comms)
-    elif isinstance(baton.post, PostOffice) and baton.post.hub is not None:
-        baton.post.hub.watch(comms)
+    if isinstance(baton.messages, PostProxy):
+        baton.messages.watch(comms)
+    elif isinstance(baton.messages, PostOffice) and baton.messages.keeper is not None:
+        baton.messages.keeper.watch(comms)
     execution = SequentialExecution() if plan.execution == "sequential" else FusedExecution(FusedEngine(
         plan.model, len(local), plan.devices[local[0]], minibatch_size=plan.cfg.minibatch_size,
         autocast=plan.cfg.autocast, seed=plan.seed, baton=baton, first_rank=local[0]))
@@ -182,7 +182,7 @@ def run_hosted(plan: "RunPlan", sinks: "RunSinks", hosting: Hosting, peers: Peer
         return run_sim(plan, sinks)
     exchange = Exchange(hosting.owner, hosting.process, peers.store, peers.run_key, peer_timeout=plan.peer_timeout)
     try:
-        return run_sim(plan, sinks, local=hosting.nodes, exchange=exchange, hub=hosting.role_process(SERVER_ROLE))
+        return run_sim(plan, sinks, local=hosting.nodes, exchange=exchange, keeper=hosting.role_process(SERVER_ROLE))
     finally:
         exchange.close()
 

@@ -1,4 +1,4 @@
-"""The run's server on the sim, where it runs (one process, or the hub): made once, run between the nodes' turns at
+"""The run's server on the sim, where it runs (one process, or the keeper): made once, run between the nodes' turns at
 each message's arrival time and at its timers, named while a handler runs (for the watchdog), and its state as plain
 data (a checkpoint's, and what a node in another process reads into its shadow: `server_state`, `load_server`, from
 exogym.backends.server_state, which the torch backend shares)."""

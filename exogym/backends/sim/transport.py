@@ -211,7 +211,7 @@ class SimTransport(TransportBase):
     @step.setter
     def step(self, value: int | None) -> None:
         self._step = value
-        if self.on_step is not None:  # over several processes: the floor to the hub, or an event cut in (postlink)
+        if self.on_step is not None:  # over several processes: the floor to the keeper, or an event cut in (postlink)
             self.on_step(self.rank)
 
     def __init__(self, baton: Baton, rank: int, num_nodes: int, time_model: TimeModel | None = None,
@@ -275,7 +275,7 @@ class SimTransport(TransportBase):
             for c in calls:
                 c.args["done_at"] = done_at
 
-        route = self.time_model.network.collective_route(op, nbytes, ranks) if self.baton.post.shares_collectives \
+        route = self.time_model.network.collective_route(op, nbytes, ranks) if self.baton.messages.shares_collectives \
             else None
         if route is None or not route.nbytes:  # (a barrier puts no bytes on a link: its latency alone, as the formula)
             self._check_alone(op, nbytes, ranks, start, calls[0].step)
@@ -323,13 +323,13 @@ class SimTransport(TransportBase):
     # ---- point-to-point messages and the server (exogym.backends.sim.postoffice) -------------------
     def send_message(self, message: Message, *, blocking: bool) -> SimSendWork | None:
         message.sent_at = self.clock.now
-        post = self.baton.post
-        post.post(message)
+        messages = self.baton.messages
+        messages.post(message)
         if self.clock.spans is not None:  # the timeline's arrow, from send to arrival (shared links: once known)
             arrives = self.clock.spans.messages["arrives"]
-            post.arrow(message, arrives, len(arrives))
+            messages.arrow(message, arrives, len(arrives))
             self.clock.spans.sent(message.dst, message.sent_at, message.arrives_at, message.nbytes)
-        work = SimSendWork(self.clock, message, lambda: post.sent(self.rank, message))
+        work = SimSendWork(self.clock, message, lambda: messages.sent(self.rank, message))
         if blocking:
             work.wait()
             return None
@@ -343,18 +343,18 @@ class SimTransport(TransportBase):
     def poll_messages(self, src: int | None, tag: int | None) -> list[Message]:
         at = self.clock.now
         self._spin.before(self.rank, self.step, at, self._others_turns(), "poll()")
-        taken = self.baton.post.arrived(self.rank, at, src, tag)
+        taken = self.baton.messages.arrived(self.rank, at, src, tag)
         self._spin.after(at, self._others_turns(), bool(taken))
         self.stats.bytes_received += sum(m.nbytes for m in taken)
         return taken
 
     def serve(self, make: Callable[[], Server]) -> Server | None:
-        return self.baton.post.serve(make)
+        return self.baton.messages.serve(make)
 
     def read_server(self, read: Callable[[Server], Any]) -> Any:
         at = self.clock.now
         self._spin.before(self.rank, self.step, at, self._others_turns(), "read_server()")
-        value = self.baton.post.read(self.rank, at, read)
+        value = self.baton.messages.read(self.rank, at, read)
         self._spin.after(at, self._others_turns(), False)
         return value
 
@@ -366,7 +366,7 @@ class SimTransport(TransportBase):
         """A run with messages pauses at a checkpoint: every node waits until the last one gets there (their clocks
         move to its clock, as idle time), so the checkpoint is a cut in simulated time: what is in flight then is
         saved with it, and a resumed run continues exactly (exogym.backends.sim.postoffice)."""
-        if not self.baton.post.active:
+        if not self.baton.messages.active:
             return
         latest = torch.tensor([self.clock.now], dtype=torch.float64)
         self.all_reduce(latest, ReduceOp.MAX, self.world)
@@ -375,11 +375,11 @@ class SimTransport(TransportBase):
     def restore(self, stats: CommStats, clock: NodeClock) -> None:
         super().restore(stats, clock)
         if clock.spans is not None:  # its messages on the wire at the checkpoint: their arrows land in its log
-            self.baton.post.log_arrivals(self.rank, clock.spans.messages["arrives"])
+            self.baton.messages.log_arrivals(self.rank, clock.spans.messages["arrives"])
 
     def messages_state(self) -> dict[str, Any] | None:
         """The post office's state at the pause (node 0 keeps it in its checkpoint file), or None."""
-        post = self.baton.post
+        post = self.baton.messages
         if self.rank != 0 or not (post.active or post.link_usage()):  # (collectives alone on shared links: their use)
             return None
         world = self.world.ranks
@@ -387,21 +387,21 @@ class SimTransport(TransportBase):
         return post.state_dict()
 
     def load_messages_state(self, state: dict[str, Any]) -> None:
-        post = self.baton.post
+        post = self.baton.messages
         post.load_state_dict(state)  # nothing, when the backend read it before any node ran
         post.check_loaded()
 
     def served(self) -> Server | None:
         """The run's server, if a strategy declared one (its record goes with node 0's log)."""
-        return self.baton.post.server
+        return self.baton.messages.server
 
     def link_usage(self) -> dict[str, dict[str, float]] | None:
         """Each link's busy seconds and bytes (shared links; None otherwise; node 0's log keeps it)."""
-        return self.baton.post.link_usage()
+        return self.baton.messages.link_usage()
 
     def link_spans(self) -> dict[str, dict[str, Any]] | None:
         """Each link's busy spans (shared links; None otherwise; node 0's log keeps them for the timeline)."""
-        return self.baton.post.link_spans()
+        return self.baton.messages.link_spans()
 
 
 

@@ -1,6 +1,6 @@
 """The sim backend's watchdog: a node that keeps the baton past node_timeout is named, with its step and Python
 stack, and stopped; one that cannot be stopped ends the process (when the run asks for it) rather than hang it. The
-same holds for a strategy's server, whose handlers run on the hub between the nodes' turns: one handler (receive,
+same holds for a strategy's server, whose handlers run on the keeper between the nodes' turns: one handler (receive,
 wake) running past node_timeout is a ServerTimeoutError naming the server and the message it was handling.
 
 Sim nodes are greenlets of the caller's thread, so a node that loops or waits without reaching a collective would
@@ -194,7 +194,7 @@ class Watchdog:
         rank, step = sample[0], sample[2]
         frame = sys._current_frames().get(self._target)
         stack = "".join(traceback.format_stack(frame)[-25:]) if frame is not None else "  (not available)\n"
-        if rank == SERVER:  # the hub ran the server's handler: step is (the server's class, what it handles)
+        if rank == SERVER:  # the keeper ran the server's handler: step is (the server's class, what it handles)
             server, what = step
             error: NodeTimeoutError = ServerTimeoutError(
                 f"the server ({server}) ran for {held_s:.1f} s handling {what} without returning, longer than "

@@ -1,7 +1,7 @@
 """`read_server` from a rank other than 0 on the torch backend: what travels, and the shadow server it is loaded into.
 
 The server runs on a thread of rank 0's process (exogym.backends.torch.messages). Every other rank holds a shadow of
-it, made by the same factory (`serve` returns it), as the sim's processes away from the hub do
+it, made by the same factory (`serve` returns it), as the sim's processes away from the keeper do
 (exogym.backends.sim.postproxy). A read sends a request (a header of its own kind, on the messages' channel) to rank
 0, whose receiver queues it with the server's messages; the server's thread handles it between two messages, under
 the server's lock, and answers with the server's state (`server_state`: its `state_dict()`, clock, the update rows the

@@ -112,12 +112,12 @@ class TorchTransport(TransportBase):
         self.ledger = CollectiveLedger()  # the collectives entered, for naming who never came when one times out
         self.heartbeat: Heartbeat | None = None  # publishes the ledger (set by the backend when it has a store)
         self.check_peers: Callable[[], None] | None = None  # raises PeerLostError for a stopped member (gloo)
-        self.post = TorchPostOffice(rank, num_nodes, timeout.total_seconds())  # messages and the server
+        self.messages = TorchPostOffice(rank, num_nodes, timeout.total_seconds())  # messages and the server
         self._server_watch: ServerWatch | None = None  # rank 0, once a server runs: names a stuck handler
 
     # ---- point-to-point messages and the server (exogym.backends.torch.messages) -------------------
     def send_message(self, message: Any, *, blocking: bool) -> Any:
-        work = self.post.post(message)
+        work = self.messages.post(message)
         return None if blocking else work
 
     def _what(self, src: int | None, tag: int | None) -> str:
@@ -126,7 +126,7 @@ class TorchTransport(TransportBase):
 
     def receive_message(self, src: int | None, tag: int | None, into: torch.Tensor | None, *, blocking: bool) -> Any:
         def take() -> Any:
-            m = self.post.take(src, tag, self._what(src, tag))[0]
+            m = self.messages.take(src, tag, self._what(src, tag))[0]
             self.stats.bytes_received += m.nbytes
             if into is not None:
                 into.copy_(m.tensor)
@@ -135,42 +135,42 @@ class TorchTransport(TransportBase):
         return work.wait() if blocking else work
 
     def poll_messages(self, src: int | None, tag: int | None) -> list[Any]:
-        taken = self.post.take(src, tag, "poll", wait=False)
+        taken = self.messages.take(src, tag, "poll", wait=False)
         self.stats.bytes_received += sum(m.nbytes for m in taken)
         return taken
 
     def serve(self, make: Any) -> Any:
         """The server (rank 0) or its shadow (the other ranks: read_server loads it)."""
-        server = self.post.serve(make)
+        server = self.messages.serve(make)
         if self.rank == 0 and self._server_watch is None:
-            self._server_watch = ServerWatch(self.post, self.post.timeout_s).start()
+            self._server_watch = ServerWatch(self.messages, self.messages.timeout_s).start()
         return server
 
     def read_server(self, read: Any) -> Any:
         """`read(server)`: on rank 0 under the lock its handlers hold; elsewhere on the shadow, loaded with the
         server's state as rank 0's server thread answers (exogym.backends.torch.server_reads)."""
-        if self.post.server is None:
+        if self.messages.server is None:
             raise RuntimeError("read_server: the run has no server (declare one with exogym.comm.serve)")
         if self.rank != 0:
-            return self.post.read(read, f"read_server at step {self.step}")
-        while not self.post.server_lock.acquire(timeout=1.0):  # held by a handler: a stuck one is named by the watch
+            return self.messages.read(read, f"read_server at step {self.step}")
+        while not self.messages.server_lock.acquire(timeout=1.0):  # held by a handler: a stuck one is named by the watch
             if self._server_watch is not None and self._server_watch.error is not None:
                 raise self._server_watch.error
         try:
-            return read(self.post.server)
+            return read(self.messages.server)
         finally:
-            self.post.server_lock.release()
+            self.messages.server_lock.release()
 
     def served(self) -> Any:
-        return self.post.server
+        return self.messages.server
 
     def now(self) -> float:
         """Wall-clock seconds since this node's transport was made (messages run in real time here)."""
-        return self.post.now()
+        return self.messages.now()
 
     def close_messages(self) -> None:
         try:
-            self.post.close()
+            self.messages.close()
         finally:
             if self._server_watch is not None:
                 self._server_watch.stop()
@@ -306,7 +306,7 @@ class TorchTransport(TransportBase):
         """A failed collective, from the members' ledgers: a CollectiveError naming each node's call when they
         differ; else, on a timeout, a NodeTimeoutError naming the members that never entered it; else None. On rank
         0 with a stuck server, the server watch's ServerTimeoutError: the members that never came wait for it."""
-        stuck = self._server_watch.verdict(self.post) if self._server_watch is not None else None
+        stuck = self._server_watch.verdict(self.messages) if self._server_watch is not None else None
         if stuck is not None:
             return stuck
         if self.heartbeat is None:
