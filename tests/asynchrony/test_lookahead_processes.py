@@ -34,7 +34,7 @@ class CountsOverlap:
     def finish(self):
         super().finish()
         if self.rank == 0:
-            keeper = getattr(current_transport().baton.post, "keeper", None)
+            keeper = getattr(current_transport().baton.messages, "keeper", None)
             Path(self.out).write_text("-1" if keeper is None else f"{keeper.overlapped} {keeper.promoted}")
 
 
