@@ -339,15 +339,11 @@ class Baton:
             if call.blocking:
                 self.wait(rank, pending)
             return pending
-        pending.done = True
-        for r in pending.waiters:
-            del self._blocked[r]
-        # Those blocked on it and the arriving node may run, each from its clock (the queue orders equal clocks by
-        # rank). Any order gives the same numbers: a node's work depends only on its data, its RNG stream
-        # (swapped with the baton), collective results (computed in rank order) and what it observes, which
-        # depends on simulated time only (exogym.backends.sim.postoffice).
-        for r in sorted(pending.waiters | {rank}):
-            self._may_run(r)
+        # Those blocked on it and the arriving node may run, each from its clock (equal clocks in rank order). Any
+        # order gives the same numbers: a node's work depends only on its data, its RNG stream (swapped with the
+        # baton), collective results (computed in rank order) and what it observes, which depends on simulated time
+        # only (exogym.backends.sim.postoffice).
+        self._release(pending, also=rank)
         self._yield(rank)
         return pending
 
@@ -360,23 +356,23 @@ class Baton:
 
     def _transferred(self, pending: Pending) -> None:
         """A collective's transfer ended (its members' clocks are set): they run on, each from its clock."""
+        self._release(pending)
+
+    def _release(self, pending: Pending, also: int | None = None) -> None:
+        """`pending` is done: its waiting members (and `also`, the node that completed it) may run."""
         pending.done = True
         for r in pending.waiters:
             del self._blocked[r]
-        for r in sorted(pending.waiters):
+        for r in sorted(pending.waiters if also is None else pending.waiters | {also}):
             self._may_run(r)
 
     def _crossed(self, pending: Pending, calls: list[CollectiveCall], start: float,
                  leave_across: Callable[[list[CollectiveCall], float], None] | None) -> None:
-        """A crossing completed (its results are in the local members' tensors): they run on, in rank order."""
+        """A crossing completed (its results are in the local members' tensors): they run on, each from its clock."""
         if leave_across is not None:
             leave_across(calls, start)
         del self._across[pending.key]
-        pending.done = True
-        for r in pending.waiters:
-            del self._blocked[r]
-        for r in sorted(pending.waiters):
-            self._may_run(r)
+        self._release(pending)
 
     # ---- point-to-point messages (the post office calls these) ------------------------------------
     @property

@@ -107,7 +107,6 @@ class EventQueue:
         return heapq.heappop(self._runs)[2]
 
     # ---- the rest ---------------------------------------------------------------------------------------
-
     def _number(self, message: Message) -> None:
         message.seq = self._sent.get(message.src, 0)
         self._sent[message.src] = message.seq + 1
