@@ -191,3 +191,22 @@ def test_an_async_collective_over_processes_on_a_network_without_finite_links_ru
     t = Trainer(toy.TinyMLP(), toy.make_classification(64))
     t.fit(Overlapping(400), 2, max_steps=2, network="ideal", processes=2, **FIT)
     assert t.record.time_per_node[0]["comm_s"] == 0.0
+
+
+def test_a_resumed_run_of_collectives_on_shared_links_keeps_their_links_use(tmp_path):
+    # a DiLoCo run whose only flows are its collectives: the checkpoint keeps the links' use (record.links and the
+    # link lanes), and the resumed run is the uninterrupted one, clocks included (no pause of the clocks)
+    from exogym.strategy import DiLoCoStrategy
+
+    def fit(folder, **kw):
+        t = Trainer(toy.TinyMLP(), toy.make_classification(64))
+        model = t.fit(DiLoCoStrategy(lr=0.01, H=2), 2, max_steps=6, network=Network(bandwidth="1Mbps", latency=0.01),
+                      node_speeds=[1.0, 0.5], checkpoint_interval=4, checkpoint_dir=folder, **FIT, **kw)
+        return t.record, model
+
+    whole, whole_model = fit(tmp_path / "a")
+    assert whole.links["port 0 up"]["bytes"] > 0
+    resumed, resumed_model = fit(tmp_path / "b", resume_from=tmp_path / "a" / "step_000000004")
+    assert all(torch.equal(a, b) for a, b in zip(whole_model.parameters(), resumed_model.parameters()))
+    assert resumed.links == whole.links and resumed.time_per_node == whole.time_per_node
+    assert resumed.timeline["lanes"] == whole.timeline["lanes"]
