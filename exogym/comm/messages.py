@@ -103,7 +103,7 @@ class Server:
 
     Subclass it and implement `receive(message)`; reply with `self.send(dst, tensor, tag=..., meta=...)`. A run
     has at most one server; on the sim backend it runs in the process of node 0 (over several processes, that
-    process keeps the run's event heap), between the nodes' turns, at each message's arrival time (`self.now`); on
+    process keeps the run's event queue), between the nodes' turns, at each message's arrival time (`self.now`); on
     the torch backend, on a thread of rank 0's process. Record each update it applies with
     `self.record_update(node=..., staleness=..., weight=...)` (a row of `trainer.record.updates`, with the
     simulated time added). For `read_server` away from the server (the sim's other processes, the torch backend's

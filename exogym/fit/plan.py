@@ -130,7 +130,7 @@ def build_plan(c: FitConfig, *, model: torch.nn.Module, train_dataset: DatasetOr
         raise ValueError(f"unknown backend {ln.backend!r}; use one of {list(BACKENDS)}")
     # Under torchrun backend="torch" runs only this process's node, backend="sim" this process's block of nodes;
     # rank 0 logs.
-    # A strategy that sends messages has the server role (with the sim's one event heap), beside node 0.
+    # A strategy that sends messages has the server role (with the sim's one event queue), beside node 0.
     launcher = choose_launcher(environment, ln.backend, c.num_nodes, processes=ln.processes, port=ln.port,
                                checkpoint_dir_shared=k.checkpoint_interval is None or k.checkpoint_dir is not None
                                or run_name is not None,

@@ -75,7 +75,7 @@ class Strategy(metaclass=Adaptable):
     # the step it was issued). False: this strategy's nodes meet at different steps on purpose.
     collectives_match_steps = True
     # True: the strategy's nodes talk by point-to-point messages (exogym.comm.messages): the run has the server
-    # role, and a sim run over several processes keeps its one event heap in the process holding node 0
+    # role, and a sim run over several processes keeps its one event queue in the process holding node 0
     # (exogym.backends.sim.postlink); undeclared, such a run stops at its first message, telling you to set it.
     sends_messages = False
 

@@ -14,7 +14,7 @@ Want = tuple[int | None, int | None, str]  # (src, tag, what): the sender and ta
 
 
 class Mailboxes:
-    """Every node's arrived messages (the heap's order) and the recvs waiting for one."""
+    """Every node's arrived messages (the queue's order) and the recvs waiting for one."""
 
     def __init__(self, num_nodes: int):
         self._mail: dict[int, list[Message]] = {r: [] for r in range(num_nodes)}
@@ -23,7 +23,7 @@ class Mailboxes:
     def deliver(self, message: Message) -> Want | None:
         """Into its receiver's mailbox; returns what the receiver waited for, if this message matches it (the
         receiver no longer waits: it is to be woken)."""
-        self._mail[message.dst].append(message)  # arrival order: the heap's order
+        self._mail[message.dst].append(message)  # arrival order: the queue's order
         want = self._wants.get(message.dst)
         if want is not None and matches(message, want[0], want[1]):
             del self._wants[message.dst]

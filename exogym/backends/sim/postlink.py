@@ -1,5 +1,5 @@
 """The message channel of a sim run that spans processes: between the keeper (the process holding the server, beside
-node 0: its post office keeps the run's one event heap, every node's mailbox and the server) and the other processes,
+node 0: its post office keeps the run's one event queue, every node's mailbox and the server) and the other processes,
 whose post offices are proxies (exogym.backends.sim.postproxy).
 
 What goes over it, as pickled packets on torch.distributed point-to-point messages (gloo, tags of their own beside the
@@ -30,16 +30,16 @@ its nodes that may run without the keeper (ready, running, in a collective, park
 the finished), infinity when there is none, with the count of answers it had taken in. The keeper's floor of process p
 is the least of p's last floor and the time of every answer sent to p that p had not taken in when it told it
 (`Keeper.floor_of`). The floor comes after the posts before it on the pair, so when the keeper holds it, every event p's
-nodes caused before it is in the heap; every event they cause after it comes at or after the floor, or at or after
+nodes caused before it is in the queue; every event they cause after it comes at or after the floor, or at or after
 an answer counted in. Let `lowest` be the least of every other process's floor and every clock of the keeper's own
 nodes that are ready or in a collective across processes (they leave it at or after their arrival). The keeper, with
 no node parked, takes the next event, at time t, when t < lowest. Less, strictly: a
 node at its floor may still start a flow or observe at that very time, and ties go by rank. Then every event with a
-smaller key than this one is already in the heap: it was caused by a node of the keeper (a ready one at or after its
+smaller key than this one is already in the queue: it was caused by a node of the keeper (a ready one at or after its
 clock; those waiting run again only from later events), by the server (at the times of the events it handles), or
-by another process's node before that process's last floor (in the heap) or after it (at or after the floor, so
+by another process's node before that process's last floor (in the queue) or after it (at or after the floor, so
 after t). (A node of the keeper in a local collective leaves it at or after the last member's arrival, and that member
-is ready, in a collective across processes, or waiting on a later event.) So the event comes off the heap in the order one process takes it, while the other processes' nodes
+is ready, in a collective across processes, or waiting on a later event.) So the event comes off the queue in the order one process takes it, while the other processes' nodes
 compute. Proxies tell their floor at every step of a node while it rises (SimTransport's step hook), as they take
 in answers, and when they run out of work; a node of the keeper hands over to the next event at its step when that
 event comes before its clock (`Keeper.on_step`), so the nodes of other processes waiting on it are answered while it
@@ -48,8 +48,8 @@ computes.
 The latency lookahead (`Keeper._promote`): an event that only a node waiting on the keeper sees (a message arriving for
 a node waiting in recv, another process's node's recv or poll) may happen ahead of the events before it, when it
 comes at time s < lowest + L, L being the network's least latency (no message from another sender reaches a node
-sooner after it is sent, shared links or not). Every event not yet taken comes at or after `lowest` (the heap's
-next one included), so every message the node has not yet received and that no event in the heap already carries
+sooner after it is sent, shared links or not). Every event not yet taken comes at or after `lowest` (the queue's
+next one included), so every message the node has not yet received and that no event in the queue already carries
 to it (an arrival, or its own message on the wire: to itself it takes no time; then it waits) arrives after s; the
 node's mailbox sees its messages in the order one process gives them, and it reads at s what it reads there. The
 events skipped touch other state (the flows, the server, other mailboxes) and come later in the same order among
@@ -71,7 +71,7 @@ process that woke with nothing to wake it, which cannot be.
 
 `read_server` is an observation like a `recv`: a node of another process asks (`ask`, op "read") at its clock and
 waits, so its process cannot post anything that node would do next until the keeper answers; the keeper answers at the
-ask's turn in the heap, when every earlier event has happened and the run is quiescent, with the server's state as it
+ask's turn in the queue, when every earlier event has happened and the run is quiescent, with the server's state as it
 stands then. So the reader sees what it sees in one process, and a read never lets the keeper run ahead of it.
 
 Packets travel in batches: what queued up for a peer while the last batch was on its way goes as one transfer, in
@@ -102,7 +102,7 @@ from exogym.comm.messages import Message
 
 if TYPE_CHECKING:
     from exogym.backends.sim.exchange import Exchange
-    from exogym.backends.sim.protocols import HeapOwner
+    from exogym.backends.sim.protocols import QueueOwner
     from exogym.backends.sim.transport import SimTransport
 
 __all__ = ["Link", "Keeper", "Status", "Ask"]
@@ -222,7 +222,7 @@ class Keeper:
     """The keeper's side of the link: the other processes' statuses and the answers sent to them, and whether the run
     is quiescent (module docstring). `post` is the keeper's post office (exogym.backends.sim.postoffice.PostOffice)."""
 
-    def __init__(self, post: "HeapOwner", exchange: "Exchange", owner: list[int], me: int):
+    def __init__(self, post: "QueueOwner", exchange: "Exchange", owner: list[int], me: int):
         self.post, self.owner, self.me = post, list(owner), me
         self.remotes = sorted(set(self.owner) - {me})
         self.status: dict[int, Status] = {}

@@ -181,7 +181,7 @@ class PostOffice:
         if self.undeclared:
             raise MessageError("this run spans processes and its strategy sends point-to-point messages (or declares a "
                                "server) without saying so: set the class attribute sends_messages = True on the "
-                               "strategy, so that the process holding node 0 keeps the run's one event heap")
+                               "strategy, so that the process holding node 0 keeps the run's one event queue")
 
     def post(self, message: Message) -> None:
         """Put a message on the wire at message.sent_at; it arrives after the network's transfer time (shared links:
@@ -215,7 +215,7 @@ class PostOffice:
 
     def push(self, message: Message, token: tuple[int, int] | None = None) -> None:
         """A message on the wire (its arrival time set by the sender's process, without shared links): into the
-        heap, numbered as its sender's next. `token`: (process, its number there) of a message another process
+        queue, numbered as its sender's next. `token`: (process, its number there) of a message another process
         posted, told its arrival when its flow ends."""
         self.active = True
         if self._flows is None:

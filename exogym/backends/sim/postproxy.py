@@ -1,7 +1,7 @@
 """The post office of a process of a sim run that does not hold the keeper: it forwards its nodes' messages and
 observations to the keeper (the process holding the server, beside node 0, exogym.backends.sim.postlink) and runs a node
 again when the keeper answers. Nodes compute here in parallel with the other processes; everything they read goes
-through the keeper's one event heap, in simulated-time order, as in one process.
+through the keeper's one event queue, in simulated-time order, as in one process.
 
 The lookahead (exogym.backends.sim.postlink): the proxy tells the keeper its floor, the least clock of its nodes that may
 run without the keeper, at each step of a node while it rises, as it takes answers in and when it runs out of work, so
@@ -70,7 +70,7 @@ class PostProxy:
         return bool(self._awaiting)
 
     def due(self) -> bool:
-        return False  # the keeper's heap decides
+        return False  # the keeper's queue decides
 
     def watch(self, nodes: Mapping[int, "SimTransport"]) -> None:
         """This process's nodes (rank -> transport): their clocks make the floor, and each step calls `on_step`."""

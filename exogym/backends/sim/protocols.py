@@ -1,5 +1,5 @@
 """What the sim's scheduler (exogym.backends.sim.baton) and the nodes' transports ask of a process's messages, as one
-declared interface: the post office where the run's event heap lives (exogym.backends.sim.postoffice, one process
+declared interface: the post office where the run's event queue lives (exogym.backends.sim.postoffice, one process
 or the keeper) and a proxy forwarding to it (exogym.backends.sim.postproxy) both give it."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from exogym.comm.messages import Message, Server
 if TYPE_CHECKING:
     from exogym.backends.sim.events import CollectiveTransfer
 
-__all__ = ["Messages", "Crossings", "HeapOwner", "Packets"]
+__all__ = ["Messages", "Crossings", "QueueOwner", "Packets"]
 
 Packets = tuple[dict[int, int], dict[int, int]]  # the message link's packets: (sent to each process, taken in from each)
 
@@ -45,8 +45,8 @@ class Crossings(Protocol):
         """Every node of this process finished."""
 
 
-class HeapOwner(Protocol):
-    """What the keeper's end of the message link hands to the post office holding the run's event heap."""
+class QueueOwner(Protocol):
+    """What the keeper's end of the message link hands to the post office holding the run's event queue."""
 
     baton: Any  # the process's scheduler (exogym.backends.sim.baton.Baton): its nodes that may run, for the lookahead
     network: Any  # the run's Network (None: no time model): its least latency, for the lookahead

@@ -68,7 +68,7 @@ class _NodeModes:
 
 
 def _post_office(plan: "RunPlan", baton: Baton, exchange: Exchange | None, keeper: int | None) -> "Messages":
-    """The nodes' post office: the one event heap and the server (one process, or the keeper: the process hosting the
+    """The nodes' post office: the one event queue and the server (one process, or the keeper: the process hosting the
     server role), or a proxy forwarding to the keeper (exogym.backends.sim.postlink)."""
     k, time_model = plan.num_nodes, plan.cfg.time_model
     if exchange is not None and keeper is not None and keeper != exchange.me:
@@ -99,7 +99,7 @@ def run_sim(plan: "RunPlan", sinks: "RunSinks", *, local: Sequence[int] | None =
         sinks: where the nodes report (the run's live log; on_stuck, which lets the watchdog end the process).
         local: the block of nodes this process runs (default: all of them).
         exchange: the crossings to the other processes' nodes, when local is a block.
-        keeper: the process hosting the server role, whose post office holds the run's event heap (None: the run has no
+        keeper: the process hosting the server role, whose post office holds the run's event queue (None: the run has no
             messages across processes).
 
     Returns:
