@@ -210,3 +210,37 @@ def test_a_resumed_run_of_collectives_on_shared_links_keeps_their_links_use(tmp_
     assert all(torch.equal(a, b) for a, b in zip(whole_model.parameters(), resumed_model.parameters()))
     assert resumed.links == whole.links and resumed.time_per_node == whole.time_per_node
     assert resumed.timeline["lanes"] == whole.timeline["lanes"]
+
+
+class Islands(Strategy):
+    """Nodes 0-1 and 2-3 each all-reduce 4,000 B within their pair every step (islands that never wait for each
+    other)."""
+
+    def _init_node(self, model, rank, num_nodes):
+        super()._init_node(model, rank, num_nodes)
+        self.optim = torch.optim.SGD(model.parameters(), lr=0.0)
+        from exogym.comm import new_group
+        self.groups = [new_group([0, 1]), new_group([2, 3])]
+
+    def step(self):
+        from exogym.comm import get_rank
+        super().step()
+        all_reduce(torch.zeros(1000), group=self.groups[get_rank() // 2])
+
+
+def test_a_checkpoint_while_another_islands_collective_is_on_the_wire_resumes_exactly(tmp_path):
+    # node 0's island is ten times faster: node 0 reaches its checkpoint while the slow island's transfer is on the
+    # wire. The links' use is taken at a cut (every node met, every transfer before it ended), so the resumed run
+    # gives the uninterrupted one's times and links
+    def fit(folder, **kw):
+        t = Trainer(toy.TinyMLP(), toy.make_classification(256))
+        t.fit(Islands(), 4, max_steps=6, network=Network(bandwidth="100kbps", latency=0.01),
+              node_speeds=[1.0, 1.0, 0.1, 0.1], device_flops=[2e5] * 4, checkpoint_interval=2, checkpoint_dir=folder,
+              **FIT, **kw)
+        return t.record
+
+    whole = fit(tmp_path / "a")
+    resumed = fit(tmp_path / "b", resume_from=tmp_path / "a" / "step_000000002")
+    assert whole.links["port 2 up"]["bytes"] == 6 * 4000
+    assert resumed.time_per_node == whole.time_per_node and resumed.links == whole.links
+    assert resumed.timeline["lanes"] == whole.timeline["lanes"]

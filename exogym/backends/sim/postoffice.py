@@ -72,6 +72,7 @@ class PostOffice:
         self.undeclared = False  # the run spans processes without a keeper: a message is an error (set by the backend)
         self.progress = 0  # events that happened (the deadlock check across processes)
         self.active = False  # a message was posted or a server declared: checkpoints pause the clocks
+        self.links_cut: dict[str, Any] | None = None  # a collectives-only run's state at its last checkpoint's cut
         self._loaded = False  # a checkpoint's state is in (read before any node ran)
         self._events = baton.queue  # the run's one queue: the nodes' runs are in it too
         self._boxes = Mailboxes(num_nodes)

@@ -378,13 +378,29 @@ class SimTransport(TransportBase):
             self.baton.messages.log_arrivals(self.rank, clock.spans.messages["arrives"])
 
     def messages_state(self) -> dict[str, Any] | None:
-        """The post office's state at the pause (node 0 keeps it in its checkpoint file), or None."""
+        """The post office's state at the pause (node 0 keeps it in its checkpoint file), or None. Every node calls
+        it (after its strategy's state, which waits for its async collectives)."""
         post = self.baton.messages
-        if self.rank != 0 or not (post.active or post.link_usage()):  # (collectives alone on shared links: their use)
+        if not post.active and post.shares_collectives:
+            return self._links_cut()
+        if self.rank != 0 or not post.active:
             return None
         world = self.world.ranks
         post.cut(world, self.baton.collectives_made(self.rank, world))  # the pause's messages from other processes
         return post.state_dict()
+
+    def _links_cut(self) -> dict[str, Any] | None:
+        """A run whose only flows are its collectives: the links' use at a cut, for node 0's file. Every node meets
+        in an untimed barrier (no clock moves); the last to arrive, when every collective before it has ended and no
+        node has gone on (one that had would have started its next transfers), takes the state."""
+        post = self.baton.messages
+
+        def take(calls: list[CollectiveCall]) -> None:
+            post.links_cut = post.state_dict()
+
+        call = CollectiveCall("barrier", ("barrier",), {"rank": self.rank}, self.step, match_step=self.match_steps)
+        self.baton.rendezvous(self.rank, self.world.ranks, call, take)
+        return post.links_cut if self.rank == 0 and post.link_usage() else None
 
     def load_messages_state(self, state: dict[str, Any]) -> None:
         post = self.baton.messages
