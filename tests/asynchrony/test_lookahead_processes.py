@@ -58,6 +58,8 @@ CASES = {  # (strategy, its options, network, node speeds, process counts beside
     "async_diloco_alone": (AsyncDiLoCo, dict(H=5, outer_lr=0.7), ALONE, None, (2,)),
     "fedbuff_speeds_shared": (FedBuff, dict(H=2, buffer_size=2, lr=0.05), SHARED, SPEEDS, (2,)),
     "gossip_async_speeds_alone": (Gossip, dict(topology="ring", mode="async", lr=0.05), ALONE, SPEEDS, (2,)),
+    # every link infinite: a message arrives by the formula at once in the keeper, as a flow from another process
+    "async_diloco_speeds_ideal": (AsyncDiLoCo, dict(H=5, outer_lr=0.7), "ideal", SPEEDS, (2,)),
 }
 
 

@@ -258,7 +258,7 @@ class PostOffice:
         return self._flows is not None and self._collective_flows and self.keeper is None and not self.undeclared
 
     def transfer(self, transfer: CollectiveTransfer) -> None:
-        """A collective's transfer (shared_collectives): its flow starts at transfer.start, in time order with the
+        """A collective's transfer (shares_collectives): its flow starts at transfer.start, in time order with the
         rest; when it ends, transfer.leave sets its members' clocks and transfer.done lets them run."""
         self._transfers += 1
         transfer.key = ("collective", transfer.first, self._transfers)
