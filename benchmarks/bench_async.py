@@ -26,7 +26,7 @@ import torch
 
 from exogym import Trainer
 from exogym.strategy import AsyncDiLoCoStrategy, DiLoCoStrategy, OptimSpec
-from workload import MLP, SmallCNN, make_data
+from workload import MLP, SmallCNN, fastest_interleaved, make_data
 
 MODELS = {"mlp": (MLP, "MLP 784-256-256-10"), "cnn": (SmallCNN, "small CNN")}
 
@@ -70,13 +70,9 @@ def main() -> None:
 
 def compare_processes(make, args: argparse.Namespace) -> None:
     counts = (1, args.processes)
-    best = {p: float("inf") for p in counts}
-    run(make, args.nodes, args.H, args.processes, args.model)  # warm-up (the processes' imports)
-    load = os.getloadavg()[0]
-    for _ in range(args.repeat):
-        for p in counts:
-            best[p] = min(best[p], run(make, args.nodes, args.steps, p, args.model))
-    load = max(load, os.getloadavg()[0])
+    run(make, args.nodes, args.H, args.processes, args.model)  # warm-up (the processes' imports), short
+    best, load = fastest_interleaved({p: lambda p=p: run(make, args.nodes, args.steps, p, args.model) for p in counts},
+                                     args.repeat)
     print(f"async DiLoCo, K={args.nodes}, {args.steps} steps, H={args.H}, {MODELS[args.model][1]}, batch 32, "
           f"{os.cpu_count()} cores, load average (1 min, highest seen) {load:.1f}\n")
     print("| processes | ms per node-step | vs processes=1 |\n|---|---|---|")

@@ -34,7 +34,7 @@ import torch
 
 from exogym import Trainer
 from exogym.strategy import AsyncDiLoCoStrategy, OptimSpec
-from workload import MLP, make_data
+from workload import MLP, fastest_interleaved, make_data
 
 BATCH = 32
 SEED = 42  # fit's default seed: the data order
@@ -141,14 +141,10 @@ def main() -> None:
     k = args.nodes
     speeds = [1.0 - 0.75 * i / max(1, k - 1) for i in range(k)]
     runs = {"plain event loop": plain_event_loop, "exogym async DiLoCo": exogym_run}
-    best = {name: float("inf") for name in runs}
-    load = os.getloadavg()[0]
-    for fn in runs.values():  # warm-up
+    for fn in runs.values():  # warm-up, short
         fn(k, args.H, args.H, speeds)
-    for _ in range(args.repeat):
-        for name, fn in runs.items():
-            best[name] = min(best[name], fn(k, args.steps, args.H, speeds)[0])
-    load = max(load, os.getloadavg()[0])
+    best, load = fastest_interleaved({name: lambda fn=fn: fn(k, args.steps, args.H, speeds)[0]
+                                      for name, fn in runs.items()}, args.repeat)
     print(f"K={k}, {args.steps} steps, H={args.H}, MLP 784-256-256-10, batch 32, AdamW, one thread, "
           f"{'CPU' if args.cpu_time else 'wall'} time, {os.cpu_count()} cores, load average (1 min, highest seen) "
           f"{load:.1f}\n")

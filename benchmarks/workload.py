@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from typing import Callable, Hashable
+
 import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
@@ -67,3 +70,21 @@ def ddp_keeping_k_copies(optim_spec):
         one_replica = False
 
     return KCopies(optim_spec)
+
+
+def fastest_interleaved(runs: dict[Hashable, Callable[[], float]], repeat: int) -> tuple[dict[Hashable, float], float]:
+    """Each run `repeat` times, interleaved (so load moves them alike); warm-ups are the caller's.
+
+    Args:
+        runs: name -> a function returning the seconds it measured.
+        repeat: how many times each runs.
+
+    Returns:
+        The fastest seconds of each, and the highest 1-minute load average seen.
+    """
+    best = {name: float("inf") for name in runs}
+    load = os.getloadavg()[0]
+    for _ in range(repeat):
+        for name, run in runs.items():
+            best[name] = min(best[name], run())
+    return best, max(load, os.getloadavg()[0])
