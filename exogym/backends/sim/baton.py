@@ -108,6 +108,7 @@ class Baton:
         self._seq: dict[int, dict[tuple[int, ...], int]] = {r: {} for r in self.local}
         self._local_members: dict[tuple[int, ...], int] = {}  # group -> how many of its members run here
         self._across: dict[tuple, Pending] = {}  # collectives gone to other processes, by key
+        self.transfers_open: set[tuple] = set()  # collectives whose transfer is a flow not yet ended, by key
         self.crossings_started: dict[tuple[int, ...], int] = {}  # group -> collectives on it sent across so far
         self._finished: set[int] = set()
         self._scheduler: greenlet.greenlet | None = None
@@ -280,7 +281,8 @@ class Baton:
     def rendezvous(self, rank: int, group: tuple[int, ...], call: CollectiveCall,
                    complete: Callable[[list[CollectiveCall]], "CollectiveTransfer | None"],
                    arrive: Callable[[Pending], None] | None = None,
-                   leave_across: Callable[[list[CollectiveCall], float], None] | None = None) -> Pending:
+                   leave_across: Callable[[list[CollectiveCall], float], "CollectiveTransfer | None"] | None = None
+                   ) -> Pending:
         """Arrive at the next collective on `group`. A blocking call returns once every member has arrived
         and the collective is computed; a non-blocking one returns at once (wait on it with `wait`).
 
@@ -293,7 +295,7 @@ class Baton:
         members' clocks; a transfer it returns runs as a flow in the run's queue (exogym.backends.sim.postoffice), and
         the members wait until it ends. A group holding nodes of other processes: once its local members have
         arrived, the exchange takes it across; `leave_across(local calls, start)` then sets their clocks from the last
-        arrival anywhere.
+        arrival anywhere, or returns a transfer that runs as a flow (the keeper's), as `complete` does.
         """
         self.arrivals += 1
         seq = self._seq[rank].get(group, 0)
@@ -334,8 +336,7 @@ class Baton:
             return pending
         transfer = complete([pending.calls[r] for r in group])
         if transfer is not None:  # its transfer shares the links: the members wait until its flow ends
-            transfer.done = lambda: self._transferred(pending)
-            self.messages.transfer(transfer)
+            self._transfer(pending, transfer)
             if call.blocking:
                 self.wait(rank, pending)
             return pending
@@ -354,8 +355,17 @@ class Baton:
             n = self._local_members[group] = sum(r in local for r in group)
         return n
 
+    def _transfer(self, pending: Pending, transfer: "CollectiveTransfer") -> None:
+        """`pending` computed, its transfer shares the links: a flow of the post office's (over processes, the
+        keeper's), whose end lets its members run on."""
+        transfer.name = pending.key
+        transfer.done = lambda: self._transferred(pending)
+        self.transfers_open.add(pending.key)
+        self.messages.transfer(transfer)
+
     def _transferred(self, pending: Pending) -> None:
         """A collective's transfer ended (its members' clocks are set): they run on, each from its clock."""
+        self.transfers_open.discard(pending.key)
         self._release(pending)
 
     def _release(self, pending: Pending, also: int | None = None) -> None:
@@ -367,11 +377,14 @@ class Baton:
             self._may_run(r)
 
     def _crossed(self, pending: Pending, calls: list[CollectiveCall], start: float,
-                 leave_across: Callable[[list[CollectiveCall], float], None] | None) -> None:
-        """A crossing completed (its results are in the local members' tensors): they run on, each from its clock."""
-        if leave_across is not None:
-            leave_across(calls, start)
+                 leave_across: Callable[[list[CollectiveCall], float], "CollectiveTransfer | None"] | None) -> None:
+        """A crossing completed (its results are in the local members' tensors): they run on, each from its clock (on
+        shared links, once its transfer's flow has ended at the keeper)."""
+        transfer = leave_across(calls, start) if leave_across is not None else None
         del self._across[pending.key]
+        if transfer is not None:
+            self._transfer(pending, transfer)
+            return
         self._release(pending)
 
     # ---- point-to-point messages (the post office calls these) ------------------------------------
@@ -379,6 +392,11 @@ class Baton:
     def open_crossings(self) -> list[tuple]:
         """The collectives sent across to other processes and not yet completed here, by (group, sequence)."""
         return list(self._across)
+
+    def least_arrival_across(self) -> float:
+        """The least arrival of this process's members in a collective across processes not yet completed here (inf:
+        none): its transfer (shared links) starts at or after it, though an async member's clock has run on."""
+        return min((c.args["arrival"] for p in self._across.values() for c in p.calls.values()), default=math.inf)
 
     def collectives_made(self, rank: int, group: tuple[int, ...]) -> int:
         """How many collectives node `rank` has entered on `group`."""

@@ -35,7 +35,7 @@ from exogym.cluster.flows import Flow
 from exogym.cluster.network import SERVER, Network, Route
 from exogym.comm.messages import Message
 
-__all__ = ["RUN", "FINISH", "START", "ARRIVE", "OBSERVE", "EventQueue", "Timer", "CollectiveTransfer", "arrival",
+__all__ = ["RUN", "FINISH", "START", "ARRIVE", "OBSERVE", "EventQueue", "Timer", "CollectiveTransfer", "poster", "arrival",
            "message_plain", "message_from_plain"]
 
 RUN, FINISH, START, ARRIVE, OBSERVE = -3, -2, -1, 0, 1
@@ -57,7 +57,11 @@ class CollectiveTransfer:
         route: The links its algorithm occupies and the bytes it puts on them (Network.collective_route).
         leave: Sets the members' clocks once its flow has ended (TimeModel.leave_flow).
         first: The group's first rank (the queue orders equal starts by it).
+        holders: The processes holding its members, ascending (over processes; empty in one process).
+        waiting: This process's members that wait on it (the blocking ones).
         done: Lets the members run on (set by the baton).
+        name: The collective's (group, sequence number), the same in every process holding a member (set by the
+            baton).
         key: Its flow's key (set by the post office).
     """
 
@@ -65,8 +69,18 @@ class CollectiveTransfer:
     route: Route
     leave: Callable[[Flow], None]
     first: int
+    holders: tuple[int, ...] = ()
+    waiting: tuple[int, ...] = ()
     done: Callable[[], None] | None = None
+    name: tuple = ()
     key: tuple = ()
+
+
+def poster(holders: tuple[int, ...], keeper: int) -> int:
+    """Which process posts a collective's transfer to the keeper (over processes): the keeper itself when it holds a
+    member (then no packet is needed), else the lowest process holding one (the group's lowest rank's: the exchange's
+    leader, which knows the start first). Every holder computes the same route and start; one posts it."""
+    return keeper if keeper in holders else holders[0]
 
 
 class EventQueue:

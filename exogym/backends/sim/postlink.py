@@ -96,7 +96,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from exogym.backends.sim.events import ARRIVE, FINISH, OBSERVE, START
+from exogym.backends.sim.events import ARRIVE, FINISH, OBSERVE, START, CollectiveTransfer
 from exogym.cluster.network import parse_seconds
 from exogym.comm.messages import Message
 
@@ -104,6 +104,8 @@ if TYPE_CHECKING:
     from exogym.backends.sim.exchange import Exchange
     from exogym.backends.sim.protocols import QueueOwner
     from exogym.backends.sim.transport import SimTransport
+    from exogym.cluster.flows import Flow
+    from exogym.cluster.network import Route
 
 __all__ = ["Link", "Keeper", "Status", "Ask"]
 
@@ -266,6 +268,23 @@ class Keeper:
         self._count_answer(process, at)  # a sender waiting on it runs on from `at`
         self.link.send(process, "arrived", number, at)
 
+    def ended(self, holders: tuple[int, ...], name: tuple, flow: "Flow") -> None:
+        """Shared links: the transfer of collective `name` (its (group, sequence number)) ended; the processes
+        `holders` hold members that leave at its end (`flow.arrival`: TimeModel.leave_flow's). Counted as an answer:
+        its blocking members there run on from then."""
+        for process in holders:
+            if (s := self.status.get(process)) is not None and s.finished:
+                continue  # its nodes are done: none waits on it
+            self._count_answer(process, flow.arrival)
+            self.link.send(process, "ended", name, flow)
+
+    def _posted_transfer(self, name: tuple, start: float, route: "Route", first: int,
+                         holders: tuple[int, ...]) -> CollectiveTransfer:
+        """A collective's transfer another process posted (exogym.backends.sim.events.poster): its end is told to
+        every process holding a member (none is here: the keeper posts its own)."""
+        return CollectiveTransfer(start, route, lambda flow: self.ended(holders, name, flow), first,
+                                  done=lambda: None, name=name)
+
     def _count_answer(self, process: int, at: float) -> None:
         self.answered[process] += 1
         self._told[process].append((self.answered[process], at))
@@ -293,9 +312,9 @@ class Keeper:
         remote = min((self.floor_of(p) for p in self.remotes), default=math.inf)
         queue = baton.queue
         runs = self._clock(queue.first_run()) if queue.has_runs() else math.inf  # the runs are in clock order
-        # a member of a collective across processes leaves it at or after its arrival (its clock while it waits)
-        crossing = (self._clock(r) for group, _ in open_here for r in group if self.owner[r] == self.me)
-        lowest = min(remote, running, runs, *crossing)
+        # a member of a collective across processes leaves it at or after its arrival, and on shared links its
+        # transfer starts at or after it (an async member's clock has run on: its arrival, not its clock)
+        lowest = min(remote, running, runs, baton.least_arrival_across())
         if at < lowest:
             if remote < math.inf and running == math.inf:  # counted once, when it happens
                 self.overlapped += 1
@@ -332,7 +351,7 @@ class Keeper:
         if kind == ARRIVE:
             return isinstance(item, Message) and item.dst == rank
         if kind == START:
-            return item.src == rank
+            return not isinstance(item, CollectiveTransfer) and item.src == rank
         return kind == FINISH and item[0][0] == rank
 
     def watch(self, nodes: Mapping[int, "SimTransport"]) -> None:
@@ -370,6 +389,8 @@ class Keeper:
         kind = packet[0]
         if kind == "post":
             self.post.push(packet[1], (src, packet[2]) if len(packet) > 2 else None)
+        elif kind == "collective":  # (name, start, route, first rank, holders): a transfer to run as a flow
+            self.post.transfer(self._posted_transfer(*packet[1:]))
         elif kind == "ask":
             self.post.ask(packet[1])
         elif kind == "floor":  # (floor, answers taken in): the answers counted in leave the ones still told

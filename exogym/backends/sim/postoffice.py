@@ -49,7 +49,7 @@ from exogym.backends.sim.events import FINISH, OBSERVE, START, CollectiveTransfe
     message_from_plain, message_plain
 from exogym.backends.sim.postlink import Ask
 from exogym.backends.sim.serverhost import ServerHost, server_state
-from exogym.cluster.flows import FlowModel
+from exogym.cluster.flows import Flow, FlowModel
 from exogym.cluster.network import SERVER
 from exogym.comm.messages import Message, Server
 from exogym.comm.transport import MessageError
@@ -65,7 +65,7 @@ __all__ = ["PostOffice"]
 class PostOffice:
     """The messages in flight, the nodes' mailboxes and the run's server, for the nodes under one baton."""
 
-    def __init__(self, baton: "Baton", num_nodes: int, time_model: "TimeModel | None", collective_flows: bool = True):
+    def __init__(self, baton: "Baton", num_nodes: int, time_model: "TimeModel | None"):
         self.baton, self.num_nodes = baton, num_nodes
         self.network = time_model.network if time_model is not None else None
         self.keeper: "Keeper | None" = None  # the other processes' nodes, when the run spans processes (set by the backend)
@@ -81,11 +81,9 @@ class PostOffice:
         # which were posted by another process (process, its token: told their arrival when their flow ends)
         shared = self.network is not None and self.network.shared_links
         self._flows: FlowModel | None = FlowModel() if shared else None
-        self._collective_flows = collective_flows  # False: collectives costed alone (a strategy sending messages)
         self._wire: dict[tuple[int, int], Message] = {}
         self._linkless: dict[tuple[int, int], bool] = {}  # (src, dst) -> its messages cross no finite link
         self._collectives: dict[tuple, CollectiveTransfer] = {}  # the collectives' transfers on the wire, by flow key
-        self._transfers = 0  # collective transfers started so far (their flows' keys)
         self._sending: dict[tuple[int, int], int] = {}
         self._posted_by: dict[tuple[int, int], tuple[int, int]] = {}
         self._arrows: dict[tuple[int, int], tuple[list[float], int]] = {}  # the timeline's arrivals to fill in
@@ -253,15 +251,25 @@ class PostOffice:
 
     @property
     def shares_collectives(self) -> bool:
-        """Whether a collective's transfer runs as a flow on the shared links (one process with shared links, a
-        strategy that sends no messages), rather than alone by its formula."""
-        return self._flows is not None and self._collective_flows and self.keeper is None and not self.undeclared
+        """Whether a collective's transfer runs as a flow on the shared links, rather than alone by its formula: with
+        shared links, in one process, and over processes for a strategy that sends messages (the keeper runs them;
+        without messages there is no keeper, and exogym.backends.sim.alone checks the collectives were alone)."""
+        return self._flows is not None and not self.undeclared
 
     def transfer(self, transfer: CollectiveTransfer) -> None:
         """A collective's transfer (shares_collectives): its flow starts at transfer.start, in time order with the
-        rest; when it ends, transfer.leave sets its members' clocks and transfer.done lets them run."""
-        self._transfers += 1
-        transfer.key = ("collective", transfer.first, self._transfers)
+        rest; when it ends, transfer.leave sets its members' clocks and transfer.done lets them run. The keeper also
+        runs the transfers other processes post (exogym.backends.sim.postlink), and tells the other processes holding
+        members of its own crossings when they end."""
+        others = () if self.keeper is None else tuple(h for h in transfer.holders if h != self.keeper.me)
+        if others:  # a collective across processes, this one posting it: the others' members leave at its end too
+            leave, keeper, name = transfer.leave, self.keeper, transfer.name
+
+            def leave_everywhere(flow: Flow) -> None:
+                leave(flow)
+                keeper.ended(others, name, flow)
+            transfer.leave = leave_everywhere
+        transfer.key = ("collective", transfer.first, transfer.name)
         self._events.start_collective(transfer.start, transfer.key, transfer)
 
     def _start_collective(self, transfer: CollectiveTransfer) -> None:

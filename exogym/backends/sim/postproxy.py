@@ -22,7 +22,7 @@ import math
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from exogym.backends.sim.postlink import Ask, Link, Status
-from exogym.backends.sim.events import arrival
+from exogym.backends.sim.events import arrival, poster
 from exogym.backends.server_state import ShadowPost, check_readable, load_server
 from exogym.comm.messages import Message, Server, attach_server
 
@@ -55,6 +55,7 @@ class PostProxy:
         self._arrows: dict[int, tuple[list[float], int]] = {}  # the timeline's arrivals to fill in, by number
         self._posted = 0
         self._awaiting: set[int] = set()
+        self._transfers: dict[tuple, "CollectiveTransfer"] = {}  # collectives' transfers at the keeper, by name
         self._reported: Status | None = None
         # the lookahead: the nodes' transports (their clocks), the time each was last answered at (it runs on from
         # then), and the floor last told with the answers taken in then
@@ -89,7 +90,9 @@ class PostProxy:
         for rank in self._nodes:
             if rank not in self._awaiting and not self.baton.is_finished(rank):
                 floor = min(floor, self._resumes_at(rank))
-        return floor
+        # a collective across processes not completed here: its transfer (shared links) may start at its last arrival,
+        # which an async member's clock has run past
+        return min(floor, self.baton.least_arrival_across())
 
     def report_floor(self) -> None:
         """Tell the keeper the floor and the answers taken in, when either changed (after the packets sent before)."""
@@ -111,10 +114,20 @@ class PostProxy:
         queue = self.baton.queue
         return queue.has_runs() and self._nodes[queue.first_run()].clock.now < self._nodes[rank].clock.now
 
-    shares_collectives = False  # collectives across processes are costed alone (exogym.backends.sim.postoffice)
+    @property
+    def shares_collectives(self) -> bool:
+        """Whether a collective's transfer runs as a flow (shared links): the keeper's."""
+        return self._shared
 
     def transfer(self, transfer: "CollectiveTransfer") -> None:
-        raise RuntimeError("a proxy runs no transfer as a flow (shares_collectives is False)")
+        """A collective's transfer as a flow of the keeper's: posted there by one process holding a member
+        (exogym.backends.sim.events.poster); its blocking members here wait on the keeper (out of the floor) until it
+        tells the flow's end ("ended"), when they leave as in one process."""
+        self._transfers[transfer.name] = transfer
+        self._awaiting.update(transfer.waiting)
+        if poster(transfer.holders, self.keeper_process) == self.exchange.me:
+            self.link.send(self.keeper_process, "collective", transfer.name, transfer.start, transfer.route,
+                           transfer.first, transfer.holders)
 
     def report_idle(self) -> None:
         """Nothing to run here: tell the keeper, once per change (after every packet sent before, in order)."""
@@ -140,6 +153,16 @@ class PostProxy:
     def _on_packet(self, src: int, packet: tuple) -> None:
         if packet[0] == "bye":
             self._bye = True
+            return
+        if packet[0] == "ended":  # a collective's transfer ended at the keeper: its members leave
+            _, name, flow = packet
+            self.progress += 1
+            transfer = self._transfers.pop(name)
+            for rank in transfer.waiting:
+                self._answered_at[rank] = flow.arrival
+                self._awaiting.discard(rank)
+            transfer.leave(flow)
+            transfer.done()
             return
         if packet[0] == "arrived":  # a message's flow ended at the keeper: its arrival time
             _, token, at = packet

@@ -73,9 +73,9 @@ def _post_office(plan: "RunPlan", baton: Baton, exchange: Exchange | None, keepe
     k, time_model = plan.num_nodes, plan.cfg.time_model
     if exchange is not None and keeper is not None and keeper != exchange.me:
         return PostProxy(baton, k, time_model, exchange, keeper)
-    # A strategy that sends messages has its collectives costed alone, by their formula, in every process count: over
-    # processes its messages' flows live in the process holding the server, which sees no collective.
-    post = PostOffice(baton, k, time_model, collective_flows=not plan.strategy.sends_messages)
+    # On shared links a collective's transfer is a flow of the post office's; over processes, of the keeper's (a
+    # strategy that sends messages), or costed alone by its formula and checked (exogym.backends.sim.alone).
+    post = PostOffice(baton, k, time_model)
     if exchange is not None and keeper is not None:
         post.keeper = Keeper(post, exchange, exchange.owner, exchange.me)
     post.undeclared = exchange is not None and keeper is None

@@ -18,6 +18,7 @@ from exogym.backends.sim.baton import Baton, CollectiveCall, CollectiveError, Pe
 from exogym.backends.sim.events import CollectiveTransfer
 from exogym.backends.sim.postwork import SimRecvWork, SimSendWork
 from exogym.backends.sim.watchdog import SpinWatch
+from exogym.runs.checkpoint_checks import CheckpointError
 from exogym.comm.messages import Message, Server
 from exogym.comm.transport import CommStats, TransportBase, Group, ReduceOp, make_group, payload_nbytes, tensor_nbytes
 from exogym.cluster.flows import Flow
@@ -236,12 +237,7 @@ class SimTransport(TransportBase):
             complete = functools.partial(self._complete_timed, complete, name, payload, group.ranks)
         leave_across = None
         if crossing and timed:  # across processes: the members here leave from the last arrival anywhere
-            def leave_across(calls: list[CollectiveCall], start: float) -> None:
-                self._check_alone(name, payload, group.ranks, start, calls[0].step)
-                done_at = self.time_model.leave([(c.args["clock"], c.args["arrival"], c.blocking) for c in calls],
-                                                start, name, payload, group.ranks)
-                for c in calls:
-                    c.args["done_at"] = done_at
+            leave_across = functools.partial(self._leave, op=name, nbytes=payload, ranks=group.ranks)
 
         fold = None  # alone in the group there is nothing to fold, and no buffer to give back
         if name == "all_reduce" and group.size > 1 and args["op"] in (ReduceOp.SUM, ReduceOp.AVG):
@@ -263,11 +259,17 @@ class SimTransport(TransportBase):
 
     def _complete_timed(self, compute: Callable[[list[CollectiveCall]], None], op: str, nbytes: int,
                         ranks: tuple[int, ...], calls: list[CollectiveCall]) -> CollectiveTransfer | None:
-        """A timed collective, its last member arrived: the tensors, then its members' clocks, from the last arrival
-        on: at once by the formula, or (links shared with other transfers) as a flow whose end sets them."""
+        """A timed collective, its last member arrived: the tensors, then its members' clocks (`_leave`)."""
         compute(calls)
+        return self._leave(calls, max(c.args["arrival"] for c in calls), op=op, nbytes=nbytes, ranks=ranks)
+
+    def _leave(self, calls: list[CollectiveCall], start: float, *, op: str, nbytes: int,
+               ranks: tuple[int, ...]) -> CollectiveTransfer | None:
+        """The members here (`calls`) of a timed collective whose transfer starts at `start` (the last arrival, in any
+        process): their clocks set at once by the formula, or (links shared with other transfers) a transfer whose
+        flow's end sets them. Over processes every process holding a member makes the same transfer (the same route
+        and start); one of them posts it to the keeper (exogym.backends.sim.events.poster)."""
         members = [(c.args["clock"], c.args["arrival"], c.blocking) for c in calls]
-        start = max(arrival for _, arrival, _ in members)
 
         def leave(flow: Flow | None = None) -> None:
             done_at = (self.time_model.leave(members, start, op, nbytes, ranks) if flow is None
@@ -281,7 +283,9 @@ class SimTransport(TransportBase):
             self._check_alone(op, nbytes, ranks, start, calls[0].step)
             leave()
             return None
-        return CollectiveTransfer(start, route, leave, ranks[0])
+        holders = () if self.owner is None else tuple(sorted({self.owner[r] for r in ranks}))
+        return CollectiveTransfer(start, route, leave, ranks[0], holders,
+                                  tuple(c.args["rank"] for c in calls if c.blocking))
 
     def _check_alone(self, op: str, nbytes: int, ranks: tuple[int, ...], start: float, step: int | None) -> None:
         """Over processes on shared links: the collective costed alone must have been alone (exogym.backends.sim.
@@ -370,7 +374,26 @@ class SimTransport(TransportBase):
             return
         latest = torch.tensor([self.clock.now], dtype=torch.float64)
         self.all_reduce(latest, ReduceOp.MAX, self.world)
+        self._refuse_transfers_on_the_wire()
         self.clock.catch_up(float(latest))
+
+    def _refuse_transfers_on_the_wire(self) -> None:
+        """At a checkpoint's cut (every node has met): a collective's transfer on the wire as a flow (an async
+        collective not yet waited on, or one across processes not yet completed here) is not saved with the
+        checkpoint, so the checkpoint is refused before any file of it is written.
+
+        Raises:
+            CheckpointError: a collective's transfer is on the wire.
+        """
+        baton = self.baton
+        if not baton.messages.shares_collectives or not (baton.transfers_open or baton.open_crossings):
+            return
+        groups = sorted({str(list(group)) for group, _ in (*baton.transfers_open, *baton.open_crossings)})
+        raise CheckpointError(
+            f"a checkpoint at step {self.step} was asked while a collective's transfer is on the wire (group "
+            f"{', '.join(groups)}: an async collective not yet waited on), on shared links, where it is a flow: a "
+            "checkpoint does not save a collective in flight. Wait on async collectives before the step ends at a "
+            "checkpoint step, checkpoint at other steps, or cost transfers alone (Network(..., shared_links=False))")
 
     def restore(self, stats: CommStats, clock: NodeClock) -> None:
         super().restore(stats, clock)
@@ -396,10 +419,18 @@ class SimTransport(TransportBase):
         post = self.baton.messages
 
         def take(calls: list[CollectiveCall]) -> None:
+            self._refuse_transfers_on_the_wire()
             post.links_cut = post.state_dict()
 
-        call = CollectiveCall("barrier", ("barrier",), {"rank": self.rank}, self.step, match_step=self.match_steps)
-        self.baton.rendezvous(self.rank, self.world.ranks, call, take)
+        world = self.world.ranks
+        call = CollectiveCall("barrier", ("barrier",), {"rank": self.rank, "arrival": self.clock.now}, self.step,
+                              match_step=self.match_steps)
+        self.baton.rendezvous(self.rank, world, call, take)
+        if self.owner is not None:  # across processes (the keeper's flows) the barrier is a crossing: `take` is not
+            self._refuse_transfers_on_the_wire()  # called; node 0 takes the state with the keeper, once every
+            if self.rank == 0:  # process's posts before the barrier are in
+                post.cut(world, self.baton.collectives_made(self.rank, world))
+                post.links_cut = post.state_dict()
         return post.links_cut if self.rank == 0 and post.link_usage() else None
 
     def load_messages_state(self, state: dict[str, Any]) -> None:
