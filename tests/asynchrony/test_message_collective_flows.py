@@ -89,10 +89,11 @@ def test_over_two_processes_the_keeper_runs_the_collective_beside_the_message():
 
 
 class PairsAndRing(Strategy):
-    """Four nodes: every step each sends its parameters to the next node on a ring (isend) and takes the previous
-    one's; every second step each pair ({0, 1}, {2, 3}) all-reduces as much, async, waited on after the ring's
-    message; every third step all four all-reduce (a max: a sum across processes is exact only to rounding). Over two processes the pairs are each one process's (the
-    keeper's, and the other's), the world crosses; over three, pair {2, 3} crosses processes without the keeper."""
+    """Four nodes: every step each sends its parameters to the next node on a ring (isend) and takes the previous one's;
+    every second step each pair ({0, 1}, {2, 3}) all-reduces as much, async, waited on after the ring's message; every
+    third step all four all-reduce (a max: a sum across processes is exact only to rounding). Over two processes the
+    pairs are each one process's (the keeper's, and the other's), the world crosses; over three, pair {2, 3} crosses
+    processes without the keeper."""
 
     sends_messages = True
 

@@ -7,8 +7,8 @@ process checks it, for the collectives it takes part in, and a collective that w
 Why a process sees every overlap on a node's port or nic: a collective occupies the port and nic of each of its
 members only, so two collectives sharing node i's link both have node i as a member, and node i's process checks
 both. Two collectives sharing a link between datacenters may have no process in common; the check sees those only when
-they do (docs/processes.md says so). A strategy that sends messages has its collectives costed alone in one process
-too, so it needs no check.
+they do (docs/processes.md says so). A strategy that sends messages needs no check: over processes its collectives'
+transfers are flows of the keeper's, with its messages (exogym.backends.sim.postlink).
 """
 
 from __future__ import annotations

@@ -35,8 +35,8 @@ from exogym.cluster.flows import Flow
 from exogym.cluster.network import SERVER, Network, Route
 from exogym.comm.messages import Message
 
-__all__ = ["RUN", "FINISH", "START", "ARRIVE", "OBSERVE", "EventQueue", "Timer", "CollectiveTransfer", "poster", "arrival",
-           "message_plain", "message_from_plain"]
+__all__ = ["RUN", "FINISH", "START", "ARRIVE", "OBSERVE", "EventQueue", "Timer", "CollectiveTransfer", "poster",
+           "arrival", "message_plain", "message_from_plain"]
 
 RUN, FINISH, START, ARRIVE, OBSERVE = -3, -2, -1, 0, 1
 

@@ -7,12 +7,16 @@ exchange's):
 - a proxy to the keeper: `post` (a message a node sent, with its arrival time worked out where it was sent), `ask` (a
   node wants to observe at its clock: take a message, every message that has arrived, or the server's state for
   `read_server`), `floor` (the least clock at which a node of the process can still cause an event without the
-  keeper, and how many answers it has taken in: the lookahead below), `status` (the process has nothing to run: how
-  many answers it has taken in, and which collectives across processes it has started and has open), and at its
-  end a last status marked finished;
+  keeper, and how many answers it has taken in: the lookahead below), `collective` (shared links: a collective's
+  transfer to run as a flow, posted by one process holding members, exogym.backends.sim.events.poster: its (group,
+  sequence number), start, route, first rank and the processes holding members), `status` (the process has nothing to
+  run: how many answers it has taken in, and which collectives across processes it has started and has open), and at
+  its end a last status marked finished;
 - the keeper to a proxy: `answer` (what a node asked for, and the simulated time it is answered at; it runs again),
   `arrived` (shared links: a message the proxy posted has its arrival time, once its flow ended; counted as an
-  answer, since it may run a node waiting on its send) and `bye` (after its last status).
+  answer, since it may run a node waiting on its send), `ended` (shared links: a collective's transfer with members
+  there ended, its flow, whose arrival is when they leave, TimeModel.leave_flow; counted as an answer, since it runs
+  its blocking members) and `bye` (after its last status).
 
 Why nothing arrives out of order: every packet of one process to the keeper goes on one (sender, receiver, tag) pair,
 which torch.distributed delivers in the order sent, and the keeper handles a process's packets in that order. So when
@@ -21,29 +25,43 @@ ran out of work. The keeper lets the next event happen when no node anywhere can
 it (in one process: when no node is ready), by one of two rules.
 
 The lookahead (`Keeper.ahead`, a conservative parallel discrete-event simulation in the manner of Chandy, Misra and
-Bryant, with the floors as its null messages). A node causes events only at or after its clock, and clocks only
-move forward: it sends at its clock (a message starts at its sent_at and arrives later), it observes at its clock,
-and a collective returns it at or after its arrival. A node waiting on the keeper (in a recv, a poll, a read_server,
-or on its send's arrival under shared links) causes nothing until the keeper answers it, and it runs on from the time
-of that answer (the ask's time, the message's arrival) or later. So each proxy tells its floor: the least clock of
-its nodes that may run without the keeper (ready, running, in a collective, parked; not those waiting on the keeper, nor
-the finished), infinity when there is none, with the count of answers it had taken in. The keeper's floor of process p
-is the least of p's last floor and the time of every answer sent to p that p had not taken in when it told it
+Bryant, with the floors as its null messages). A node causes events only at or after its clock, and clocks only move
+forward: it sends at its clock (a message starts at its sent_at and arrives later), it observes at its clock, and a
+collective returns it at or after its arrival. A node waiting on the keeper (in a recv, a poll, a read_server, on its
+send's arrival under shared links, or in a collective whose transfer is the keeper's flow) causes nothing until the
+keeper answers it, and it runs on from the time of that answer (the ask's time, the message's arrival, the flow's end)
+or later. So each proxy tells its floor: the least clock of its nodes that may run without the keeper (ready, running,
+in a collective, parked; not those waiting on the keeper, nor the finished), and the least arrival of its members in a
+collective across processes not yet completed there (its transfer may start at the last arrival, which an async member's
+clock has run past), infinity when there is none, with the count of answers it had taken in. The keeper's floor of
+process p is the least of p's last floor and the time of every answer sent to p that p had not taken in when it told it
 (`Keeper.floor_of`). The floor comes after the posts before it on the pair, so when the keeper holds it, every event p's
-nodes caused before it is in the queue; every event they cause after it comes at or after the floor, or at or after
-an answer counted in. Let `lowest` be the least of every other process's floor and every clock of the keeper's own
-nodes that are ready or in a collective across processes (they leave it at or after their arrival). The keeper, with
-no node parked, takes the next event, at time t, when t < lowest. Less, strictly: a
-node at its floor may still start a flow or observe at that very time, and ties go by rank. Then every event with a
-smaller key than this one is already in the queue: it was caused by a node of the keeper (a ready one at or after its
-clock; those waiting run again only from later events), by the server (at the times of the events it handles), or
-by another process's node before that process's last floor (in the queue) or after it (at or after the floor, so
-after t). (A node of the keeper in a local collective leaves it at or after the last member's arrival, and that member
-is ready, in a collective across processes, or waiting on a later event.) So the event comes off the queue in the order one process takes it, while the other processes' nodes
-compute. Proxies tell their floor at every step of a node while it rises (SimTransport's step hook), as they take
-in answers, and when they run out of work; a node of the keeper hands over to the next event at its step when that
-event comes before its clock (`Keeper.on_step`), so the nodes of other processes waiting on it are answered while it
-computes.
+nodes caused before it is in the queue; every event they cause after it comes at or after the floor, or at or after an
+answer counted in. Let `lowest` be the least of every other process's floor, every clock of the keeper's own nodes that
+are ready, and the least arrival of its own members in a collective across processes not yet completed (they leave it at
+or after the last arrival, when its transfer starts). The keeper, with no node parked, takes the next event, at time t,
+when t < lowest. Less, strictly: a node at its floor may still start a flow or observe at that very time, and ties go by
+rank. Then every event with a smaller key than this one is already in the queue: it was caused by a node of the keeper
+(a ready one at or after its clock; those waiting run again only from later events), by the server (at the times of the
+events it handles), or by another process's node before that process's last floor (in the queue) or after it (at or
+after the floor, so after t). (A node of the keeper in a local collective leaves it at or after the last member's
+arrival, and that member is ready, in a collective across processes, or waiting on a later event: on shared links, its
+transfer's end.) So the event comes off the queue in the order one process takes it, while the other processes' nodes
+compute. Proxies tell their floor at every step of a node while it rises (SimTransport's step hook), as they take in
+answers, and when they run out of work; a node of the keeper hands over to the next event at its step when that event
+comes before its clock (`Keeper.on_step`), so the nodes of other processes waiting on it are answered while it computes.
+
+A collective's transfer on shared links (a strategy that sends messages: its collectives are the keeper's flows too)
+starts at its last member's arrival s, a START event like a message's. Every process holding a member computes the same
+route and start once the collective completes there (the exchange gives every holder the last arrival anywhere), and one
+of them posts it (exogym.backends.sim.events.poster): the keeper when it holds a member (it starts the flow as it
+completes the collective: its members were in `lowest` at their arrivals until then), else the lowest holder, whose
+floor stays at or below s until it posts (its members count at their arrivals while the collective is open there; a
+collective within the process completes as its last member arrives, running at s), and the post comes before its next
+floor on the pair. So the START is in the queue before the keeper takes any event at or after s. From the completion on,
+every holder's blocking members wait on the keeper (out of its floor); at the flow's end the keeper sends each holder
+`ended`, an answer at the flow's arrival, the time they run on from, and each sets its members' clocks with
+TimeModel.leave_flow from the same flow, as one process does.
 
 The latency lookahead (`Keeper._promote`): an event that only a node waiting on the keeper sees (a message arriving for
 a node waiting in recv, another process's node's recv or poll) may happen ahead of the events before it, when it
@@ -51,14 +69,16 @@ comes at time s < lowest + L, L being the network's least latency (no message fr
 sooner after it is sent, shared links or not). Every event not yet taken comes at or after `lowest` (the queue's
 next one included), so every message the node has not yet received and that no event in the queue already carries
 to it (an arrival, or its own message on the wire: to itself it takes no time; then it waits) arrives after s; the
-node's mailbox sees its messages in the order one process gives them, and it reads at s what it reads there. The
-events skipped touch other state (the flows, the server, other mailboxes) and come later in the same order among
-themselves; the node runs on from s, after every event it could have caused. The server's events are never taken
+node's mailbox sees its messages in the order one process gives them, and it reads at s what it reads there (a
+collective's transfer ending lets its members run on from its end, at or after `lowest`: their messages arrive after
+s too). The events skipped touch other state (the flows, the server, other mailboxes) and come later in the same order
+among themselves; the node runs on from s, after every event it could have caused. The server's events are never taken
 ahead: any node may read the server (read_server) at its clock.
 
 Quiescence (`Keeper.quiet`), for what the floors do not decide: the keeper takes the next event when every process has
 run out of work since the last answer it was sent, and no collective across processes has every holder started
-and some holder still open (its members would run again without the keeper). Then no node anywhere can post an event
+and some holder still open (its members would run again without the keeper; on shared links they wait for its
+transfer, which the holder posting it sends before its next status). Then no node anywhere can post an event
 the keeper has not seen, as in one process, where the keeper takes the next event only when no node is ready. With
 nothing left to happen, a node waiting for a message is then a deadlock.
 
@@ -66,8 +86,8 @@ Why `quiet` cannot be fooled by a stale status (a process reported, then woke up
 (counted: the keeper waits for the status taking it in) or on a collective across processes completing, which needs
 every holder to have started it. If a holder's last status shows it open, the rule makes the keeper wait unless some
 holder's status shows it not started; that holder then started it after its status, so it ran after its status, so
-it was woken after its status, by an earlier completion or answer: following the causes back in time must end at a
-process that woke with nothing to wake it, which cannot be.
+it was woken after its status, by an earlier completion or answer (`ended` is one): following the causes back in time
+must end at a process that woke with nothing to wake it, which cannot be.
 
 `read_server` is an observation like a `recv`: a node of another process asks (`ask`, op "read") at its clock and
 waits, so its process cannot post anything that node would do next until the keeper answers; the keeper answers at the
@@ -304,8 +324,9 @@ class Keeper:
     def ahead(self, at: float, open_here: list, running: float = math.inf) -> bool:
         """Whether the next event, at simulated time `at`, may happen now by the lookahead (module docstring):
         before every other process's floor and every clock of this process's nodes that may run, of the node running
-        (`running`) and of those in a collective across processes (`open_here`: the collectives not yet completed
-        here); or an event only a waiting node sees, made the next one (`_promote`)."""
+        (`running`), and the least arrival of those in a collective across processes (`open_here`: the collectives not
+        yet completed here, the baton's open crossings, whose arrivals it reads); or an event only a waiting node sees,
+        made the next one (`_promote`)."""
         baton = self.post.baton
         if baton.parked:
             return False  # they compute once nothing else runs: quiescence decides
@@ -346,7 +367,7 @@ class Keeper:
     @staticmethod
     def _reaches(entry: tuple, rank: int) -> bool:
         """Whether event `entry` is a message arriving for node `rank`, or one of its own messages on the wire (START,
-        FINISH: one it sent itself arrives without latency)."""
+        FINISH: one it sent itself arrives without latency; a collective's transfer carries no message)."""
         kind, item = entry[1], entry[5]
         if kind == ARRIVE:
             return isinstance(item, Message) and item.dst == rank

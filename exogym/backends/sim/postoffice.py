@@ -23,7 +23,8 @@ flows in flight, and arrives its route's latency after its last byte leaves (a F
 the flow whose last byte leaves first; a flow starting or ending makes it stale and pushes the next one). A sender
 waiting on its send (`send`, an `isend`'s wait) sleeps until its message's FINISH, when its arrival time is known.
 A collective's transfer is a flow too (`transfer`): it starts at its last member's arrival, and its members wait
-until its FINISH, when their clocks are set (one process, a strategy that sends no messages: `shares_collectives`).
+until its FINISH, when their clocks are set (`shares_collectives`: in one process; over several, for a strategy that
+sends messages, whose collectives' transfers the keeper runs beside the messages).
 
 Ties are broken by fixed keys (rank, then the sender's count), so the same seed gives the same bits however
 the host schedules. A node blocked in a collective has no entry; the messages it sends after leaving carry its
@@ -31,12 +32,13 @@ clock from then on.
 
 A run over several processes (fit(processes=P), torchrun with backend="sim"): the process holding the server role
 (beside node 0) keeps the queue's events, every mailbox and the server (it is the keeper); the other processes' post
-offices are proxies (exogym.backends.sim.postproxy) that send it their nodes' messages and observations and run a
-node again when it answers. The keeper takes the next event when no node of any process can still cause an earlier
-one (the lookahead: every other process tells its nodes' least clock as they compute), or else once its own nodes
-have run and the whole run is quiescent, which is the rule above with "no node may run" read across every process;
-exogym.backends.sim.postlink says why the exchange between the processes cannot deliver a message out of order, so
-the run gives the bits one process gives.
+offices are proxies (exogym.backends.sim.postproxy) that send it their nodes' messages and observations and run a node
+again when it answers; a collective's transfer comes to the keeper as a message does (posted by one process holding
+members), and its end goes to every process holding members. The keeper takes the next event when no node of any process
+can still cause an earlier one (the lookahead: every other process tells its nodes' least clock as they compute), or
+else once its own nodes have run and the whole run is quiescent, which is the rule above with "no node may run" read
+across every process; exogym.backends.sim.postlink says why the exchange between the processes cannot deliver a message
+out of order, so the run gives the bits one process gives.
 """
 
 from __future__ import annotations
@@ -414,7 +416,8 @@ class PostOffice:
             self.keeper.wait_for(lambda s: s.started.get(group, 0) >= count)
 
     def state_dict(self) -> dict[str, Any]:
-        """Messages in flight, mailboxes, the senders' counts and the server: plain data and tensors."""
+        """Messages in flight, mailboxes, the senders' counts and the server: plain data and tensors (a collective's
+        transfer on the wire is not saved: the checkpoint is refused before, SimTransport.pause_for_checkpoint)."""
         if self._collectives:
             raise RuntimeError(f"collective transfers are on the wire at a checkpoint ({sorted(self._collectives)}): "
                                "the checkpoint was not taken while every node waited in its collective")

@@ -66,6 +66,9 @@ class QueueOwner(Protocol):
     def ask(self, ask: Any) -> None:
         """A node of another process observes at its clock (a postlink.Ask)."""
 
+    def transfer(self, transfer: "CollectiveTransfer") -> None:
+        """A collective's transfer another process posted, to run as a flow (its leave tells the holders its end)."""
+
     def wants(self) -> dict[int, tuple[int | None, int | None, str]]:
         """Rank -> (src, tag, what) of every node waiting in a recv."""
 
@@ -106,8 +109,8 @@ class Messages(Protocol):
         formula."""
 
     def transfer(self, transfer: "CollectiveTransfer") -> None:
-        """A collective's transfer as a flow: its end sets the members' clocks (transfer.leave) and lets them run
-        (transfer.done)."""
+        """A collective's transfer as a flow (over processes, the keeper's: posted there by one process holding
+        members): its end sets the members' clocks (transfer.leave) and lets them run (transfer.done)."""
 
     def post(self, message: Message) -> None:
         """Put a message on the wire at message.sent_at."""
