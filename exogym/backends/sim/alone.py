@@ -1,5 +1,5 @@
-"""Over several processes a sim collective is costed alone, by its formula: the processes keep no flow model in
-common. That gives one process's numbers exactly when the collective really was alone on its links there, so each
+"""Over several processes a sim collective of a strategy that sends no messages is costed alone, by its formula: the
+run has no keeper, and the processes keep no flow model in common. That gives one process's numbers exactly when the collective really was alone on its links there, so each
 process checks it, for the collectives it takes part in, and a collective that would have shared a link is an error
 (a result that differs from what was asked for): what one process runs as flows sharing the links
 (exogym.backends.sim.postoffice) cannot be run over processes yet.

@@ -396,7 +396,9 @@ class Baton:
     def least_arrival_across(self) -> float:
         """The least arrival of this process's members in a collective across processes not yet completed here (inf:
         none): its transfer (shared links) starts at or after it, though an async member's clock has run on."""
-        return min((c.args["arrival"] for p in self._across.values() for c in p.calls.values()), default=math.inf)
+        if not self._across:
+            return math.inf
+        return min(c.args["arrival"] for p in self._across.values() for c in p.calls.values())
 
     def collectives_made(self, rank: int, group: tuple[int, ...]) -> int:
         """How many collectives node `rank` has entered on `group`."""
