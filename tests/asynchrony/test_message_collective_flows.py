@@ -14,46 +14,23 @@ from exogym.comm.collectives import all_reduce, new_group
 from exogym.comm.transport import ReduceOp
 from exogym.runs.checkpoint_checks import CheckpointError
 from exogym.strategy import GossipStrategy, Strategy
+import test_collective_flows  # noqa: E402
 from test_messages_processes import _same  # noqa: E402
 
 FIT = dict(progress=False, device="cpu", logger=False, batch_size=4, val_interval=100)
 
 
-def _step_flops() -> float:
-    t = Trainer(toy.TinyMLP(), toy.make_classification(64))
-    t.fit(MessageThenCollective(), 1, max_steps=1, device_flops=[1.0], network="ideal", **FIT)
-    return t.record.time_per_node[0]["compute_s"]
-
-
-class MessageThenCollective(Strategy):
-    """Node 0 starts a message of 100 B to node 1 after its first step's compute; after the second step's both
-    all-reduce 100 B, then node 1 takes the message. Declared: the run has a keeper over processes."""
+class MessageThenCollective(test_collective_flows.MessageThenCollective):
+    """test_collective_flows' message then collective (node 0's 100 B message to node 1 from 0.5 s, a 100 B all-reduce
+    of both from 1 s), declared: over processes the run has a keeper."""
 
     sends_messages = True
-
-    def _init_node(self, model, rank, num_nodes):
-        super()._init_node(model, rank, num_nodes)
-        self.optim = torch.optim.SGD(model.parameters(), lr=0.0)
-
-    def step(self):
-        if self.num_nodes == 1:  # (the step's cost alone)
-            super().step()
-            return
-        if self.local_step == 0 and self.rank == 0:
-            self.sending = isend(torch.zeros(25), 1)
-        super().step()
-        if self.local_step == 2:
-            all_reduce(torch.zeros(25))
-            if self.rank == 1:
-                recv(src=0)
-            else:
-                self.sending.wait()
 
 
 def _message_then_collective(processes: int = 1, shared_links: bool = True):
     t = Trainer(toy.TinyMLP(), toy.make_classification(64))
-    t.fit(MessageThenCollective(), 2, max_steps=2, device_flops=[2 * _step_flops()] * 2, processes=processes,
-          network=Network(bandwidth="800bps", latency=0.0, shared_links=shared_links), **FIT)
+    t.fit(MessageThenCollective(), 2, max_steps=2, device_flops=[2 * test_collective_flows._step_flops()] * 2,
+          processes=processes, network=Network(bandwidth="800bps", latency=0.0, shared_links=shared_links), **FIT)
     return t.record
 
 
@@ -72,7 +49,9 @@ def _links_as_hand(links):
 
 
 def test_a_message_strategys_collective_shares_the_link_with_its_message():
+    test_collective_flows.REGISTRY.clear()
     record = _message_then_collective()
+    assert test_collective_flows.REGISTRY["arrived"] == pytest.approx(2.0, abs=1e-12)
     assert [time["total_s"] for time in record.time_per_node] == [pytest.approx(2.5, abs=1e-12)] * 2
     _links_as_hand(record.links)
     alone = _message_then_collective(shared_links=False)  # each transfer by its formula: the collective ends at 2 s
