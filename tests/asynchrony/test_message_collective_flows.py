@@ -69,9 +69,10 @@ def test_over_two_processes_the_keeper_runs_the_collective_beside_the_message():
 
 class PairsAndRing(Strategy):
     """Four nodes: every step each sends its parameters to the next node on a ring (isend) and takes the previous one's;
-    every second step each pair ({0, 1}, {2, 3}) all-reduces as much, async, waited on after the ring's message; every
-    third step all four all-reduce (a max: a sum across processes is exact only to rounding). Over two processes the
-    pairs are each one process's (the keeper's, and the other's), the world crosses; over three, pair {2, 3} crosses
+    every second step each pair ({0, 1}, {2, 3}) all-reduces as much, async, waited on after the ring's message, and in
+    the steps between all four all-reduce two fragments of it, async, started at once (their flows tie); every third
+    step all four all-reduce (a max: a sum across processes is exact only to rounding). Over two processes the pairs
+    are each one process's (the keeper's, and the other's), the world crosses; over three, pair {2, 3} crosses
     processes without the keeper."""
 
     sends_messages = True
@@ -85,12 +86,14 @@ class PairsAndRing(Strategy):
     def step(self):
         self.optim.step()
         flat = torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
-        work = all_reduce(flat.clone(), group=self.pairs[self.rank // 2], async_op=True) \
-            if self.local_step % 2 == 0 else None
+        if self.local_step % 2 == 0:
+            works = [all_reduce(flat.clone(), group=self.pairs[self.rank // 2], async_op=True)]
+        else:
+            works = [all_reduce(flat.clone(), op=ReduceOp.MAX, async_op=True) for _ in range(2)]
         sending = isend(flat, (self.rank + 1) % self.num_nodes)
         got = recv(src=(self.rank - 1) % self.num_nodes).tensor
         sending.wait()
-        if work is not None:
+        for work in works:
             work.wait()
         if self.local_step % 3 == 2:  # the largest of every node's mix with its ring neighbour (exact in any order)
             mixed = (flat + got) / 2

@@ -132,12 +132,14 @@ class EventQueue:
 
     def start_collective(self, at: float, key: tuple, item: CollectiveTransfer) -> None:
         """A collective's transfer starts at `at`, its last member's arrival (shared links). `key`: ("collective", its
-        group's first rank, ...): after the messages that rank starts at the same time, then in the order pushed."""
-        heapq.heappush(self._events, (at, START, key[1], math.inf, next(self._order), item))
+        group's first rank, its (group, sequence number)): after the messages that rank starts at the same time, then
+        by group and sequence number, not in the order pushed, which over processes is the order the transfers reached
+        the keeper (the entries tied so far are collectives' starts only: the tuple compares with theirs)."""
+        heapq.heappush(self._events, (at, START, key[1], math.inf, (key[2], next(self._order)), item))
 
     def finish(self, at: float, key: tuple, version: int) -> None:
-        """The flow `key` (a message's (src, seq); a collective's ("collective", first rank, count)) sends its last
-        byte at `at`, unless the flows moved past `version`."""
+        """The flow `key` (a message's (src, seq); a collective's ("collective", first rank, (group, sequence))) sends
+        its last byte at `at`, unless the flows moved past `version`."""
         rank, seq = (key[0], key[1]) if key[0] != "collective" else (key[1], math.inf)
         heapq.heappush(self._events, (at, FINISH, rank, seq, next(self._order), (key, version)))
 

@@ -68,7 +68,8 @@ class PostProxy:
 
     # ---- the baton's questions ------------------------------------------------------------------
     def busy(self) -> bool:
-        return bool(self._awaiting)
+        # (a collective's transfer at the keeper: its async members may wait on it later)
+        return bool(self._awaiting or self._transfers)
 
     def due(self) -> bool:
         return False  # the keeper's queue decides
