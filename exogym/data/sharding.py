@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+import threading
+from collections import OrderedDict
 from typing import Any, Callable, Iterator, Sequence, Union
 
 import torch
@@ -210,15 +212,39 @@ def sampler_order(sampler: DistributedSampler, epoch: int) -> torch.Tensor:
         A tensor of the sampler's num_samples indices.
     """
     n = len(sampler.dataset)
-    if sampler.shuffle:
-        g = torch.Generator()
-        g.manual_seed(sampler.seed + epoch)
-        indices = torch.randperm(n, generator=g)
-    else:
-        indices = torch.arange(n)
+    indices = _permutation(n, sampler.seed + epoch) if sampler.shuffle else torch.arange(n)
     if sampler.total_size > n:  # padded (drop_last=False): the permutation repeated from its start
         indices = indices.repeat(-(-sampler.total_size // n))
-    return indices[sampler.rank:sampler.total_size:sampler.num_replicas].contiguous()  # its batches: contiguous views
+    # a copy of its own (the permutation is shared), contiguous: its batches are views of it
+    return indices[sampler.rank:sampler.total_size:sampler.num_replicas].clone(memory_format=torch.contiguous_format)
+
+
+class _Permutations:
+    """randperm(n) drawn with a generator seeded `seed`, kept for the next node that asks (every node of a run draws
+    the same permutation each epoch, as DistributedSampler does), the most recent first, up to `limit_bytes`."""
+
+    def __init__(self, limit_bytes: int):
+        self.limit_bytes, self._kept, self._lock = limit_bytes, OrderedDict(), threading.Lock()
+
+    def __call__(self, n: int, seed: int) -> torch.Tensor:
+        with self._lock:
+            kept = self._kept.get((n, seed))
+            if kept is not None:
+                self._kept.move_to_end((n, seed))
+                return kept
+        g = torch.Generator()
+        g.manual_seed(seed)
+        perm = torch.randperm(n, generator=g)
+        with self._lock:
+            self._kept[(n, seed)] = perm
+            while sum(p.nbytes for p in self._kept.values()) > self.limit_bytes and len(self._kept) > 1:
+                self._kept.popitem(last=False)
+        return perm
+
+
+_permutation = _Permutations(limit_bytes=64 * 2**20)  # read only: callers copy what they keep (sampler_order)
+
+
 
 
 class _Length:

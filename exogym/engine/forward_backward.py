@@ -25,12 +25,13 @@ def minibatches(batch: Any, minibatch_size: int) -> list[Any]:
     return [batch] if minibatch_size >= batch_size_of(batch) else split_batch(batch, minibatch_size)
 
 
-def accumulate(sizes: list[int], step: MinibatchStep) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Run `step` over the minibatches of the given sizes (examples each); return the batch's loss (detached) and
+def accumulate(parts: list[Any], step: MinibatchStep) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Run `step` over the minibatches `parts` (minibatches' result); return the batch's loss (detached) and
     metrics, each minibatch's weighted by its share of the batch."""
-    if len(sizes) == 1:
+    if len(parts) == 1:
         loss, metrics = step(0, None)
         return loss.detach(), metrics
+    sizes = [batch_size_of(p) for p in parts]
     n = sum(sizes)
     total, totals = None, {}
     for i, size in enumerate(sizes):

@@ -12,7 +12,8 @@ with a `.loss` attribute (a `transformers` ModelOutput is both). Its other scala
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Mapping
+from collections.abc import Mapping
+from typing import Any, Callable
 
 import torch
 
@@ -75,6 +76,8 @@ def _scalar(value: Any) -> torch.Tensor | None:
 
 def _fields(out: Any) -> dict[str, Any] | None:
     """The named parts of an output holding a loss (a mapping, or an object's attributes), else None."""
+    if isinstance(out, torch.Tensor):  # the loss itself: the common case, decided first
+        return None
     if isinstance(out, Mapping):
         return dict(out) if "loss" in out else None
     if isinstance(out, tuple) and hasattr(out, "_asdict"):  # a namedtuple

@@ -290,7 +290,7 @@ class TrainNode:
             (loss if weight is None else loss * weight).backward()
             return loss, metrics
 
-        return accumulate([batch_size_of(p) for p in parts], step)
+        return accumulate(parts, step)
 
     def _model_out(self, model: torch.nn.Module, batch: Any) -> Any:
         """model(batch), or model(**batch) for a dict batch whose keys are the forward's parameters."""

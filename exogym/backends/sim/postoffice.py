@@ -171,7 +171,7 @@ class PostOffice:
             else:
                 self.baton.wake(item)
         elif isinstance(item, Timer):
-            self._host.run(f"its timer at {item.at:.6g} s", item.at, lambda s: s.wake(item.at))
+            self._host.run(lambda: f"its timer at {item.at:.6g} s", item.at, lambda s: s.wake(item.at))
         elif item.dst == SERVER:
             self._host.handle(item)
         else:

@@ -23,7 +23,7 @@ class ServerHost:
     def __init__(self) -> None:
         self.server: Server | None = None
         self.handled = 0  # messages the server has handled
-        self.handling: tuple[str, str] | None = None  # (the server's class, what) while a handler runs: the watchdog's
+        self._handling: Callable[[], str] | None = None  # what a handler runs for, in words once asked (the watchdog)
         self._saved: dict[str, Any] | None = None  # a checkpoint's server state, until the server is made
 
     def serve(self, make: Callable[[], Server], post: ServerPost) -> Server:
@@ -46,27 +46,35 @@ class ServerHost:
             raise MessageError(f"{message.describe()}: the run has no server (a strategy declares one with "
                                "exogym.comm.serve in its setup)")
         self.server.stats.bytes_received += message.nbytes
-        self.run(f"{message.describe()} (message {self.handled + 1} it handled)", message.arrives_at,
+        number = self.handled + 1
+        self.run(lambda: f"{message.describe()} (message {number} it handled)", message.arrives_at,
                  lambda s: s.receive(message))
         self.handled += 1
 
-    def run(self, what: str, at: float, call: Callable[[Server], None]) -> None:
-        """`call(server)` at simulated time `at` (`what`: the handler in words, for an error or the watchdog).
+    def run(self, what: Callable[[], str], at: float, call: Callable[[Server], None]) -> None:
+        """`call(server)` at simulated time `at` (`what()`: the handler in words, for an error or the watchdog; put
+        in words only when asked, since most handlers return at once).
 
         Raises:
             MessageError: the server raised.
         """
         server = self.server
         server.now = at
-        self.handling = (type(server).__name__, what)  # a handler that never returns is named by the watchdog
+        self._handling = what  # a handler that never returns is named by the watchdog
         try:
             with torch.no_grad():
                 call(server)
         except Exception as e:
-            raise MessageError(f"the server ({type(server).__name__}) raised while handling {what}: "
+            raise MessageError(f"the server ({type(server).__name__}) raised while handling {what()}: "
                                f"{type(e).__name__}: {e}") from e
         finally:
-            self.handling = None
+            self._handling = None
+
+    @property
+    def handling(self) -> tuple[str, str] | None:
+        """(the server's class, what it handles) while a handler runs (read from the watchdog's thread)."""
+        what = self._handling
+        return None if what is None else (type(self.server).__name__, what())
 
     # ---- checkpoints ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any] | None:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from exogym.data.sharding import batch_size_of, move_to_device
+from exogym.data.sharding import move_to_device
 from exogym.engine.execution import EXECUTIONS, FusedFallbackWarning
 from exogym.engine.forward_backward import accumulate, minibatches
 from exogym.backends.sim.fused.engine import FusedEngine, NodeWork, _forked_rng
@@ -162,7 +162,7 @@ def _probe(model: torch.nn.Module, batch: Any, k: int, device: torch.device, min
                 (loss if weight is None else loss * weight).backward()
                 return loss, metrics
 
-            accumulate([batch_size_of(p) for p in parts], step)
+            accumulate(parts, step)
         for o in optims:
             o.step()
         for m in copies:

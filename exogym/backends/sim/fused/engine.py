@@ -30,11 +30,11 @@ from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
-from exogym.data.sharding import batch_size_of
 from exogym.backends.sim.fused.attention import fold_attention
 from exogym.backends.sim.fused.layers import batching_friendly
 from exogym.backends.sim.fused.kernel import adopt_fused_kernel
 from exogym.backends.sim.fused.stacked import NodeStacks
+from exogym.engine.execution import batch_signature
 from exogym.engine.forward_backward import accumulate, minibatches
 from exogym.engine.model_call import parse_model_output, takes_keyword_batch
 
@@ -55,12 +55,6 @@ class NodeWork:
     result: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None
     seconds: float = 0.0  # the member's share of the batched step's wall time
     extra: dict = field(default_factory=dict)
-
-
-def _signature(batch: Any) -> tuple:
-    leaves, spec = tree_flatten(batch)
-    return (str(spec), tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("value", repr(x))
-                             for x in leaves))
 
 
 def _stack_batches(batches: list[Any]) -> tuple[list[torch.Tensor], Any, list[Any]]:
@@ -123,7 +117,7 @@ class FusedEngine:
         works = [self._parked.pop(r) for r in sorted(ranks) if r in self._parked]
         groups: dict[tuple, list[NodeWork]] = {}
         for w in works:
-            groups.setdefault(_signature(w.batch), []).append(w)
+            groups.setdefault(batch_signature(w.batch), []).append(w)
         for group in groups.values():
             try:
                 self.run_group(group)
@@ -167,7 +161,7 @@ class FusedEngine:
             if self.device.type == "cuda":
                 with torch.cuda.device(self.device):
                     torch.cuda.manual_seed(seed)
-            total, totals = accumulate([batch_size_of(p) for p in parts[0]], step)
+            total, totals = accumulate(parts[0], step)
         if copied:
             self.stacks.scatter_buffers(members, buffers)
         # Autograd may hand a stacked gradient back in another layout (F.linear's weight's comes transposed where
