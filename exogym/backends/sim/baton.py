@@ -108,7 +108,6 @@ class Baton:
         self._seq: dict[int, dict[tuple[int, ...], int]] = {r: {} for r in self.local}
         self._local_members: dict[tuple[int, ...], int] = {}  # group -> how many of its members run here
         self._across: dict[tuple, Pending] = {}  # collectives gone to other processes, by key
-        self.transfers_open: set[tuple] = set()  # collectives whose transfer is a flow not yet ended, by key
         self.crossings_started: dict[tuple[int, ...], int] = {}  # group -> collectives on it sent across so far
         self._finished: set[int] = set()
         self._scheduler: greenlet.greenlet | None = None
@@ -360,12 +359,10 @@ class Baton:
         keeper's), whose end lets its members run on."""
         transfer.name = pending.key
         transfer.done = lambda: self._transferred(pending)
-        self.transfers_open.add(pending.key)
         self.messages.transfer(transfer)
 
     def _transferred(self, pending: Pending) -> None:
         """A collective's transfer ended (its members' clocks are set): they run on, each from its clock."""
-        self.transfers_open.discard(pending.key)
         self._release(pending)
 
     def _release(self, pending: Pending, also: int | None = None) -> None:

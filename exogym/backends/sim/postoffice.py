@@ -417,7 +417,8 @@ class PostOffice:
 
     def state_dict(self) -> dict[str, Any]:
         """Messages in flight, mailboxes, the senders' counts and the server: plain data and tensors (a collective's
-        transfer on the wire is not saved: the checkpoint is refused before, SimTransport.pause_for_checkpoint)."""
+        transfer on the wire is not saved: a node with an async collective not yet waited on refuses the checkpoint
+        first, SimTransport._refuse_unwaited)."""
         if self._collectives:
             raise RuntimeError(f"collective transfers are on the wire at a checkpoint ({sorted(self._collectives)}): "
                                "the checkpoint was not taken while every node waited in its collective")

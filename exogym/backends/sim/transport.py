@@ -223,6 +223,7 @@ class SimTransport(TransportBase):
         self.owner = owner  # each node's process, when the run spans several (None: all in this one)
         self.alone = alone  # over processes on shared links: the check that a collective costed alone was alone
         self.match_steps = True  # the strategy's collectives_match_steps (set by the node)
+        self.unwaited = 0  # async collectives whose transfer is a flow, not yet waited on (checkpoints refuse them)
         self._spin = SpinWatch(baton.node_timeout)  # polls that spin at one clock (exogym.backends.sim.watchdog)
 
     def _meet(self, name: str, group: Group, signature: tuple, account: bool, payload: int, async_op: bool,
@@ -253,7 +254,10 @@ class SimTransport(TransportBase):
             fold = _release_gather_outputs
         pending = self.baton.rendezvous(self.rank, group.ranks, call, complete, fold, leave_across)
         if async_op:
-            return SimWork(self, pending, call, timed)
+            # on shared links its transfer is a flow, which a checkpoint does not save: counted until waited on
+            in_flight = timed and payload > 0 and group.size > 1 and self.baton.messages.shares_collectives
+            self.unwaited += in_flight
+            return SimWork(self, pending, call, timed, in_flight)
         _restore(call)
         return None
 
@@ -372,28 +376,26 @@ class SimTransport(TransportBase):
         saved with it, and a resumed run continues exactly (exogym.backends.sim.postoffice)."""
         if not self.baton.messages.active:
             return
+        self._refuse_unwaited()
         latest = torch.tensor([self.clock.now], dtype=torch.float64)
         self.all_reduce(latest, ReduceOp.MAX, self.world)
-        self._refuse_transfers_on_the_wire()
         self.clock.catch_up(float(latest))
 
-    def _refuse_transfers_on_the_wire(self) -> None:
-        """At a checkpoint's cut (every node has met): a collective's transfer on the wire as a flow (an async
-        collective not yet waited on, or one across processes not yet completed here) is not saved with the
-        checkpoint, so the checkpoint is refused before any file of it is written.
+    def _refuse_unwaited(self) -> None:
+        """Before a checkpoint's cut: an async collective of this node's not yet waited on has its transfer on the
+        wire as a flow (shared links), which the checkpoint does not save, so the checkpoint is refused before any of
+        its files is written. Decided by the node's own calls, so the same in every process count (whether the flow
+        has ended by then is not).
 
         Raises:
-            CheckpointError: a collective's transfer is on the wire.
+            CheckpointError: the node has an async collective not yet waited on.
         """
-        baton = self.baton
-        if not baton.messages.shares_collectives or not (baton.transfers_open or baton.open_crossings):
-            return
-        groups = sorted({str(list(group)) for group, _ in (*baton.transfers_open, *baton.open_crossings)})
-        raise CheckpointError(
-            f"a checkpoint at step {self.step} was asked while a collective's transfer is on the wire (group "
-            f"{', '.join(groups)}: an async collective not yet waited on), on shared links, where it is a flow: a "
-            "checkpoint does not save a collective in flight. Wait on async collectives before the step ends at a "
-            "checkpoint step, checkpoint at other steps, or cost transfers alone (Network(..., shared_links=False))")
+        if self.unwaited:
+            raise CheckpointError(
+                f"node {self.rank} reached a checkpoint at step {self.step} with {self.unwaited} async collective(s) "
+                "not yet waited on: on shared links a collective's transfer is a flow, and a checkpoint does not save "
+                "one on the wire. Wait on async collectives before a checkpoint's step ends, checkpoint at other steps, "
+                "or cost transfers alone (Network(..., shared_links=False))")
 
     def restore(self, stats: CommStats, clock: NodeClock) -> None:
         super().restore(stats, clock)
@@ -419,18 +421,17 @@ class SimTransport(TransportBase):
         post = self.baton.messages
 
         def take(calls: list[CollectiveCall]) -> None:
-            self._refuse_transfers_on_the_wire()
             post.links_cut = post.state_dict()
 
+        self._refuse_unwaited()
         world = self.world.ranks
         call = CollectiveCall("barrier", ("barrier",), {"rank": self.rank, "arrival": self.clock.now}, self.step,
                               match_step=self.match_steps)
         self.baton.rendezvous(self.rank, world, call, take)
-        if self.owner is not None:  # across processes (the keeper's flows) the barrier is a crossing: `take` is not
-            self._refuse_transfers_on_the_wire()  # called; node 0 takes the state with the keeper, once every
-            if self.rank == 0:  # process's posts before the barrier are in
-                post.cut(world, self.baton.collectives_made(self.rank, world))
-                post.links_cut = post.state_dict()
+        if self.owner is not None and self.rank == 0:  # across processes (the keeper's flows) the barrier crosses and
+            # `take` is not called: node 0 takes the state with the keeper, once every process's posts before it are in
+            post.cut(world, self.baton.collectives_made(self.rank, world))
+            post.links_cut = post.state_dict()
         return post.links_cut if self.rank == 0 and post.link_usage() else None
 
     def load_messages_state(self, state: dict[str, Any]) -> None:
@@ -455,14 +456,18 @@ class SimTransport(TransportBase):
 class SimWork:
     """The handle of an async collective (torch.distributed's Work): results are in the tensors after wait()."""
 
-    def __init__(self, comm: SimTransport, pending: Pending, call: CollectiveCall, timed: bool):
+    def __init__(self, comm: SimTransport, pending: Pending, call: CollectiveCall, timed: bool, counted: bool = False):
         self._comm, self._pending, self._call, self._timed = comm, pending, call, timed
+        self._counted = counted  # in comm.unwaited until the first wait
 
     def is_completed(self) -> bool:
         return self._pending.done
 
     def wait(self, timeout: Any = None) -> bool:
         self._comm.baton.wait(self._comm.rank, self._pending)
+        if self._counted:
+            self._counted = False
+            self._comm.unwaited -= 1
         _restore(self._call)
         if self._timed:
             self._comm.clock.catch_up(self._call.args["done_at"])
