@@ -394,8 +394,8 @@ class SimTransport(TransportBase):
             raise CheckpointError(
                 f"node {self.rank} reached a checkpoint at step {self.step} with {self.unwaited} async collective(s) "
                 "not yet waited on: on shared links a collective's transfer is a flow, and a checkpoint does not save "
-                "one on the wire. Wait on async collectives before a checkpoint's step ends, checkpoint at other steps, "
-                "or cost transfers alone (Network(..., shared_links=False))")
+                "one on the wire. Wait on async collectives before a checkpoint's step ends, checkpoint at other "
+                "steps, or cost transfers alone (Network(..., shared_links=False))")
 
     def restore(self, stats: CommStats, clock: NodeClock) -> None:
         super().restore(stats, clock)
