@@ -48,8 +48,11 @@ after the floor, so after t). (A node of the keeper in a local collective leaves
 arrival, and that member is ready, in a collective across processes, or waiting on a later event: on shared links, its
 transfer's end.) So the event comes off the queue in the order one process takes it, while the other processes' nodes
 compute. Proxies tell their floor at every step of a node while it rises (SimTransport's step hook), as they take in
-answers, and when they run out of work; a node of the keeper hands over to the next event at its step when that event
-comes before its clock (`Keeper.on_step`), so the nodes of other processes waiting on it are answered while it computes.
+answers, and when they run out of work. A node of the keeper, at each step (`Keeper.on_step`), hands over while packets
+wait to be taken in (the scheduler takes them in between turns: without it a node ran its whole round before another
+process's message or floor was seen), and to the next event when that event comes before its clock, or, when another
+process has every node waiting on the keeper, when the latency lookahead below lets an event go ahead: so the nodes of
+other processes waiting on it are answered while it computes, not after its round.
 
 A collective's transfer on shared links (a strategy that sends messages: its collectives are the keeper's flows too)
 starts at its last member's arrival s, a START event like a message's. Every process holding a member computes the same
@@ -386,22 +389,36 @@ class Keeper:
         return -math.inf if node is None else node.clock.now
 
     def on_step(self, rank: int) -> None:
-        """Node `rank` of this process starts a step: it hands over to a node that may run from a lower clock, and to
-        the next event while that may happen before it (the lookahead), so that the other processes' nodes waiting
-        on the keeper are answered while it computes."""
+        """Node `rank` of this process starts a step: it hands over while packets wait to be taken in (the other
+        processes' messages, questions and floors), to a node that may run from a lower clock, and to the next event
+        while that may happen before it (the lookahead), so that the other processes' nodes waiting on the keeper are
+        answered while it computes, not after its round."""
         baton = self.post.baton
         queue = baton.queue
         while True:
             mine = self._clock(rank)
-            if not (queue.has_runs() and self._clock(queue.first_run()) < mine):
+            news = self.exchange.has_news()
+            if not news and not (queue.has_runs() and self._clock(queue.first_run()) < mine):
                 at = self.post.next_at()
-                if at is None or at >= mine or not self.ahead(at, baton.open_crossings, running=mine):
+                # an event after its clock goes first only by the latency lookahead, and only to feed a process
+                # whose nodes all wait on the keeper (else it would cost a scan of the queue each step for nothing)
+                if at is None or at >= mine and not self._starved() or \
+                        not self.ahead(at, baton.open_crossings, running=mine):
                     return
             happened, turns = self.post.progress, baton.all_turns
-            baton.wake(rank)  # its run, at its clock: the scheduler takes what comes before it
+            baton.wake(rank)  # its run, at its clock: the scheduler takes the packets in and what comes before it
             baton.sleep(rank)
-            if self.post.progress == happened and baton.all_turns == turns + 1:
+            if not news and self.post.progress == happened and baton.all_turns == turns + 1:
                 return  # nothing went before it after all
+
+    def _starved(self) -> bool:
+        """Whether another process has every unfinished node waiting on the keeper, with no answer on its way: an event
+        taken ahead (`_promote`) then lets it compute while this one does."""
+        for p in self.remotes:
+            s = self.status.get(p)
+            if (s is None or not s.finished) and self.floor_of(p) == math.inf:
+                return True
+        return False
 
     def unfinished(self) -> bool:
         return any(not (s := self.status.get(p)) or not s.finished for p in self.remotes)
