@@ -12,13 +12,17 @@ process holding node 0 keeps the event heap, the others forward to it; exogym.ba
 seconds per node-step and the ratio, with the machine's load average (the runs give the same bits; the keeper takes
 an event while other processes' nodes compute when none of them can cause an earlier one, the lookahead).
 --model cnn: the small CNN of benchmarks/workload.py instead (more compute per step, against the same round trips
-to the keeper).
+to the keeper). Beside it, this machine's limit: the same node-steps with no simulator (K copies of the model, each
+node's H steps in a row, a step a batch gathered, forward, backward, AdamW), in one process against P processes each holding K/P copies, timed
+from a barrier after start-up and a warm-up to the last process's end: what two processes computing at once on this machine give
+with nothing to wait for (cores that slow each other, as shared caches and a VM's neighbours make them).
 Usage: python benchmarks/bench_async.py [--nodes 16] [--steps 100] [--repeat 3] [--processes P] [--model mlp|cnn]
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import os
 import time
 
@@ -68,16 +72,56 @@ def main() -> None:
         print(f"| {name} | {best[name] * 1e3:.3f} | {best[name] / best['sync DiLoCo']:.3f}x |")
 
 
+def _plain_share(rank: int, processes: int, k: int, steps: int, H: int, model: str, barrier, out) -> None:
+    """Process `rank`'s block of the K nodes' steps with no simulator; puts its seconds from the barrier on."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    xs, ys = make_data(k * 32 * 4).tensors
+    models = [MODELS[model][0]() for _ in range(rank * k // processes, (rank + 1) * k // processes)]
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
+    order = torch.randperm(len(xs), generator=torch.Generator().manual_seed(0))
+    for m, optim in zip(models, optims):  # warm (the allocator, the convolutions' kernels), as exogym's runs are
+        m((xs[:32], ys[:32])).backward()
+        optim.zero_grad()
+    barrier.wait()
+    start = time.perf_counter()
+    for first in range(0, steps, H):  # a node's H steps in a row, as an asynchronous round runs them
+        for m, optim in zip(models, optims):
+            for step in range(first, min(first + H, steps)):
+                idx = order[(step * 32) % len(xs):][:32]  # [32]
+                optim.zero_grad()
+                m((xs[idx], ys[idx])).backward()
+                optim.step()
+    out.put(time.perf_counter() - start)
+
+
+def plain_processes(k: int, steps: int, H: int, processes: int, model: str) -> float:
+    """Wall seconds per node-step of the plain node-steps over `processes` processes (the last to end)."""
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(processes), ctx.Queue()
+    procs = [ctx.Process(target=_plain_share, args=(r, processes, k, steps, H, model, barrier, out))
+             for r in range(processes)]
+    for p in procs:
+        p.start()
+    seconds = max(out.get() for _ in procs)
+    for p in procs:
+        p.join()
+    return seconds / (k * steps)
+
+
 def compare_processes(make, args: argparse.Namespace) -> None:
     counts = (1, args.processes)
     run(make, args.nodes, args.H, args.processes, args.model)  # warm-up (the processes' imports), short
-    best, load = fastest_interleaved({p: lambda p=p: run(make, args.nodes, args.steps, p, args.model) for p in counts},
-                                     args.repeat)
+    runs = {("exogym", p): lambda p=p: run(make, args.nodes, args.steps, p, args.model) for p in counts}
+    runs.update({("plain", p): lambda p=p: plain_processes(args.nodes, args.steps, args.H, p, args.model) for p in counts})
+    best, load = fastest_interleaved(runs, args.repeat)
     print(f"async DiLoCo, K={args.nodes}, {args.steps} steps, H={args.H}, {MODELS[args.model][1]}, batch 32, "
           f"{os.cpu_count()} cores, load average (1 min, highest seen) {load:.1f}\n")
-    print("| processes | ms per node-step | vs processes=1 |\n|---|---|---|")
+    print("| processes | exogym, ms per node-step | vs processes=1 | plain node-steps (the machine's limit), ms "
+          "per node-step | vs processes=1 |\n|---|---|---|---|---|")
     for p in counts:
-        print(f"| {p} | {best[p] * 1e3:.3f} | {best[p] / best[1]:.3f}x |")
+        print(f"| {p} | {best['exogym', p] * 1e3:.3f} | {best['exogym', p] / best['exogym', 1]:.3f}x "
+              f"| {best['plain', p] * 1e3:.3f} | {best['plain', p] / best['plain', 1]:.3f}x |")
 
 
 if __name__ == "__main__":
