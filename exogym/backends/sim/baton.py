@@ -358,12 +358,8 @@ class Baton:
         """`pending` computed, its transfer shares the links: a flow of the post office's (over processes, the
         keeper's), whose end lets its members run on."""
         transfer.name = pending.key
-        transfer.done = lambda: self._transferred(pending)
+        transfer.done = lambda: self._release(pending)  # its members' clocks are set: they run on, each from its clock
         self.messages.transfer(transfer)
-
-    def _transferred(self, pending: Pending) -> None:
-        """A collective's transfer ended (its members' clocks are set): they run on, each from its clock."""
-        self._release(pending)
 
     def _release(self, pending: Pending, also: int | None = None) -> None:
         """`pending` is done: its waiting members (and `also`, the node that completed it) may run."""

@@ -324,12 +324,11 @@ class Keeper:
         told = self._told[process]
         return min(report[0], min(at for _, at in told)) if told else report[0]
 
-    def ahead(self, at: float, open_here: list, running: float = math.inf) -> bool:
+    def ahead(self, at: float, running: float = math.inf) -> bool:
         """Whether the next event, at simulated time `at`, may happen now by the lookahead (module docstring):
         before every other process's floor and every clock of this process's nodes that may run, of the node running
-        (`running`), and the least arrival of those in a collective across processes (`open_here`: the collectives not
-        yet completed here, the baton's open crossings, whose arrivals it reads); or an event only a waiting node sees,
-        made the next one (`_promote`)."""
+        (`running`), and the least arrival of those in a collective across processes not yet completed here (the
+        baton's open crossings); or an event only a waiting node sees, made the next one (`_promote`)."""
         baton = self.post.baton
         if baton.parked:
             return False  # they compute once nothing else runs: quiescence decides
@@ -403,7 +402,7 @@ class Keeper:
                 # an event after its clock goes first only by the latency lookahead, and only to feed a process
                 # whose nodes all wait on the keeper (else it would cost a scan of the queue each step for nothing)
                 if at is None or at >= mine and not self._starved() or \
-                        not self.ahead(at, baton.open_crossings, running=mine):
+                        not self.ahead(at, running=mine):
                     return
             happened, turns = self.post.progress, baton.all_turns
             baton.wake(rank)  # its run, at its clock: the scheduler takes the packets in and what comes before it

@@ -126,7 +126,7 @@ class PostOffice:
         if self.keeper is None:
             return self._events.has_events()
         # the lookahead: it happens while other processes' nodes run if none of them can cause an earlier event
-        if self._events.has_events() and self.keeper.ahead(self._events.next_at(), self.baton.open_crossings):
+        if self._events.has_events() and self.keeper.ahead(self._events.next_at()):
             return True
         if self._events.has_runs() or not self.keeper.quiet(self.baton.crossings_started, set(self.baton.open_crossings)):
             return False
