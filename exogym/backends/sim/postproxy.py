@@ -62,6 +62,7 @@ class PostProxy:
         self._nodes: Mapping[int, "SimTransport"] = {}
         self._answered_at: dict[int, float] = {}
         self._told: tuple[float, int] | None = None
+        self._least: tuple[int, int | None, float] | None = None  # the last count: (answers taken in, its node, floor)
         self._bye = False
         self.link = Link(exchange, [keeper], self._on_packet)
         self._server_home = f"the process holding node 0 (process {keeper})"  # for the shadow's errors
@@ -84,20 +85,30 @@ class PostProxy:
         """The least clock node `rank` causes anything at from now on (running or ready)."""
         return max(self._nodes[rank].clock.now, self._answered_at.get(rank, -math.inf))
 
-    def floor(self) -> float:
+    def floor(self, running: int | None = None) -> float:
         """The least clock at which a node here can cause an event without the keeper (inf: none can; -inf before the
-        nodes are watched)."""
-        floor = math.inf if self._nodes else -math.inf
-        for rank in self._nodes:
-            if rank not in self._awaiting and not self.baton.is_finished(rank):
-                floor = min(floor, self._resumes_at(rank))
+        nodes are watched). `running`: the node starting a step. The nodes are counted again only when it is the one
+        the last count found least, or that one finished, or an answer came in since (which may run a node from an
+        earlier time): clocks only rise, and a node that went to wait on the keeper since can only raise the floor, so
+        a floor not counted again is never above the true one (a step costs no pass over every node here)."""
+        least = self._least
+        if least is None or running is None or least[0] != self.progress or least[1] == running \
+                or least[1] is not None and self.baton.is_finished(least[1]):
+            floor, at = (math.inf if self._nodes else -math.inf), None
+            for rank in self._nodes:
+                if rank not in self._awaiting and not self.baton.is_finished(rank):
+                    resumes = self._resumes_at(rank)
+                    if resumes < floor:
+                        floor, at = resumes, rank
+            least = self._least = (self.progress, at, floor)
         # a collective across processes not completed here: its transfer (shared links) may start at its last arrival,
         # which an async member's clock has run past
-        return min(floor, self.baton.least_arrival_across())
+        return min(least[2], self.baton.least_arrival_across())
 
-    def report_floor(self) -> None:
-        """Tell the keeper the floor and the answers taken in, when either changed (after the packets sent before)."""
-        told = (self.floor(), self.progress)
+    def report_floor(self, running: int | None = None) -> None:
+        """Tell the keeper the floor and the answers taken in, when either changed (after the packets sent before).
+        `running`: the node starting a step, if one is."""
+        told = (self.floor(running), self.progress)
         if told != self._told:
             self._told = told
             self.link.send(self.keeper_process, "floor", *told)
@@ -108,7 +119,7 @@ class PostProxy:
         while self.exchange.has_news() or self._lower_ready(rank):
             self.baton.wake(rank)  # queued at its clock, behind the lower ones
             self.baton.sleep(rank)
-        self.report_floor()
+        self.report_floor(rank)
 
     def _lower_ready(self, rank: int) -> bool:
         """Whether a node that may run comes before `rank` in the run queue (at a lower clock)."""
@@ -126,6 +137,7 @@ class PostProxy:
         tells the flow's end ("ended"), when they leave as in one process."""
         self._transfers[transfer.name] = transfer
         self._awaiting.update(transfer.waiting)
+        self._least = None  # the floor is counted again (it may rise)
         if poster(transfer.holders, self.keeper_process) == self.exchange.me:
             self.link.send(self.keeper_process, "collective", transfer.name, transfer.start, transfer.route,
                            transfer.first, transfer.holders)
@@ -217,6 +229,7 @@ class PostProxy:
             return
         self._sending[token] = rank
         self._awaiting.add(rank)
+        self._least = None  # the floor is counted again (it may rise)
         self.baton.await_message(rank, f"its send of {message.nbytes} bytes, on the wire (told by the keeper)")
 
     def link_usage(self) -> None:
@@ -231,6 +244,7 @@ class PostProxy:
         self.baton.arrivals += 1  # progress, for the watchdog
         self.link.send(self.keeper_process, "ask", Ask(rank, at, op, src, tag, what, known))
         self._awaiting.add(rank)
+        self._least = None  # the floor is counted again (it may rise)
         self.baton.await_message(rank, what)
         return self._answers.pop(rank)
 
