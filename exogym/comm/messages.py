@@ -26,6 +26,7 @@ the receiver (`bytes_received`); the server's own counts are in the record.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol
 
@@ -68,9 +69,9 @@ class Message:
     arrives_at: float = 0.0
     seq: int = 0  # the sender's count of messages sent, from 0
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
-        """The bytes sent: the tensor's and 8 per meta value."""
+        """The bytes sent: the tensor's and 8 per meta value (counted once: a message is not changed once made)."""
         return _comm.tensor_nbytes(self.tensor) + _META_BYTES * len(self.meta)
 
     def describe(self) -> str:
@@ -223,17 +224,21 @@ def _check_meta(meta: Mapping[str, float] | None) -> dict[str, float]:
     return out
 
 
-def _message(tensor: torch.Tensor, dst: int, tag: int, meta: Mapping[str, float] | None) -> tuple[Any, Message]:
+def _message(tensor: torch.Tensor, dst: int, tag: int, meta: Mapping[str, float] | None,
+             copy: bool) -> tuple[Any, Message]:
     c = _comm.current_transport()
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-    message = Message(c.rank, _check_dst(dst, c.num_nodes, c.rank), tensor.detach().clone(), int(tag),
-                      _check_meta(meta))
+    if not isinstance(copy, bool):
+        raise TypeError(f"copy must be True or False, got {copy!r}")
+    payload = tensor.detach().clone() if copy else tensor.detach()
+    message = Message(c.rank, _check_dst(dst, c.num_nodes, c.rank), payload, int(tag), _check_meta(meta))
     c.stats.add("send", message.nbytes, message.nbytes)
     return c, message
 
 
-def isend(tensor: torch.Tensor, dst: int, *, tag: int = 0, meta: Mapping[str, float] | None = None) -> Any:
+def isend(tensor: torch.Tensor, dst: int, *, tag: int = 0, meta: Mapping[str, float] | None = None,
+          copy: bool = True) -> Any:
     """Send a copy of `tensor` to node `dst` (or SERVER) and return at once.
 
     Args:
@@ -241,6 +246,8 @@ def isend(tensor: torch.Tensor, dst: int, *, tag: int = 0, meta: Mapping[str, fl
         dst: a node's rank, or SERVER.
         tag: an int the receiver may select on.
         meta: a few int/float values sent with it (8 bytes each).
+        copy: False: `tensor` itself is sent, not a copy (as torch.distributed sends a buffer), for a tensor made
+            only to be sent: the caller must never change it, since the receiver reads it when it arrives.
 
     Returns:
         A handle whose wait() returns when the message has arrived (the sender's clock moves to the arrival).
@@ -249,11 +256,12 @@ def isend(tensor: torch.Tensor, dst: int, *, tag: int = 0, meta: Mapping[str, fl
         ValueError: dst is not a rank or SERVER, or is the sender itself.
         TypeError: tensor is not a tensor, or meta holds other than str -> int/float.
     """
-    c, message = _message(tensor, dst, tag, meta)
+    c, message = _message(tensor, dst, tag, meta, copy)
     return c.send_message(message, blocking=False)
 
 
-def send(tensor: torch.Tensor, dst: int, *, tag: int = 0, meta: Mapping[str, float] | None = None) -> None:
+def send(tensor: torch.Tensor, dst: int, *, tag: int = 0, meta: Mapping[str, float] | None = None,
+         copy: bool = True) -> None:
     """Send a copy of `tensor` to node `dst` (or SERVER); returns once it has arrived (the transfer is
     communication time on the sender's clock).
 
@@ -262,12 +270,13 @@ def send(tensor: torch.Tensor, dst: int, *, tag: int = 0, meta: Mapping[str, flo
         dst: a node's rank, or SERVER.
         tag: an int the receiver may select on.
         meta: a few int/float values sent with it (8 bytes each).
+        copy: False: `tensor` itself is sent (isend's `copy`).
 
     Raises:
         ValueError: dst is not a rank or SERVER, or is the sender itself.
         TypeError: tensor is not a tensor, or meta holds other than str -> int/float.
     """
-    c, message = _message(tensor, dst, tag, meta)
+    c, message = _message(tensor, dst, tag, meta, copy)
     c.send_message(message, blocking=True)
 
 

@@ -72,14 +72,18 @@ def _takes_train_flag(factory: Callable[..., Any]) -> bool:
 
 def _collate(ds: Dataset, indices: list[int]) -> Any:
     if isinstance(ds, TensorDataset):  # fast path: one gather per tensor instead of one item at a time
-        idx = torch.as_tensor(indices)
-        return tuple(t[idx] for t in ds.tensors)
+        return _gather(ds.tensors, torch.as_tensor(indices, dtype=torch.long))
     if isinstance(ds, _Rows):  # the same gather, from the rows a process holds
-        idx = ds.local(indices)
-        return tuple(t[idx] for t in ds.tensors)
+        return _gather(ds.tensors, ds.local(indices))
     if _is_hf_dataset(ds):  # one columnar read: {column: the rows' values}
         return {name: _column(values) for name, values in ds[indices].items()}
     return default_collate([ds[i] for i in indices])
+
+
+def _gather(tensors: Sequence[torch.Tensor], idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each tensor's rows `idx`: t[idx]'s values, by index_select (no advanced indexing's dispatch). A tensor on
+    another device than `idx` (a dataset kept on the GPU) gets the index moved to it."""
+    return tuple([t.index_select(0, idx if t.device == idx.device else idx.to(t.device)) for t in tensors])
 
 
 def _is_hf_dataset(ds: object) -> bool:

@@ -92,6 +92,8 @@ def _fields(out: Any) -> dict[str, Any] | None:
 def parse_model_output(out: Any, *, training: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Split what the model returned into the loss (a scalar tensor) and extra scalar metrics, or raise a
     TypeError that states the contract. training=False (evaluation) does not require the loss to have a grad."""
+    if type(out) is torch.Tensor and out.dim() == 0 and out.is_floating_point() and (out.requires_grad or not training):
+        return out, {}  # the common case: the scalar loss itself, as the checks below would return it
     fields = _fields(out)
     if fields is None and isinstance(out, Mapping):
         raise TypeError(f"model(batch) returned a dict without a 'loss' entry (keys: {sorted(map(str, out))}); "

@@ -220,7 +220,7 @@ class DecoupledDiLoCoStrategy(ServerRoundsStrategy):
         sl = self._slices[p]
         flat = flat_parameters(self.model)
         msg.send(self._start[sl] - flat[sl], msg.SERVER,
-                 meta={"version": self._versions[p], "steps": self._since[p], "fragment": p})
+                 meta={"version": self._versions[p], "steps": self._since[p], "fragment": p}, copy=False)
         reply = msg.recv(src=msg.SERVER)
         self._start[sl] = reply.tensor
         flat[sl] = reply.tensor

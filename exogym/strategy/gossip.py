@@ -197,7 +197,7 @@ class GossipStrategy(TimeBudget, Strategy):
         if self.topology != "exponential":
             out = [self._rng.choice(out)]
         self._weight /= 2
-        msg.isend(flat_parameters(self.model), out[0], meta={"w": self._weight})
+        msg.isend(flat_parameters(self.model), out[0], meta={"w": self._weight}, copy=False)  # a fresh flat copy
         self._sent[out[0]] += 1
 
     def finish(self) -> None:

@@ -388,7 +388,7 @@ class ServerRoundsStrategy(TimeBudget, ServerStrategy):
             flat = flat_parameters(self.model)
             delta = torch.sub(self._start, flat, out=flat)  # into the flat copy: no second model-sized tensor
         msg.send(delta, msg.SERVER, meta={"version": self._version, "steps": self._steps,
-                                          "seconds": msg.now() - self._round_began})
+                                          "seconds": msg.now() - self._round_began}, copy=False)  # made to be sent
         self._begin_task(msg.recv(src=msg.SERVER))
 
     def _own_flat(self) -> torch.Tensor | None:

@@ -168,3 +168,50 @@ def test_message_strategies_over_several_processes_run_as_in_one_process(make):
     one, two = records
     assert two.config["processes"] == 2
     assert two.node_loss == one.node_loss and two.bytes_per_node == one.bytes_per_node
+
+
+class Keeps(Server):
+    """Keeps every message it receives."""
+
+    def __init__(self):
+        super().__init__()
+        self.kept = []
+
+    def receive(self, m):
+        self.kept.append(m)
+
+
+class SendsOnce(Strategy):
+    """Node 0 sends one tensor (copied or not, as asked), then changes its own in place."""
+
+    def __init__(self, copy, **kw):
+        super().__init__(**kw)
+        self.copy = copy
+
+    def _init_node(self, model, rank, num_nodes):
+        super()._init_node(model, rank, num_nodes)
+        self.optim = torch.optim.SGD(model.parameters(), lr=0.0)
+        self.server = comm.serve(Keeps)
+
+    def step(self):
+        if self.rank == 0 and self.local_step == 0:
+            x = torch.ones(3)
+            comm.send(x, SERVER, copy=self.copy)
+            x.add_(1.0)  # what the receiver reads depends on the copy
+            LOG["sent"] = x
+            LOG["kept"] = comm.read_server(lambda s: [m.tensor for m in s.kept])
+        super().step()
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_send_copies_by_default_and_copy_false_hands_the_tensor_itself(copy):
+    LOG.clear()
+    _fit(SendsOnce(copy), nodes=2, steps=1)
+    (received,) = LOG["kept"]
+    assert (received.data_ptr() == LOG["sent"].data_ptr()) == (not copy)  # the same memory, or a copy
+    assert torch.equal(received, torch.full((3,), 2.0 if not copy else 1.0))
+
+
+def test_send_refuses_a_copy_that_is_not_a_bool():
+    with pytest.raises(TypeError, match="copy must be True or False"):
+        _fit(SendsOnce(copy="no"), nodes=2, steps=1)
