@@ -239,7 +239,7 @@ def _message(tensor: torch.Tensor, dst: int, tag: int, meta: Mapping[str, float]
 
 def isend(tensor: torch.Tensor, dst: int, *, tag: int = 0, meta: Mapping[str, float] | None = None,
           copy: bool = True) -> Any:
-    """Send a copy of `tensor` to node `dst` (or SERVER) and return at once.
+    """Send a copy of `tensor` (copy=False: the tensor itself) to node `dst` (or SERVER) and return at once.
 
     Args:
         tensor: what to send (copied now; the caller may change its own at once).
@@ -262,8 +262,8 @@ def isend(tensor: torch.Tensor, dst: int, *, tag: int = 0, meta: Mapping[str, fl
 
 def send(tensor: torch.Tensor, dst: int, *, tag: int = 0, meta: Mapping[str, float] | None = None,
          copy: bool = True) -> None:
-    """Send a copy of `tensor` to node `dst` (or SERVER); returns once it has arrived (the transfer is
-    communication time on the sender's clock).
+    """Send a copy of `tensor` (copy=False: the tensor itself) to node `dst` (or SERVER); returns once it has arrived
+    (the transfer is communication time on the sender's clock).
 
     Args:
         tensor: what to send (copied now).
