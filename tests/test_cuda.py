@@ -47,3 +47,16 @@ def test_nodes_spread_round_robin_over_devices():
     assert record.config["devices"] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
     cpu, _ = _fit("cpu")
     assert_close(params, cpu, rtol=1e-4, atol=1e-5)
+
+
+def test_a_dataset_kept_on_the_gpu_trains_as_one_on_the_cpu():
+    # the batch gather moves its CPU index to the dataset's device (index_select needs both on one device)
+    data = toy.make_classification(128)
+    on_gpu = torch.utils.data.TensorDataset(*(t.cuda() for t in data.tensors))
+    models = []
+    for train in (data, on_gpu):
+        t = Trainer(toy.TinyMLP(), train)
+        model = t.fit(SimpleReduceStrategy(OptimSpec(torch.optim.SGD, lr=0.1)), 2, batch_size=8, max_steps=4,
+                      device="cuda", progress=False)
+        models.append([p.detach().cpu() for p in model.parameters()])
+    assert_close(models[1], models[0], rtol=0, atol=0)

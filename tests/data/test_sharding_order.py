@@ -30,3 +30,11 @@ def test_node_batches_are_the_index_lists_gathers():
         x, y = next(got)
         want_x, want_y = _collate(data, next(lists))
         assert torch.equal(x, want_x) and torch.equal(y, want_y)
+
+
+def test_a_gather_is_indexings_rows():
+    g = torch.Generator().manual_seed(0)
+    xs, ys = torch.randn(50, 2, 3, generator=g), torch.randint(0, 5, (50,), generator=g)
+    rows = [7, 3, 3, 49, 0]
+    x, y = _collate(TensorDataset(xs, ys), rows)
+    assert torch.equal(x, xs[rows]) and torch.equal(y, ys[rows])
