@@ -62,6 +62,25 @@ def test_sync_diloco_fast_nodes_wait_for_the_slowest_and_spans_add_up():
     assert not timeline["messages"]["src"] and not timeline["updates"]["t"]
 
 
+def test_links_busy_alike_share_one_lane_and_others_keep_their_own():
+    # sync DiLoCo's all-reduce is one ring flow on every port (each node's up and down): one lane for the six ports;
+    # async DiLoCo's uploads and replies make the server's two links busy at different times: a lane each
+    for strategy, lanes_of in ((DiLoCoStrategy(OptimSpec.from_string("sgd", lr=0.1), H=5),
+                                [[f"port {r} {d}" for r in range(3) for d in ("down", "up")]]),
+                               (AsyncDiLoCoStrategy(OptimSpec.from_string("sgd", lr=0.1), H=5),
+                                [["server down"], ["server up"]])):
+        record = _fit(strategy)
+        links = [lane for lane in record.timeline["lanes"] if lane["kind"] == "link"]
+        assert [lane["links"] for lane in links] == lanes_of
+        assert [lane["name"] for lane in links] == [names[0] + (f" +{len(names) - 1}" if len(names) > 1 else "")
+                                                    for names in lanes_of]
+        for lane in links:  # the lane's spans are each of its links' own, and add up to its busy time
+            for name in lane["links"]:
+                assert math.isclose(_seconds(lane, "b"), record.links[name]["busy_s"], rel_tol=1e-12)
+        spans = record.summary()  # (the links' own spans stay out of the summary, as before)
+        assert "link_spans" not in spans["comm_per_node"][0]
+
+
 def test_async_diloco_sends_messages_that_become_updates():
     record = _fit(AsyncDiLoCoStrategy(OptimSpec.from_string("sgd", lr=0.1), H=5))
     timeline = _check_tiles(record)
@@ -141,7 +160,7 @@ def test_resumed_run_is_the_uninterrupted_one_with_flows_in_flight_at_the_checkp
     assert resumed.timeline["messages"] == whole.timeline["messages"]
     assert resumed.bytes_per_node == whole.bytes_per_node
     links = [lane for lane in whole.timeline["lanes"] if lane["kind"] == "link"]
-    assert [lane["name"] for lane in links] == list(whole.links)
+    assert sorted(n for lane in links for n in lane["links"]) == sorted(whole.links)  # each link in one lane
     assert (bool(links) and "b" in links[0]["kinds"]) == shared_links
 
 

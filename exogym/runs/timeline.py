@@ -8,10 +8,13 @@ The format (`"format": 1`):
 
 - `lanes`: one per node (`"kind": "node"`, `"rank"`), then the server (`"kind": "server"`) when the run had one;
   a lane has `t` (span boundaries, seconds), `kinds` (one letter a span: SPAN_KINDS) and `steps` (the step each span
-  began in). A lane with no spans (the server's) has `t` of one value. Then one lane per link that carried a
-  message on a network of shared links (`"kind": "link"`, named as exogym.cluster.network names links, in name
-  order): its spans are busy ("b": at least one message's flow crossed it) and idle ("i"), from 0 to the end of its
-  last busy span, with `flows` (the most flows on it at once in each span; 0 when idle) in place of `steps`.
+  began in). A lane with no spans (the server's) has `t` of one value. Then the links that carried a flow on a
+  network of shared links (`"kind": "link"`, named as exogym.cluster.network names links), a lane per busy pattern:
+  its spans are busy ("b": at least one flow crossed it) and idle ("i"), from 0 to the end of its last busy span, with
+  `flows` (the most flows on it at once in each span; 0 when idle) in place of `steps`, and `links` (the links whose
+  spans these are, in name order). Links whose spans are the same to the bit share one lane, named by the first with
+  the count of the others (a collective's ring keeps every port it occupies busy alike: a DDP run of K nodes has one
+  such lane, not 2K); lanes are in the order of their first link's name.
 - `messages`: columns `src`, `dst` (lane indices), `sent`, `arrives` (seconds), `bytes`, `step` (the sender's).
 - `updates`: columns `t`, `lane` (the node whose update it was, as a lane index), `staleness`.
 - `slowdowns`: the record's rows (node, from_s, to_s, factor).
@@ -58,10 +61,7 @@ def build_timeline(comm_per_node: Sequence[Mapping[str, Any]], *,
     end = max(lane["t"][-1] for lane in lanes)
     if server is not None:
         lanes.append({"name": "server", "kind": "server", "t": [0.0], "kinds": "", "steps": []})
-    links = comm_per_node[0].get("link_spans") or {}
-    for name in sorted(links):
-        lanes.append({"name": name, "kind": "link", "t": list(links[name]["t"]), "kinds": links[name]["kinds"],
-                      "flows": list(links[name]["flows"])})
+    lanes += _link_lanes(comm_per_node[0].get("link_spans") or {})
     lane_of = {rank: rank for rank in range(len(comm_per_node))}
     if server is not None:
         lane_of[_SERVER] = len(comm_per_node)
@@ -87,6 +87,17 @@ def build_timeline(comm_per_node: Sequence[Mapping[str, Any]], *,
     end = max([end, *messages["arrives"]])
     return {"format": FORMAT, "kinds": LANE_KINDS, "end_s": end, "lanes": lanes, "messages": messages,
             "updates": updates, "slowdowns": [dict(s) for s in slowdowns]}
+
+
+def _link_lanes(spans: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """A lane per busy pattern of the links (module docstring): links with the same spans share one."""
+    alike: dict[tuple, list[str]] = {}
+    for name in sorted(spans):
+        pattern = (tuple(spans[name]["t"]), spans[name]["kinds"], tuple(spans[name]["flows"]))
+        alike.setdefault(pattern, []).append(name)
+    return [{"name": names[0] if len(names) == 1 else f"{names[0]} +{len(names) - 1}", "kind": "link",
+             "t": list(t), "kinds": kinds, "flows": list(flows), "links": names}
+            for (t, kinds, flows), names in alike.items()]
 
 
 def write_timeline(folder: str | os.PathLike, timeline: Mapping[str, Any]) -> Path:

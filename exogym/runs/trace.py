@@ -1,8 +1,8 @@
 """A run's timeline as a Chrome trace event file, for Perfetto (ui.perfetto.dev, its trace processor) and the
 readers of that format.
 
-One process ("simulated cluster"), one thread per lane (node 0, node 1, ..., the server, then each shared link that
-carried a message) named by metadata events; each span is a complete event ("ph": "X") named by its kind with its
+One process ("simulated cluster"), one thread per lane (node 0, node 1, ..., the server, then the shared links'
+lanes) named by metadata events; each span is a complete event ("ph": "X") named by its kind with its
 step in args (a link's: the most flows on it at once, as "flows"); each message is an async slice
 ("ph": "b" / "e", category "message") from its send to its arrival, on the sending lane; each server update an
 instant event ("ph": "i") on the server's lane with the node and staleness. Times are simulated microseconds.

@@ -10,12 +10,20 @@ import toy  # noqa: E402
 from exogym import Trainer  # noqa: E402
 from exogym.cluster.network import Network  # noqa: E402
 from exogym.runs.loggers import CSVLogger  # noqa: E402
-from exogym.strategy import AsyncDiLoCoStrategy, OptimSpec  # noqa: E402
+from exogym.strategy import AsyncDiLoCoStrategy, DiLoCoStrategy, OptimSpec  # noqa: E402
 from exogym.ui.browser import chromium_path, headless_page, served  # noqa: E402
 from test_ui_server import make_run  # noqa: E402
 
 pytestmark = [pytest.mark.spawns,
               pytest.mark.skipif(chromium_path() is None, reason="no chromium: apt-get install -y chromium")]
+
+
+# the tip of the first link lane's first busy span, as hovering it shows
+HOVER_LINK = """(() => {
+    const tl = state.timeline, g = tl._geometry(), li = tl.lanes.findIndex((l) => l.kind === "link");
+    const lane = tl.lanes[li], b = lane.kinds.indexOf("b"), at = (lane.t[b] + lane.t[b + 1]) / 2;
+    return tl.describe(tl.labelW + (at - tl.v0) * g.scale, g.axisH + li * g.laneH + 2);
+})()"""
 
 
 @pytest.fixture
@@ -54,18 +62,26 @@ def test_runs_compare_timeline_live_and_token(root):
         assert page.locator("#compare-chart .scatterlayer .trace").count() == 2
         assert "FedAvgStrategy" in page.inner_text("#config-diff")
 
-        # the timeline: a lane per node, the server and each shared link that carried a message (server down, server
+        # the timeline: a lane per node, the server and each shared link busy in its own way (server down, server
         # up); hovering a node's lane names its span, hovering a link's busy span says how many flows shared it
         page.goto(f"{base}/?token={token}#timeline?run=async")
         page.wait_for_function("document.body.dataset.timelineDrawnAt || document.body.dataset.timelineError")
         assert page.evaluate("document.body.dataset.timelineLanes") == "6"
         assert page.evaluate("state.timeline.describe(200, 22 + 5)").startswith("node 0: ")
-        link = page.evaluate("""(() => {
-            const tl = state.timeline, g = tl._geometry(), li = tl.lanes.findIndex((l) => l.kind === "link");
-            const lane = tl.lanes[li], b = lane.kinds.indexOf("b"), at = (lane.t[b] + lane.t[b + 1]) / 2;
-            return tl.describe(tl.labelW + (at - tl.v0) * g.scale, g.axisH + li * g.laneH + 2);
-        })()""")
+        link = page.evaluate(HOVER_LINK)
         assert link.startswith("server down: busy, at most ") and "flow(s) at once" in link
+        # a synchronous run: its all-reduce keeps the six ports busy alike, one lane for them all, named in its tip
+        Trainer(toy.TinyMLP(), toy.make_classification()).fit(
+            DiLoCoStrategy(OptimSpec.from_string("sgd", lr=0.1), H=4), 3, max_steps=8, batch_size=8,
+            network=Network(bandwidth="100Mbps", latency="10ms"), node_speeds=[1.0, 0.5, 0.25],
+            logger=CSVLogger(root, "sync"), progress=False, device="cpu")
+        page.goto(f"{base}/?token={token}#timeline?run=sync")  # (the same page: only its hash changes)
+        page.wait_for_function("document.body.dataset.timelineLanes === '4'")  # three nodes, one link lane
+        ports = page.evaluate(HOVER_LINK)
+        assert ports.startswith("port 0 down +5: busy, at most 1 flow(s) at once")
+        assert ports.endswith("6 links alike: port 0 down, port 0 up, port 1 down, port 1 up, ...")
+        page.goto(f"{base}/?token={token}#timeline?run=async")
+        page.wait_for_function("document.body.dataset.timelineLanes === '6'")
         box = page.locator("#timeline-canvas").bounding_box()
         page.mouse.move(box["x"] + 200, box["y"] + 22 + 5)
         assert page.inner_text("#timeline-tip").startswith("node 0: ")

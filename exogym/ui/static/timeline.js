@@ -1,5 +1,5 @@
-// The timeline of one run on a canvas: a lane per node (and the server, and each shared link that carried a
-// message: its busy time), spans in simulated time, messages as lines from send to arrival, server updates as marks. Spans narrower than a pixel are folded into one column per
+// The timeline of one run on a canvas: a lane per node (and the server, and the shared links that carried a
+// flow: their busy time, links busy alike in one lane), spans in simulated time, messages as lines from send to arrival, server updates as marks. Spans narrower than a pixel are folded into one column per
 // pixel showing the kind that filled most of it, so a run of any length draws in time proportional to the width.
 "use strict";
 
@@ -23,7 +23,8 @@ class Timeline {
   load(data) {
     this.data = data;
     this.lanes = data.lanes.map((lane) => ({name: lane.name, kind: lane.kind, t: Float64Array.from(lane.t),
-                                            kinds: lane.kinds, steps: lane.steps, flows: lane.flows}));
+                                            kinds: lane.kinds, steps: lane.steps, flows: lane.flows,
+                                            links: lane.links || [lane.name]}));
     const m = data.messages, n = m.src.length;
     const order = Array.from({length: n}, (_, i) => i).sort((a, b) => m.sent[a] - m.sent[b]);
     this.msg = {n, src: Int32Array.from(order, (i) => m.src[i]), dst: Int32Array.from(order, (i) => m.dst[i]),
@@ -36,6 +37,9 @@ class Timeline {
     this.maxStale = Math.max(1, nodes - 1);  // a staleness of about K - 1 is what a round robin gives
     for (const s of this.upd.staleness) this.maxStale = Math.max(this.maxStale, s);
     this.serverLane = this.lanes.findIndex((l) => l.kind === "server");
+    const ctx = this.canvas.getContext("2d");  // the labels' column fits the longest lane name (e.g. "access 12 down")
+    ctx.font = "12px sans-serif";
+    this.labelW = Math.max(70, ...this.lanes.map((l) => Math.ceil(ctx.measureText(l.name).width) + 10));
     this.reset();
   }
 
@@ -195,10 +199,13 @@ class Timeline {
     }
     const i = upperBound(lane.t, at) - 1;
     if (i < 0 || i >= lane.kinds.length) return null;
-    if (lane.kind === "link") {  // a shared link: busy while at least one message's flow crossed it
+    if (lane.kind === "link") {  // a shared link: busy while at least one flow crossed it
       const times = `${lane.t[i].toFixed(4)} s to ${lane.t[i + 1].toFixed(4)} s (${(lane.t[i + 1] - lane.t[i]).toFixed(4)} s)`;
-      return lane.kinds[i] === "b" ? `${lane.name}: busy, at most ${lane.flows[i]} flow(s) at once\n${times}`
-                                   : `${lane.name}: idle\n${times}`;
+      // links busy alike share a lane (exogym.runs.timeline): name them all, the first few in full
+      const alike = lane.links.length > 1 ? `\n${lane.links.length} links alike: ${lane.links.slice(0, 4).join(", ")}` +
+                                            (lane.links.length > 4 ? ", ..." : "") : "";
+      return (lane.kinds[i] === "b" ? `${lane.name}: busy, at most ${lane.flows[i]} flow(s) at once\n${times}`
+                                    : `${lane.name}: idle\n${times}`) + alike;
     }
     const kind = this.data.kinds[lane.kinds[i]], s0 = lane.steps[i];
     // the span ends in the step the next span began in, unless that one is computing: it began a new step
