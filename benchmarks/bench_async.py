@@ -14,8 +14,9 @@ an event while other processes' nodes compute when none of them can cause an ear
 --model cnn: the small CNN of benchmarks/workload.py instead (more compute per step, against the same round trips
 to the keeper). Beside it, this machine's limit: the same node-steps with no simulator (K copies of the model, each
 node's H steps in a row, a step a batch gathered, forward, backward, AdamW), in one process against P processes each holding K/P copies, timed
-from a barrier after start-up and a warm-up to the last process's end: what two processes computing at once on this machine give
-with nothing to wait for (cores that slow each other, as shared caches and a VM's neighbours make them).
+from a barrier after start-up and a warm-up (every process runs its whole share once first: a process's first pass
+ran 15 to 30% slower than its next ones) to the last process's end: what two processes computing at once on this
+machine give with nothing to wait for (cores that slow each other, as shared caches and a VM's neighbours make them).
 Usage: python benchmarks/bench_async.py [--nodes 16] [--steps 100] [--repeat 3] [--processes P] [--model mlp|cnn]
 """
 
@@ -80,18 +81,20 @@ def _plain_share(rank: int, processes: int, k: int, steps: int, H: int, model: s
     models = [MODELS[model][0]() for _ in range(rank * k // processes, (rank + 1) * k // processes)]
     optims = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
     order = torch.randperm(len(xs), generator=torch.Generator().manual_seed(0))
-    for m, optim in zip(models, optims):  # warm (the allocator, the convolutions' kernels), as exogym's runs are
-        m((xs[:32], ys[:32])).backward()
-        optim.zero_grad()
+
+    def share() -> None:
+        for first in range(0, steps, H):  # a node's H steps in a row, as an asynchronous round runs them
+            for m, optim in zip(models, optims):
+                for step in range(first, min(first + H, steps)):
+                    idx = order[(step * 32) % len(xs):][:32]  # [32]
+                    optim.zero_grad()
+                    m((xs.index_select(0, idx), ys.index_select(0, idx))).backward()
+                    optim.step()
+
+    share()  # warm: the allocator, the kernels, the optimizers' state (module docstring)
     barrier.wait()
     start = time.perf_counter()
-    for first in range(0, steps, H):  # a node's H steps in a row, as an asynchronous round runs them
-        for m, optim in zip(models, optims):
-            for step in range(first, min(first + H, steps)):
-                idx = order[(step * 32) % len(xs):][:32]  # [32]
-                optim.zero_grad()
-                m((xs[idx], ys[idx])).backward()
-                optim.step()
+    share()
     out.put(time.perf_counter() - start)
 
 
