@@ -249,8 +249,6 @@ class _Permutations:
 _permutation = _Permutations(limit_bytes=64 * 2**20)  # read only: callers copy what they keep (sampler_order)
 
 
-
-
 class _Length:
     """Stands for a dataset where only its length is read (the sampler's permutation is of the whole dataset)."""
 
