@@ -78,7 +78,9 @@ def _plain_share(rank: int, processes: int, k: int, steps: int, H: int, model: s
     torch.set_num_threads(1)
     torch.manual_seed(0)
     xs, ys = make_data(k * 32 * 4).tensors
-    models = [MODELS[model][0]() for _ in range(rank * k // processes, (rank + 1) * k // processes)]
+    # every process builds all K copies from the one seed and keeps its own block, so that P processes compute the
+    # same values as one (a step's time depends on them: max pooling and ReLU branch on the activations)
+    models = [MODELS[model][0]() for _ in range(k)][rank * k // processes:(rank + 1) * k // processes]
     optims = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
     order = torch.randperm(len(xs), generator=torch.Generator().manual_seed(0))
 
