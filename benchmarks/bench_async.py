@@ -17,7 +17,12 @@ node's H steps in a row, a step a batch gathered, forward, backward, AdamW), in 
 from a barrier after start-up and a warm-up (every process runs its whole share once first: a process's first pass
 ran 15 to 30% slower than its next ones) to the last process's end: what two processes computing at once on this
 machine give with nothing to wait for (cores that slow each other, as shared caches and a VM's neighbours make them).
+Every process builds the same K copies and keeps its block, so P processes compute the values one does: a CNN step's
+time depends on the values (max pooling branches on them), so the plain loop's copies, trained apart, are not timed
+against exogym's, whose nodes restart from the server's model each round, only against themselves.
+--latency: the `home` network with another latency (the lookahead across processes reaches that far ahead).
 Usage: python benchmarks/bench_async.py [--nodes 16] [--steps 100] [--repeat 3] [--processes P] [--model mlp|cnn]
+       [--latency 150ms]
 """
 
 from __future__ import annotations
@@ -30,18 +35,20 @@ import time
 import torch
 
 from exogym import Trainer
+from exogym.cluster.network import Network
 from exogym.strategy import AsyncDiLoCoStrategy, DiLoCoStrategy, OptimSpec
 from workload import MLP, SmallCNN, fastest_interleaved, make_data
 
 MODELS = {"mlp": (MLP, "MLP 784-256-256-10"), "cnn": (SmallCNN, "small CNN")}
 
 
-def run(make, k: int, steps: int, processes: int = 1, model: str = "mlp") -> float:
+def run(make, k: int, steps: int, processes: int = 1, model: str = "mlp", latency: str | None = None) -> float:
     torch.manual_seed(0)
     trainer = Trainer(MODELS[model][0](), make_data(k * 32 * 4))
     speeds = [1.0 - 0.75 * i / max(1, k - 1) for i in range(k)]
     start = time.perf_counter()
-    trainer.fit(make(), k, max_steps=steps, batch_size=32, network="home", node_speeds=speeds, device="cpu",
+    network = "home" if latency is None else Network.preset("home", latency=latency)
+    trainer.fit(make(), k, max_steps=steps, batch_size=32, network=network, node_speeds=speeds, device="cpu",
                 logger=False, progress=False, processes=processes)
     return (time.perf_counter() - start) / (k * steps)
 
@@ -54,6 +61,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--processes", type=int, default=1)
     parser.add_argument("--model", choices=sorted(MODELS), default="mlp")
+    parser.add_argument("--latency", help="the `home` network with this latency instead of its 30ms (e.g. 150ms): "
+                                          "with --processes, how far the lookahead reaches")
     args = parser.parse_args()
     torch.set_num_threads(1)
     adamw = OptimSpec(torch.optim.AdamW, lr=1e-3)
@@ -116,12 +125,13 @@ def plain_processes(k: int, steps: int, H: int, processes: int, model: str) -> f
 
 def compare_processes(make, args: argparse.Namespace) -> None:
     counts = (1, args.processes)
-    run(make, args.nodes, args.H, args.processes, args.model)  # warm-up (the processes' imports), short
-    runs = {("exogym", p): lambda p=p: run(make, args.nodes, args.steps, p, args.model) for p in counts}
+    run(make, args.nodes, args.H, args.processes, args.model, args.latency)  # warm-up (the processes' imports), short
+    runs = {("exogym", p): lambda p=p: run(make, args.nodes, args.steps, p, args.model, args.latency) for p in counts}
     runs.update({("plain", p): lambda p=p: plain_processes(args.nodes, args.steps, args.H, p, args.model) for p in counts})
     best, load = fastest_interleaved(runs, args.repeat)
     print(f"async DiLoCo, K={args.nodes}, {args.steps} steps, H={args.H}, {MODELS[args.model][1]}, batch 32, "
-          f"{os.cpu_count()} cores, load average (1 min, highest seen) {load:.1f}\n")
+          f"`home` network, latency {args.latency or '30ms'}, {os.cpu_count()} cores, load average (1 min, highest "
+          f"seen) {load:.1f}\n")
     print("| processes | exogym, ms per node-step | vs processes=1 | plain node-steps (the machine's limit), ms "
           "per node-step | vs processes=1 |\n|---|---|---|---|---|")
     for p in counts:
