@@ -46,8 +46,8 @@ def run(make, k: int, steps: int, processes: int = 1, model: str = "mlp", latenc
     torch.manual_seed(0)
     trainer = Trainer(MODELS[model][0](), make_data(k * 32 * 4))
     speeds = [1.0 - 0.75 * i / max(1, k - 1) for i in range(k)]
-    start = time.perf_counter()
     network = "home" if latency is None else Network.preset("home", latency=latency)
+    start = time.perf_counter()
     trainer.fit(make(), k, max_steps=steps, batch_size=32, network=network, node_speeds=speeds, device="cpu",
                 logger=False, progress=False, processes=processes)
     return (time.perf_counter() - start) / (k * steps)
@@ -88,7 +88,7 @@ def _plain_share(rank: int, processes: int, k: int, steps: int, H: int, model: s
     torch.manual_seed(0)
     xs, ys = make_data(k * 32 * 4).tensors
     # every process builds all K copies from the one seed and keeps its own block, so that P processes compute the
-    # same values as one (a step's time depends on them: max pooling and ReLU branch on the activations)
+    # same values as one (a step's time depends on them: max pooling branches on its input)
     models = [MODELS[model][0]() for _ in range(k)][rank * k // processes:(rank + 1) * k // processes]
     optims = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
     order = torch.randperm(len(xs), generator=torch.Generator().manual_seed(0))
