@@ -19,9 +19,7 @@ a WatchdogInterrupt, which the scheduler turns into a NodeTimeoutError:
   (Linux, CPython 3.11): time.sleep, threading.Event.wait and Lock.acquire (with or without a timeout),
   queue.Queue.get, Thread.join, select.select, socket.recv, os.read on a pipe, subprocess.Popen.wait,
   subprocess.run and libc's sleep and pause called through ctypes all end within milliseconds; a Python loop
-  stops at its next bytecode. A signal that arrives in the instant the thread enters a blocking lock acquire is
-  taken by the C handler and interrupts nothing (a CI run hung so, in a test's Event.wait); so while the handler
-  has not run, the kick is sent again every 0.5 s of the grace period below.
+  stops at its next bytecode.
 - On another thread (signal handlers run on the main thread only) or without pthread_kill (Windows), only Python
   code can be stopped: an asynchronous exception (PyThreadState_SetAsyncExc), delivered at the next bytecode.
 
@@ -65,7 +63,6 @@ __all__ = ["Watchdog", "WatchdogInterrupt", "KICK_SIGNAL", "STUCK_EXIT_CODE", "s
 
 KICK_SIGNAL: int | None = getattr(signal, "SIGURG", None)  # sent to the sim's thread to stop the node
 _ON_STUCK_S = 30.0  # how long on_stuck may take (it writes the run folder) before the process exits anyway
-_KICK_AGAIN_S = 0.5  # how often a kick whose handler has not run yet is sent again within the grace period
 _INTERRUPTS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM") if hasattr(signal, name))
 
 
@@ -190,20 +187,8 @@ class Watchdog:
             checked = now
         else:
             return
-        deadline = time.monotonic() + self.grace
-        while not self._stop.wait(max(0.0, min(_KICK_AGAIN_S, deadline - time.monotonic()))):
-            if time.monotonic() >= deadline:
-                self._give_up(sample)
-                return
-            self._kick_again()
-
-    def _kick_again(self) -> None:
-        """Send the kick again while its handler has not run: a signal that arrives in the instant a thread enters a
-        blocking lock acquire is taken by the C handler but interrupts nothing, and the wait goes on (seen once in a
-        test's Event.wait). Once the handler has raised, or an interrupt of the caller's has, kicks do nothing."""
-        with self._lock:
-            if self._active and self._handlers and not self._raised and not self._interrupted:
-                signal.pthread_kill(self._target, KICK_SIGNAL)
+        if not self._stop.wait(self.grace):
+            self._give_up(sample)
 
     def _fire(self, sample: tuple, held_s: float) -> bool:
         rank, step = sample[0], sample[2]
