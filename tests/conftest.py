@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 
 import torch
@@ -12,6 +13,12 @@ torch.set_num_threads(1)
 # match this process's on any machine, and on a loaded 2-core machine torch's default of one thread per core made
 # their small ops wait on each other (the PostgreSQL outage sweep: 26 s, against 9.5 s with one thread).
 os.environ["OMP_NUM_THREADS"] = "1"
+
+# Ctrl-C is Python's KeyboardInterrupt here however the suite was started. A shell that starts it in the background
+# (`.ci/run &`, no job control) starts it with SIGINT ignored, and Python then installs no handler: the tests that
+# press Ctrl-C waited forever (seen running .ci/run that way), and the processes the tests start inherit the ignoring.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 import pytest  # noqa: E402
