@@ -40,6 +40,7 @@ from exogym.strategy import AsyncDiLoCoStrategy, DiLoCoStrategy, OptimSpec
 from workload import MLP, SmallCNN, fastest_interleaved, make_data
 
 MODELS = {"mlp": (MLP, "MLP 784-256-256-10"), "cnn": (SmallCNN, "small CNN")}
+LAST_WAITS: dict[int, tuple[float, list[float]]] = {}  # processes -> the last run's (wall seconds, each one's waits)
 
 
 def run(make, k: int, steps: int, processes: int = 1, model: str = "mlp", latency: str | None = None) -> float:
@@ -50,7 +51,11 @@ def run(make, k: int, steps: int, processes: int = 1, model: str = "mlp", latenc
     start = time.perf_counter()
     trainer.fit(make(), k, max_steps=steps, batch_size=32, network=network, node_speeds=speeds, device="cpu",
                 logger=False, progress=False, processes=processes)
-    return (time.perf_counter() - start) / (k * steps)
+    seconds = time.perf_counter() - start
+    if processes > 1:  # each process's wall seconds with no node to run, waiting on the others (one figure a process)
+        waits = dict.fromkeys(c["process_waited_s"] for c in trainer.record.comm_per_node)
+        LAST_WAITS[processes] = (seconds, list(waits))
+    return seconds / (k * steps)
 
 
 def main() -> None:
@@ -137,6 +142,9 @@ def compare_processes(make, args: argparse.Namespace) -> None:
     for p in counts:
         print(f"| {p} | {best['exogym', p] * 1e3:.3f} | {best['exogym', p] / best['exogym', 1]:.3f}x "
               f"| {best['plain', p] * 1e3:.3f} | {best['plain', p] / best['plain', 1]:.3f}x |")
+    seconds, waits = LAST_WAITS[args.processes]
+    print(f"\nexogym's last processes={args.processes} run, {seconds:.2f} s: its processes had no node to run, waiting "
+          f"on the others, {' / '.join(f'{w:.2f}' for w in waits)} s (record.comm_per_node's process_waited_s)")
 
 
 if __name__ == "__main__":

@@ -248,7 +248,8 @@ class RunRecord:
             all-reduce of N bytes costs 2 N (R-1)/R, an all-gathered chunk n costs n (R-1)); also as
             `wire_bytes_per_node`.
         comm_per_node: Per node, its communication counts (bytes per collective, payload bytes, and its
-            simulated clock under `sim_time`).
+            simulated clock under `sim_time`); over several processes of the sim backend, `process_waited_s`:
+            the wall seconds its process had no node to run while it waited on the other processes.
         wall_time_s: The run's wall-clock seconds.
         peak_memory_mb: Peak memory in MB: the calling process's resident memory (`process_rss`), the whole
             run's over every process (`run_rss`) and, over several processes, each one's (`per_process_rss`);

@@ -69,6 +69,11 @@ def _run(case, processes, out):
     model = t.fit(make(out=str(out), **options), 4, max_steps=12, processes=processes, progress=False, device="cpu",
                   logger=False, batch_size=8, network=network, node_speeds=speeds, val_interval=6)
     r = t.record
+    waited = [c.get("process_waited_s") for c in r.comm_per_node]  # wall seconds, so out of the comparison
+    if processes == 1:
+        assert waited == [None] * 4
+    else:  # one figure per process, the same on each of its nodes
+        assert all(w is not None and w >= 0 for w in waited) and len(set(waited)) <= processes, waited
     return {"params": [p.detach().clone() for p in model.parameters()], "updates": r.updates, "loss": r.node_loss,
             "bytes": r.bytes_per_node, "received": [c.get("bytes_received") for c in r.comm_per_node],
             "times": r.sim_time_per_node, "val": r.val}

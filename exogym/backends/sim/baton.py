@@ -95,6 +95,7 @@ class Baton:
         self.running: int | None = None  # the node holding the baton (None: the scheduler)
         self.arrivals = 0  # collectives entered so far, by any node: progress, for the watchdog
         self.turns, self.all_turns = [0] * num_nodes, 0  # turns given to each node and in all: progress (SpinWatch)
+        self.waited_s = 0.0  # wall seconds every node here waited on other processes (the record's process_waited_s)
         self._on_resume, self._on_pause = on_resume, on_pause  # swap per-node state (RNG, grad mode)
         self._on_compute: Callable[[list[int]], None] | None = None  # what computes the parked nodes' work at once
         self._batched: tuple[int, ...] = ()  # the parked nodes while their batched step runs
@@ -260,6 +261,7 @@ class Baton:
                                           "that cannot complete:\n" + everyone)
         if stalled:
             self._exchange.report_running()
+        self.waited_s += time.monotonic() - since
 
     def _finish(self, rank: int) -> None:
         self._finished.add(rank)

@@ -157,12 +157,16 @@ def run_sim(plan: "RunPlan", sinks: "RunSinks", *, local: Sequence[int] | None =
         return node.run(comms[r])
 
     try:
-        return baton.run([lambda r=r: node_body(r) for r in local])
+        results = baton.run([lambda r=r: node_body(r) for r in local])
     except BaseException:
         keep_completed_rows(nodes.values())
         raise
     finally:
         caller.apply()
+    if exchange is not None:  # a run over several processes: how long this one's nodes all waited on the others
+        for log, _ in results:
+            log.comm["process_waited_s"] = baton.waited_s
+    return results
 
 
 
