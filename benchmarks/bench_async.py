@@ -10,7 +10,8 @@ runs interleaved in one process (the fastest of --repeat counts).
 With --processes P: asynchronous DiLoCo on one process against the same run over P processes (fit(processes=P): the
 process holding node 0 keeps the event heap, the others forward to it; exogym.backends.sim.postlink), its wall
 seconds per node-step and the ratio, with the machine's load average (the runs give the same bits; the keeper takes
-an event while other processes' nodes compute when none of them can cause an earlier one, the lookahead).
+an event while other processes' nodes compute when none of them can cause an earlier one, the lookahead), and how
+long each process of the last P-process run had no node to run (the record's process_waited_s).
 --model cnn: the small CNN of benchmarks/workload.py instead (more compute per step, against the same round trips
 to the keeper). Beside it, this machine's limit: the same node-steps with no simulator (K copies of the model, each
 node's H steps in a row, a step a batch gathered, forward, backward, AdamW), in one process against P processes each holding K/P copies, timed
