@@ -242,7 +242,7 @@ def isend(tensor: torch.Tensor, dst: int, *, tag: int = 0, meta: Mapping[str, fl
     """Send a copy of `tensor` (copy=False: the tensor itself) to node `dst` (or SERVER) and return at once.
 
     Args:
-        tensor: what to send (copied now; the caller may change its own at once).
+        tensor: what to send (copied now, so the caller may change its own at once; not with copy=False).
         dst: a node's rank, or SERVER.
         tag: an int the receiver may select on.
         meta: a few int/float values sent with it (8 bytes each).
@@ -266,7 +266,7 @@ def send(tensor: torch.Tensor, dst: int, *, tag: int = 0, meta: Mapping[str, flo
     (the transfer is communication time on the sender's clock).
 
     Args:
-        tensor: what to send (copied now).
+        tensor: what to send (copied now, unless copy=False).
         dst: a node's rank, or SERVER.
         tag: an int the receiver may select on.
         meta: a few int/float values sent with it (8 bytes each).
